@@ -1,0 +1,156 @@
+"""The dump file layout: the one contract between the writer and the reader.
+
+Nothing else in probe spells out group names, column names or attribute names; writer.py
+and reader.py import them from here. This module imports neither torch nor h5py.
+
+Layout of one file, ``{dump_path}/step{N}/rank{R}.h5``::
+
+    /                      root attributes, see ROOT_ATTRS
+    /records/<column>      one 1-D dataset per column of RECORD_COLUMNS, all the same length;
+                           row i of every column together is record i
+    /tensors/<tensor_id>   task "tensor" only: one dataset per distinct tensor of the step,
+                           stored bit-exact in its storage dtype (see STORAGE_DTYPES) with the
+                           attributes "dtype" (torch dtype name) and "shape"
+
+A record is one tensor (or one non-tensor argument) seen at one slot of one call:
+
+    key        unique name, stable across runs: "{module}/{op}#{index}/{phase}/{slot}"
+               e.g. "blocks.0.attn/functional.linear#1/forward/output.0"
+    seq        global execution order of the event that produced the record (forward call or
+               backward hook firing); records of one event share a seq. Decides "first",
+               never identity.
+    kind       "api" (a torch function call), "module" (an nn.Module call) or "param"
+               (a parameter and its gradient)
+    module     dotted path of the innermost module running the call ("" = the root model,
+               or no model); for kind "module", the module's own path
+    op         API name ("functional.linear", "torch.matmul", "Tensor.add_", "Tensor.__mul__",
+               "distributed.all_reduce") or, for kind "module"/"param", the module class name
+    index      call counter local to (module, op) within the step, starting at 0
+    phase      "forward" or "backward"
+    slot       where in the call: "input.0", "input.1.2" (nested), "kwarg.eps", "output.0",
+               "output.logits", "grad_output.0", "grad_input.0", "param.weight",
+               "param_grad.weight"
+    io         "in" or "out": whether the slot feeds the computation of this event or is
+               produced by it (forward inputs, params and grad_output are "in"; forward
+               outputs, grad_input and param_grad are "out")
+    dtype      torch dtype name without "torch." ("float32", "bfloat16"), "" for non-tensors
+    shape      JSON list ("[32, 256]"), "" for non-tensors
+    device     "cpu", "cuda:0", ... ; "" for non-tensors
+    value      JSON text of a non-tensor argument (number, string, bool, None, dtype name,
+               shape), "" for tensors
+    min max mean norm      float64 statistics (L2 norm); NaN where not defined (empty tensor,
+                           non-tensor). Complex: of the absolute values. Bool: as 0/1.
+    nan_count inf_count numel   int64
+    checksum   hex digest of the raw bytes (task "checksum" and "tensor"), "" otherwise
+    tensor_id  int64 index into /tensors (task "tensor"), -1 when no data stored
+    source     "path/to/file.py:123" of the user code line that made the call, "" if unknown
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+SCHEMA_VERSION = 1
+FILE_SUFFIX = ".h5"
+#: a step file is written under this name and renamed to its final name only once complete,
+#: so a process killed mid-step never leaves a file that looks finished.
+PARTIAL_SUFFIX = ".h5.partial"
+
+RECORDS_GROUP = "records"
+TENSORS_GROUP = "tensors"
+
+#: (column name, numpy dtype string); "str" columns are variable-length UTF-8 strings.
+RECORD_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("key", "str"),
+    ("seq", "int64"),
+    ("kind", "str"),
+    ("module", "str"),
+    ("op", "str"),
+    ("index", "int64"),
+    ("phase", "str"),
+    ("slot", "str"),
+    ("io", "str"),
+    ("dtype", "str"),
+    ("shape", "str"),
+    ("device", "str"),
+    ("value", "str"),
+    ("min", "float64"),
+    ("max", "float64"),
+    ("mean", "float64"),
+    ("norm", "float64"),
+    ("nan_count", "int64"),
+    ("inf_count", "int64"),
+    ("numel", "int64"),
+    ("checksum", "str"),
+    ("tensor_id", "int64"),
+    ("source", "str"),
+)
+COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in RECORD_COLUMNS)
+
+KINDS = ("api", "module", "param")
+PHASES = ("forward", "backward")
+IO_VALUES = ("in", "out")
+
+#: Root attributes. JSON-valued ones are stored as JSON text.
+ROOT_ATTRS = {
+    "schema_version": "int: SCHEMA_VERSION of the writer",
+    "probe_version": "str",
+    "torch_version": "str",
+    "created": "str: ISO-8601 UTC time the step file was finished",
+    "step": "int",
+    "rank": "int",
+    "world_size": "int",
+    "task": "str: statistics | tensor | checksum",
+    "level": "str: module | api | mix",
+    "device": "str: device the model ran on (first one seen), e.g. cpu, cuda:0",
+    "config": "JSON: the Config the dump was made with",
+    "seed_report": "JSON: what seed_all set (null when not seeded by probe)",
+    "determinism": "JSON: cuDNN flags, deterministic algorithms, TF32, matmul precision, "
+    "threads, relevant environment variables, at the time of the step",
+    "record_count": "int: number of records (a check against truncation)",
+    "tensor_count": "int: number of datasets under /tensors",
+}
+JSON_ATTRS = ("config", "seed_report", "determinism")
+
+#: How tensor dtypes without a numpy equivalent are stored bit-exact: same-width unsigned
+#: integers holding the raw bits; the "dtype" attribute says how to read them.
+STORAGE_DTYPES = {
+    "bfloat16": "uint16",
+    "float8_e4m3fn": "uint8",
+    "float8_e4m3fnuz": "uint8",
+    "float8_e5m2": "uint8",
+    "float8_e5m2fnuz": "uint8",
+    "float8_e8m0fnu": "uint8",
+    # complex32 (chalf) is stored as its float16 (real, imag) pairs, last axis of size 2.
+    "complex32": "float16",
+}
+
+_STEP_DIR = re.compile(r"^step(\d+)$")
+_RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step{step}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank{rank}{FILE_SUFFIX}"
+
+
+def step_file_path(dump_path: str, step: int, rank: int) -> str:
+    return os.path.join(dump_path, step_dir_name(step), rank_file_name(rank))
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_rank_file(name: str) -> int | None:
+    match = _RANK_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def make_key(module: str, op: str, index: int, phase: str, slot: str) -> str:
+    return f"{module}/{op}#{index}/{phase}/{slot}"
