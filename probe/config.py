@@ -1,0 +1,464 @@
+"""The probe config: one frozen, validated dataclass, loaded from .json, .yaml or .yml.
+
+Every check happens here, once, so the rest of probe can trust a Config. A bad value raises
+ConfigError with one sentence naming the file, the key path (``step[2]``), the value found and
+what is allowed. This module must not import torch (``probe run`` and ``probe compare`` use it).
+
+Matching conventions (implemented here so capture and docs agree):
+
+* ``scope``: module-path prefixes on dot boundaries. ``"blocks.0"`` matches ``blocks.0`` and
+  ``blocks.0.attn`` but not ``blocks.01``. Empty = every module.
+* ``list``: a plain string matches when it equals the op name (``"functional.linear"``) or is a
+  substring of the record key; a string starting with ``re:`` is a regular expression searched
+  in the op name and in the key, compiled at load time. Empty = every op.
+* ``data_mode``: ``forward``/``backward`` pick phases, ``input``/``output`` pick directions;
+  a dimension nobody names is unrestricted; ``all`` allows everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from probe.errors import ConfigError
+
+TASKS = ("statistics", "tensor", "checksum")
+LEVELS = ("module", "api", "mix")
+MODES = (False, True, "warn")
+DATA_MODES = ("all", "forward", "backward", "input", "output")
+SEED_MAX = 2**32 - 1
+INDEX_MAX = 2**31 - 1
+#: step/rank ranges expand to at most this many numbers, so "0-999999999999" cannot eat memory.
+MAX_SELECTED = 1_000_000
+BUFFER_MB_MAX = 1_048_576
+EXTENSIONS = (".json", ".yaml", ".yml")
+#: ``probe run`` exports the absolute config path under this name; the debugger reads it.
+ENV_CONFIG = "PROBE_CONFIG"
+REGEX_PREFIX = "re:"
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One documented config key: its type in words, default and allowed values."""
+
+    name: str
+    type: str
+    default: Any
+    allowed: str
+    doc: str
+
+
+#: The documented table of config keys, in file order. docs/config.md mirrors it.
+KEYS: dict[str, KeySpec] = {
+    spec.name: spec
+    for spec in (
+        KeySpec("task", "string", "statistics", "statistics | tensor | checksum",
+                "what to record per tensor: statistics only, full tensors, or a checksum"),
+        KeySpec("dump_path", "string", "./probe_dump", "any non-empty path",
+                "folder the dump files are written to (relative to the working directory)"),
+        KeySpec("level", "string", "api", "module | api | mix",
+                "capture nn.Module calls, torch API calls, or both"),
+        KeySpec("step", "list of int or 'a-b'", [], "ints >= 0 and inclusive ranges 'a-b'",
+                "training steps to capture; [] = all"),
+        KeySpec("rank", "list of int or 'a-b'", [], "ints >= 0 and inclusive ranges 'a-b'",
+                "distributed ranks to capture; [] = all"),
+        KeySpec("seed", "int", 1234, f"0 .. {SEED_MAX}", "seed passed to seed_all"),
+        KeySpec("mode", "bool or string", False, 'false | true | "warn"',
+                "deterministic algorithms: off, on (error on nondeterministic ops), or warn only"),
+        KeySpec("remove_dropout", "bool", False, "false | true",
+                "make every dropout a no-op while the debugger runs"),
+        KeySpec("scope", "list of string", [], "module-path prefixes such as 'blocks.0'",
+                "modules to capture; [] = all"),
+        KeySpec("list", "list of string", [], "op names, key substrings, or 're:<regex>'",
+                "ops to capture; [] = all"),
+        KeySpec("data_mode", "list of string", ["all"], "all | forward | backward | input | output",
+                "which phases and directions to record"),
+        KeySpec("buffer_mb", "int", 512, f"1 .. {BUFFER_MB_MAX}",
+                "MiB of tensor data allowed to wait for the writer (task tensor)"),
+    )
+}
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in JSON/YAML (true, "x", [1, 2]), falling back to repr."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    if isinstance(value, dict):
+        return "mapping"
+    return {int: "int", float: "float", str: "string"}.get(type(value), type(value).__name__)
+
+
+def _suggest(word: Any, choices: Iterable[str]) -> str:
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _bad(source: str, path: str, value: Any, allowed: str, hint: str = "") -> ConfigError:
+    return ConfigError(
+        f"{source}: {path} is {_show(value)} ({_type_name(value)}), expected {allowed}{hint}"
+    )
+
+
+def _unknown_key(source: str, name: Any) -> ConfigError:
+    hint = _suggest(name, KEYS) or ";"
+    return ConfigError(f"{source}: unknown key {_show(name)}{hint} valid keys are {', '.join(KEYS)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------- per-key normalisers
+
+def _choice(source: str, path: str, value: Any, choices: tuple[str, ...]) -> str:
+    allowed = " | ".join(f'"{c}"' for c in choices)
+    if not isinstance(value, str):
+        raise _bad(source, path, value, f"a string, one of {allowed}")
+    if value not in choices:
+        raise _bad(source, path, value, f"one of {allowed}", _suggest(value, choices))
+    return value
+
+
+def _bounded_int(source: str, path: str, value: Any, low: int, high: int) -> int:
+    if not _is_int(value):
+        raise _bad(source, path, value, f"an int in {low} .. {high}")
+    if not low <= value <= high:
+        raise _bad(source, path, value, f"an int in {low} .. {high}")
+    return value
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+def _selection(source: str, key: str, value: Any) -> tuple[int, ...]:
+    """step/rank: ints and inclusive 'a-b' strings -> sorted unique ints."""
+    allowed = f"an int in 0 .. {INDEX_MAX} or an inclusive range string like \"0-3\""
+    if value is None:
+        raise _bad(source, key, value, f"a list of ints or ranges ([] = all)")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    single = not isinstance(value, (list, tuple))
+    chosen: set[int] = set()
+    for position, item in enumerate(items):
+        path = key if single else f"{key}[{position}]"
+        if _is_int(item):
+            chosen.add(_bounded_int(source, path, item, 0, INDEX_MAX))
+        elif isinstance(item, str) and item.strip().isdigit():
+            chosen.add(_bounded_int(source, path, int(item), 0, INDEX_MAX))
+        elif isinstance(item, str) and _RANGE.match(item):
+            first, last = (int(g) for g in _RANGE.match(item).groups())
+            if last > INDEX_MAX:
+                raise _bad(source, path, item, f"range ends in 0 .. {INDEX_MAX}")
+            if first > last:
+                raise _bad(source, path, item, f"a range 'a-b' with a <= b, e.g. \"{last}-{first}\"")
+            if len(chosen) + (last - first + 1) > MAX_SELECTED:
+                raise _bad(source, path, item, f"ranges selecting at most {MAX_SELECTED} numbers in all")
+            chosen.update(range(first, last + 1))
+        else:
+            raise _bad(source, path, item, allowed)
+        if len(chosen) > MAX_SELECTED:
+            raise _bad(source, path, item, f"at most {MAX_SELECTED} numbers in all")
+    return tuple(sorted(chosen))
+
+
+def _strings(source: str, key: str, value: Any, what: str) -> tuple[str, ...]:
+    """A string or list of non-empty strings -> tuple of unique strings in the order given."""
+    if value is None:
+        raise _bad(source, key, value, f"a list of {what}")
+    single = isinstance(value, str)
+    items = [value] if single else value
+    if not isinstance(items, (list, tuple)):
+        raise _bad(source, key, value, f"a list of {what}")
+    result: list[str] = []
+    for position, item in enumerate(items):
+        path = key if single else f"{key}[{position}]"
+        if not isinstance(item, str):
+            raise _bad(source, path, item, f"a string ({what})")
+        if not item.strip():
+            raise _bad(source, path, item, f"a non-empty string ({what}); use [] to select all")
+        if item not in result:
+            result.append(item)
+    return tuple(result)
+
+
+def _mode(source: str, value: Any) -> bool | str:
+    if value is True or value is False or value == "warn" and isinstance(value, str):
+        return value
+    hint = _suggest(value, ["warn", "true", "false"]) if isinstance(value, str) else ""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        hint = f"; write {value.lower()} without quotes"
+    raise _bad(source, "mode", value, 'false, true or "warn"', hint)
+
+
+def _compile_list(source: str, entries: tuple[str, ...]) -> tuple[re.Pattern | None, ...]:
+    patterns: list[re.Pattern | None] = []
+    for position, entry in enumerate(entries):
+        if not entry.startswith(REGEX_PREFIX):
+            patterns.append(None)
+            continue
+        try:
+            patterns.append(re.compile(entry[len(REGEX_PREFIX):]))
+        except re.error as error:
+            raise _bad(source, f"list[{position}]", entry,
+                       f"a valid regular expression after 're:' ({error})") from None
+    return tuple(patterns)
+
+
+# ---------------------------------------------------------------- the Config
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated probe config. Build with load(), from_dict() or Config(...): all validate."""
+
+    task: str = "statistics"
+    dump_path: str = "./probe_dump"
+    level: str = "api"
+    step: tuple[int, ...] = ()
+    rank: tuple[int, ...] = ()
+    seed: int = 1234
+    mode: bool | str = False
+    remove_dropout: bool = False
+    scope: tuple[str, ...] = ()
+    list: tuple[str, ...] = ()
+    data_mode: tuple[str, ...] = ("all",)
+    buffer_mb: int = 512
+    source: str = field(default="<defaults>", compare=False)
+    _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        src = self.source if isinstance(self.source, str) else str(self.source)
+        values = {
+            "task": _choice(src, "task", self.task, TASKS),
+            "dump_path": self._dump_path(src),
+            "level": _choice(src, "level", self.level, LEVELS),
+            "step": _selection(src, "step", self.step),
+            "rank": _selection(src, "rank", self.rank),
+            "seed": _bounded_int(src, "seed", self.seed, 0, SEED_MAX),
+            "mode": _mode(src, self.mode),
+            "remove_dropout": self._flag(src, "remove_dropout", self.remove_dropout),
+            "scope": _strings(src, "scope", self.scope, "module-path prefixes"),
+            "list": _strings(src, "list", self.list, "op names or 're:<regex>'"),
+            "data_mode": self._data_mode(src),
+            "buffer_mb": _bounded_int(src, "buffer_mb", self.buffer_mb, 1, BUFFER_MB_MAX),
+            "source": src,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_patterns", _compile_list(src, values["list"]))
+
+    def _dump_path(self, src: str) -> str:
+        value = self.dump_path
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value.strip() or "\x00" in value:
+            raise _bad(src, "dump_path", value, "a non-empty path string")
+        return value
+
+    @staticmethod
+    def _flag(src: str, key: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise _bad(src, key, value, "true or false")
+        return value
+
+    def _data_mode(self, src: str) -> tuple[str, ...]:
+        entries = _strings(src, "data_mode", self.data_mode, "data modes")
+        if not entries:
+            raise _bad(src, "data_mode", list(entries), 'a non-empty list; use ["all"] for everything')
+        single = isinstance(self.data_mode, str)
+        for position, entry in enumerate(entries):
+            if entry not in DATA_MODES:
+                path = "data_mode" if single else f"data_mode[{list(self.data_mode).index(entry)}]"
+                allowed = " | ".join(f'"{m}"' for m in DATA_MODES)
+                raise _bad(src, path, entry, f"one of {allowed}", _suggest(entry, DATA_MODES))
+        return entries
+
+    # ------------------------------------------------------------ public helpers
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config keys as a JSON-able dict (tuples become lists); from_dict round-trips it."""
+        out: dict[str, Any] = {}
+        for name in KEYS:
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some keys changed, validated like a fresh load."""
+        for name in changes:
+            if name not in KEYS and name != "source":
+                raise _unknown_key(self.source, name)
+        return dataclasses.replace(self, **changes)
+
+    def wants_step(self, step: int) -> bool:
+        return not self.step or step in self.step
+
+    def wants_rank(self, rank: int) -> bool:
+        return not self.rank or rank in self.rank
+
+    def in_scope(self, module_path: str) -> bool:
+        """True when module_path is one of the scope prefixes or below one (dot boundaries)."""
+        if not self.scope:
+            return True
+        return any(module_path == p or module_path.startswith(p + ".") for p in self.scope)
+
+    def matches_list(self, op: str, key: str = "") -> bool:
+        """True when op/key is selected by ``list`` (see the module docstring for the rule)."""
+        if not self.list:
+            return True
+        for entry, pattern in zip(self.list, self._patterns):
+            if pattern is None:
+                if op == entry or (key and entry in key):
+                    return True
+            elif pattern.search(op) or (key and pattern.search(key)):
+                return True
+        return False
+
+    def wants_data(self, phase: str, io: str) -> bool:
+        """phase "forward"/"backward", io "in"/"out" (or "input"/"output") -> record it?"""
+        modes = set(self.data_mode)
+        if "all" in modes:
+            return True
+        phases = modes & {"forward", "backward"}
+        directions = modes & {"input", "output"}
+        direction = {"in": "input", "out": "output"}.get(io, io)
+        return (not phases or phase in phases) and (not directions or direction in directions)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def from_dict(data: Any, source: str = "<dict>") -> Config:
+    """Validate a mapping of config keys. Unknown keys are errors, with a suggestion."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{source}: the top level is {_type_name(data)}, expected a mapping of keys "
+            f"such as {{\"task\": \"statistics\"}}"
+        )
+    for name in data:
+        if name not in KEYS:
+            raise _unknown_key(source, name)
+    return Config(**dict(data), source=source)
+
+
+def load(path: str | os.PathLike) -> Config:
+    """Read and validate a .json, .yaml or .yml config file."""
+    path = os.fspath(path)
+    shown = path
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in EXTENSIONS:
+        raise ConfigError(
+            f"{shown}: unsupported file extension {extension or '(none)'!r}, expected "
+            f"{', '.join(EXTENSIONS)}"
+        )
+    text = _read_text(path)
+    if not text.strip():
+        raise ConfigError(f"{shown}: the file is empty, expected a mapping of config keys")
+    data = _parse_json(shown, text) if extension == ".json" else _parse_yaml(shown, text)
+    if data is None:
+        raise ConfigError(f"{shown}: the file holds no config (null), expected a mapping of keys")
+    return from_dict(data, source=shown)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Config | None:
+    """The config named by $PROBE_CONFIG (set by ``probe run``), or None when unset."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(ENV_CONFIG, "")
+    return load(path) if path else None
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a config file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied reading the config file") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (bad byte at offset {error.start}), expected a JSON/YAML file"
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config file ({error.strerror})") from None
+
+
+def _reject_duplicates(source: str):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise ConfigError(f"{source}: key {key!r} appears twice, expected each key once")
+            result[key] = value
+        return result
+
+    return hook
+
+
+def _parse_json(source: str, text: str) -> Any:
+    def no_constant(name: str) -> Any:
+        raise ConfigError(f"{source}: {name} is not valid JSON, expected a finite number")
+
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates(source),
+                          parse_constant=no_constant)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"{source}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+        ) from None
+
+
+def _parse_yaml(source: str, text: str) -> Any:
+    import yaml  # only YAML configs pay for it
+
+    class _StrictLoader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise ConfigError(
+                    f"{source}: key {key!r} appears twice (line {mark.line + 1}, column "
+                    f"{mark.column + 1}), expected each key once"
+                )
+            seen.add(key)
+        return loader.construct_mapping(node, deep=True)
+
+    _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = error.problem or error.context or "malformed YAML"
+        raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: invalid YAML: {error}") from None
+
+
+__all__ = [
+    "Config", "KeySpec", "KEYS", "load", "from_dict", "from_env", "ENV_CONFIG",
+    "TASKS", "LEVELS", "MODES", "DATA_MODES",
+]
