@@ -67,16 +67,24 @@ class SeedReport:
 # ---------------------------------------------------------------- validation
 
 
-def _check(seed: Any, mode: Any, remove_dropout: Any) -> int:
+def check_seed(seed: Any, caller: str = "seed_all") -> int:
+    """The seed as an int, or SeedError naming the caller, the value and the allowed range."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise SeedError(f"seed_all: seed is {seed!r} ({type(seed).__name__}), expected an int in 0 .. {SEED_MAX}")
+        raise SeedError(
+            f"{caller}: seed is {seed!r} ({type(seed).__name__}), expected an int in 0 .. {SEED_MAX}"
+        )
     if not 0 <= int(seed) <= SEED_MAX:
-        raise SeedError(f"seed_all: seed is {seed!r}, expected an int in 0 .. {SEED_MAX}")
+        raise SeedError(f"{caller}: seed is {seed!r}, expected an int in 0 .. {SEED_MAX}")
+    return int(seed)
+
+
+def _check(seed: Any, mode: Any, remove_dropout: Any) -> int:
+    seed = check_seed(seed)
     if not (mode is True or mode is False or (isinstance(mode, str) and mode == "warn")):
         raise SeedError(f"seed_all: mode is {mode!r}, expected False, True or \"warn\"")
     if not isinstance(remove_dropout, bool):
         raise SeedError(f"seed_all: remove_dropout is {remove_dropout!r}, expected True or False")
-    return int(seed)
+    return seed
 
 
 # ---------------------------------------------------------------- seeding
@@ -335,6 +343,6 @@ def restore_dropout() -> bool:
 
 
 __all__ = [
-    "seed_all", "SeedReport", "determinism_state", "restore_dropout", "dropout_removed",
+    "seed_all", "SeedReport", "determinism_state", "check_seed", "restore_dropout", "dropout_removed",
     "remove_dropout_now", "DropoutRemover",
 ]
