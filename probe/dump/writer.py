@@ -1,0 +1,391 @@
+"""Write one step file for one rank, crash-safely and off the training thread.
+
+A StepWriter opens ``{dump_path}/step{N}/rank{R}.h5.partial``, writes the tensors it is
+given on one background thread (bounded by ``buffer_bytes`` of queued tensor data), keeps
+the records in memory, and on close() writes the records and root attributes, closes the
+file and renames it to ``rank{R}.h5``. Until that rename the file carries the
+``.h5.partial`` suffix, so a process killed mid-step leaves nothing that looks finished:
+readers skip ``*.h5.partial`` and report them as incomplete.
+
+This module imports h5py and numpy but not torch; torch is only touched through the
+tensors the caller hands in, and encode.py (imported lazily by the writer thread).
+
+Interpreter exit: h5py's own atexit hook unregisters the type converters that variable-
+length strings need, after which records can no longer be written. So this module
+registers an atexit hook *after* importing h5py (atexit runs hooks last-in first-out, so
+ours runs before h5py's) that closes every StepWriter of this process still open. A
+caller's own atexit hook registered after importing this module runs before that and may
+close (or abort) its writers itself; close() is idempotent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import datetime
+import json
+import os
+import re
+import sys
+import threading
+import weakref
+
+import h5py
+import numpy as np
+
+from probe.dump import schema
+from probe.errors import DumpError
+
+#: root attributes the writer computes itself; the caller supplies all the other ROOT_ATTRS.
+COMPUTED_ATTRS = ("record_count", "tensor_count", "created")
+REQUIRED_ATTRS = tuple(name for name in schema.ROOT_ATTRS if name not in COMPUTED_ATTRS)
+
+# Newest object formats that HDF5 1.10 still reads, so a dump written with a new h5py opens
+# with an older one on another machine.
+_LIBVER = ("earliest", "v110")
+_STR_DTYPE = h5py.string_dtype("utf-8")
+_NUMERIC_DTYPES = {"int64": np.int64, "float64": np.float64}
+
+
+def partial_path_for(final_path: str) -> str:
+    """'.../rank0.h5' -> '.../rank0.h5.partial'."""
+    return final_path[: -len(schema.FILE_SUFFIX)] + schema.PARTIAL_SUFFIX
+
+
+class StepWriter:
+    """Writes one step file for one rank: {dump_path}/step{N}/rank{R}.h5.
+
+    If a finished file for that step and rank already exists, close() replaces it
+    (a re-run of the same step overwrites; the old file stays intact until then).
+    """
+
+    def __init__(
+        self,
+        dump_path: str,
+        step: int,
+        rank: int,
+        root_attrs: dict,
+        buffer_bytes: int = 512 << 20,
+        *,
+        fsync: bool = False,
+    ):
+        missing = [name for name in REQUIRED_ATTRS if name not in root_attrs]
+        if missing:
+            raise ValueError(f"StepWriter root_attrs lacks {', '.join(missing)}")
+        if buffer_bytes <= 0:
+            raise ValueError(f"StepWriter buffer_bytes must be positive, got {buffer_bytes}")
+        self.path = schema.step_file_path(os.fspath(dump_path), step, rank)
+        self.partial_path = partial_path_for(self.path)
+        self.step = step
+        self.rank = rank
+        self.buffer_bytes = buffer_bytes
+        self._fsync = fsync
+        self._root_attrs = dict(root_attrs, step=step, rank=rank)
+        self._rows: list[tuple] = []
+        self._next_id = 0
+        self._pid = os.getpid()
+
+        # Everything below is shared with the writer thread and guarded by _cond.
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._pending = 0
+        self._peak = 0
+        self._written = 0
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._dropping = False
+        self._state = "open"  # open -> closed | aborted | failed
+
+        self._file = _create_partial(self.partial_path)
+        self._tensors = None  # /tensors, created by the writer thread on first use
+        self._thread = threading.Thread(
+            target=self._run, name=f"probe-writer-step{step}-rank{rank}", daemon=True
+        )
+        self._thread.start()
+        _OPEN_WRITERS.add(self)
+
+    # ------------------------------------------------------------------ training thread
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of tensor data queued or being written right now."""
+        with self._cond:
+            return self._pending
+
+    @property
+    def peak_pending_bytes(self) -> int:
+        """Largest pending_bytes seen so far: at most max(buffer_bytes, largest tensor)."""
+        with self._cond:
+            return self._peak
+
+    @property
+    def tensor_count(self) -> int:
+        """Number of tensors handed to add_tensor so far."""
+        return self._next_id
+
+    def add_tensor(self, tensor) -> int:
+        """Queue a private copy of a tensor for writing; return its tensor_id.
+
+        Blocks while the queue already holds more than buffer_bytes (a single tensor
+        larger than the buffer still goes through, alone). A failure of the writer thread
+        is raised here as DumpError.
+        """
+        self._require_open("add_tensor")
+        _check_tensor(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        ready = _record_ready_event(tensor)
+        with self._cond:
+            while self._error is None and self._pending and self._pending + nbytes > self.buffer_bytes:
+                self._cond.wait()
+            error = self._error
+            if error is None:
+                tensor_id = self._next_id
+                self._next_id += 1
+                self._queue.append((tensor_id, tensor, ready, nbytes))
+                self._pending += nbytes
+                self._peak = max(self._peak, self._pending)
+                self._cond.notify_all()
+        if error is not None:
+            self._fail(error)  # outside the lock: it joins the writer thread
+        return tensor_id
+
+    def add_rows(self, rows: list[tuple]) -> None:
+        """Keep records (tuples in schema.RECORD_COLUMNS order) until close()."""
+        self._require_open("add_rows")
+        width = len(schema.RECORD_COLUMNS)
+        for row in rows:
+            if len(row) != width:
+                raise ValueError(f"a record row has {len(row)} values, expected {width}: {row!r}")
+        self._rows.extend(rows)
+
+    def close(self, extra_attrs: dict | None = None) -> str:
+        """Finish the file and rename it to its final name; return that name.
+
+        Calling close() again after success returns the same path. Any failure removes the
+        .partial file and raises DumpError.
+        """
+        if self._state == "closed":
+            return self.path
+        if self._state != "open":
+            raise DumpError(f"cannot close {self.path}: the writer was already {self._state}")
+        self._stop_thread(drop=False)
+        try:
+            if self._error is not None:
+                raise self._error
+            self._write_records()
+            self._write_root_attrs(extra_attrs or {})
+            self._file.flush()
+            if self._fsync:
+                os.fsync(self._file.id.get_vfd_handle())
+            self._file.close()
+            os.replace(self.partial_path, self.path)
+        except BaseException as error:  # includes KeyboardInterrupt: never leave a half file
+            self._discard("failed")
+            if isinstance(error, DumpError):
+                raise
+            if not isinstance(error, Exception):
+                raise
+            raise DumpError(f"cannot write {self.path}: {_reason(error)}") from error
+        self._state = "closed"
+        _OPEN_WRITERS.discard(self)
+        return self.path
+
+    def abort(self) -> None:
+        """Stop the writer thread and delete the .partial file. Never raises."""
+        if self._state != "open":
+            return
+        try:
+            self._stop_thread(drop=True)
+        except BaseException:
+            pass
+        self._discard("aborted")
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                tensor_id, tensor, ready, nbytes = self._queue.popleft()
+                skip = self._error is not None or self._dropping
+            try:
+                if not skip:
+                    self._write_tensor(tensor_id, tensor, ready)
+            except BaseException as error:
+                with self._cond:
+                    if self._error is None:
+                        self._error = error
+            finally:
+                # the bytes stay accounted until written, so memory is bounded honestly
+                del tensor
+                with self._cond:
+                    self._pending -= nbytes
+                    self._cond.notify_all()
+
+    def _write_tensor(self, tensor_id: int, tensor, ready) -> None:
+        from probe.dump import encode  # torch only on this thread, only when tensors are dumped
+
+        if ready is not None:
+            ready.synchronize()
+        layout = encode.layout_name(tensor)
+        array, dtype_name, shape = encode.to_storage(tensor)
+        if self._tensors is None:
+            self._tensors = self._file.require_group(schema.TENSORS_GROUP)
+        dataset = self._tensors.create_dataset(str(tensor_id), data=array)
+        dataset.attrs["dtype"] = dtype_name
+        dataset.attrs["shape"] = np.asarray(shape, dtype=np.int64)
+        if layout != "strided":
+            dataset.attrs["layout"] = layout
+        with self._cond:
+            self._written += 1
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_open(self, what: str) -> None:
+        if self._state != "open":
+            raise DumpError(f"cannot {what} to {self.path}: the writer was already {self._state}")
+        if self._error is not None:
+            self._fail(self._error)
+
+    def _fail(self, error: BaseException):
+        """Turn a writer-thread failure into DumpError, after discarding the partial file."""
+        self._stop_thread(drop=True)
+        self._discard("failed")
+        raise DumpError(f"cannot write {self.path}: {_reason(error)}") from error
+
+    def _stop_thread(self, drop: bool) -> None:
+        with self._cond:
+            self._stopping = True
+            self._dropping = self._dropping or drop
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _write_records(self) -> None:
+        group = self._file.require_group(schema.RECORDS_GROUP)
+        columns = list(zip(*self._rows)) if self._rows else [()] * len(schema.RECORD_COLUMNS)
+        for (name, kind), values in zip(schema.RECORD_COLUMNS, columns):
+            try:
+                if kind == "str":
+                    data = np.array(values, dtype=object)
+                    if data.size and not all(isinstance(v, str) for v in values):
+                        bad = next(v for v in values if not isinstance(v, str))
+                        raise TypeError(f"holds {bad!r}, expected str")
+                    group.create_dataset(name, shape=(len(values),), dtype=_STR_DTYPE, data=data if data.size else None)
+                else:
+                    group.create_dataset(name, data=np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1))
+            except (TypeError, ValueError, OverflowError) as error:
+                raise DumpError(f"cannot write {self.path}: record column {name!r} {error}") from error
+
+    def _write_root_attrs(self, extra_attrs: dict) -> None:
+        attrs = self._file.attrs
+        for name, value in {**self._root_attrs, **extra_attrs}.items():
+            if name in schema.JSON_ATTRS or not isinstance(value, (str, int, float, np.generic)):
+                value = json.dumps(value, sort_keys=True, default=str)
+            elif isinstance(value, str):
+                value = str(value)  # str subclasses (torch.__version__) would become fixed-width
+            attrs[name] = value
+        attrs["schema_version"] = schema.SCHEMA_VERSION
+        attrs["record_count"] = len(self._rows)
+        attrs["tensor_count"] = self._written
+        attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    def _discard(self, state: str) -> None:
+        self._state = state
+        _OPEN_WRITERS.discard(self)
+        self._rows = []
+        try:
+            self._file.close()
+        except Exception:
+            pass
+        try:
+            os.remove(self.partial_path)
+        except OSError:
+            pass
+
+
+def _create_partial(partial_path: str) -> h5py.File:
+    folder = os.path.dirname(partial_path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:
+        raise DumpError(f"cannot create dump folder {folder}: a file is in the way") from None
+    except OSError as error:
+        raise DumpError(f"cannot create dump folder {folder}: {_reason(error)}") from error
+    final = partial_path[: -len(schema.PARTIAL_SUFFIX)] + schema.FILE_SUFFIX
+    if os.path.isdir(final):
+        raise DumpError(f"cannot write {final}: a folder is in the way")
+    try:
+        return h5py.File(partial_path, "w", libver=_LIBVER)
+    except OSError as error:
+        raise DumpError(f"cannot create {partial_path}: {_reason(error)}") from error
+
+
+def _check_tensor(tensor) -> None:
+    """Refuse what the writer thread could not store, on the caller's thread."""
+    device = getattr(tensor, "device", None)
+    if device is None or not hasattr(tensor, "element_size"):
+        raise TypeError(f"add_tensor expects a torch.Tensor, got {type(tensor).__name__}")
+    if device.type == "meta":
+        raise DumpError(f"cannot store a meta tensor of shape {list(tensor.shape)}: it holds no data")
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in schema.STORAGE_DTYPES:
+        return
+    from probe.dump import encode  # the caller has torch loaded already
+
+    if not encode.is_storable(tensor.dtype):
+        raise DumpError(
+            f"cannot store a tensor of dtype {name}: storable dtypes are "
+            f"{', '.join(encode.storable_dtype_names())}"
+        )
+
+
+def _record_ready_event(tensor):
+    """An event on the caller's current stream, so the writer thread reads the tensor only
+    after the copy the caller queued there has run (CUDA and accelerators alike)."""
+    device = tensor.device
+    if device.type in ("cpu", "meta"):
+        return None
+    import torch
+
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "Event") or not hasattr(backend, "current_stream"):
+        return None
+    event = backend.Event()
+    event.record(backend.current_stream(device))
+    return event
+
+
+_ERROR_MESSAGE = re.compile(r"error message = '([^']*)'")
+
+
+def _reason(error: BaseException) -> str:
+    """The OS's words for an error (h5py hides them inside a long message)."""
+    if isinstance(error, OSError):
+        if error.strerror:
+            return error.strerror
+        match = _ERROR_MESSAGE.search(str(error))
+        if match:
+            return match.group(1)
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+_OPEN_WRITERS: "weakref.WeakSet[StepWriter]" = weakref.WeakSet()
+
+
+def _close_open_writers_at_exit() -> None:
+    for writer in list(_OPEN_WRITERS):
+        if writer._pid != os.getpid():  # a forked child must not finish its parent's files
+            continue
+        try:
+            writer.close()
+        except Exception as error:
+            print(f"probe: error: {error}", file=sys.stderr)
+
+
+# Registered after `import h5py`, so it runs before h5py's own exit hook (see module doc).
+atexit.register(_close_open_writers_at_exit)
