@@ -39,6 +39,8 @@ BUFFER_MB_MAX = 1_048_576
 EXTENSIONS = (".json", ".yaml", ".yml")
 #: ``probe run`` exports the absolute config path under this name; the debugger reads it.
 ENV_CONFIG = "PROBE_CONFIG"
+#: ``probe run --seed N`` exports N under this name; from_env() lets it override the config's seed.
+ENV_SEED = "PROBE_SEED"
 REGEX_PREFIX = "re:"
 
 
@@ -378,10 +380,21 @@ def load(path: str | os.PathLike) -> Config:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Config | None:
-    """The config named by $PROBE_CONFIG (set by ``probe run``), or None when unset."""
+    """The config ``probe run`` handed down: $PROBE_CONFIG, with $PROBE_SEED overriding its seed.
+
+    None when neither is set; defaults plus the seed when only $PROBE_SEED is set.
+    """
     environ = os.environ if environ is None else environ
     path = environ.get(ENV_CONFIG, "")
-    return load(path) if path else None
+    seed_text = environ.get(ENV_SEED, "")
+    if not path and not seed_text:
+        return None
+    config = load(path) if path else Config(source=f"${ENV_SEED}")
+    if seed_text:
+        if not seed_text.strip().isdigit():
+            raise _bad(f"${ENV_SEED}", "seed", seed_text, f"an int in 0 .. {SEED_MAX}")
+        config = config.replace(seed=int(seed_text))
+    return config
 
 
 def _read_text(path: str) -> str:
@@ -459,6 +472,6 @@ def _parse_yaml(source: str, text: str) -> Any:
 
 
 __all__ = [
-    "Config", "KeySpec", "KEYS", "load", "from_dict", "from_env", "ENV_CONFIG",
+    "Config", "KeySpec", "KEYS", "load", "from_dict", "from_env", "ENV_CONFIG", "ENV_SEED",
     "TASKS", "LEVELS", "MODES", "DATA_MODES",
 ]

@@ -1,0 +1,118 @@
+"""``probe run``: launch a training command with the env vars that only work at start-up.
+
+PYTHONHASHSEED is read once, when an interpreter starts; CUBLAS_WORKSPACE_CONFIG once, when
+cuBLAS starts. seed_all() inside the script is too late for both, so this command sets them
+for the child and then gets out of the way: stdio is inherited, SIGTERM/SIGINT are forwarded
+and the child's exit code is returned. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import click
+
+from probe.config import ENV_CONFIG, ENV_SEED, SEED_MAX, Config, load
+from probe.errors import ProbeError
+
+USAGE = "probe run [-c config.json] [--seed N] -- python train.py [args...]"
+
+
+def build_env(config: Config | None, seed: int | None, base: dict[str, str]) -> dict[str, str]:
+    """The child's environment: ``base`` plus the start-up-only variables."""
+    env = dict(base)
+    chosen = seed if seed is not None else (config or Config()).seed
+    env["PYTHONHASHSEED"] = str(chosen)
+    if seed is not None:
+        env[ENV_SEED] = str(seed)
+    if config is not None:
+        env[ENV_CONFIG] = os.path.abspath(config.source)
+        if config.mode is not False:
+            env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            env["HCCL_DETERMINISTIC"] = "true"
+    return env
+
+
+def _terminal_delivers_sigint() -> bool:
+    """True when Ctrl-C from the terminal already reaches the child (same foreground group)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def run_child(command: list[str], env: dict[str, str]) -> int:
+    """Run ``command`` with ``env``; forward SIGINT/SIGTERM; return its exit code (128+N if killed)."""
+    try:
+        child = subprocess.Popen(command, env=env)
+    except FileNotFoundError:
+        raise ProbeError(f"run: command not found: {command[0]!r}") from None
+    except PermissionError:
+        raise ProbeError(f"run: {command[0]!r} is not executable (permission denied)") from None
+    except OSError as error:
+        raise ProbeError(f"run: cannot start {command[0]!r}: {error.strerror}") from None
+
+    def forward(signum, _frame):
+        if signum == signal.SIGINT and _terminal_delivers_sigint():
+            return  # the child got this Ctrl-C itself; a second copy would cut its cleanup short
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, forward)
+        except ValueError:  # not the main thread: cannot install handlers, just wait
+            pass
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code
+
+
+@click.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Run a training script with seeding env vars set.",
+)
+@click.option("-c", "--config", "config_path", metavar="FILE",
+              help="probe config (.json/.yaml); exported to the child as PROBE_CONFIG.")
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=None,
+              help="Seed for PYTHONHASHSEED (default: the config's seed, else 1234); "
+                   "exported as PROBE_SEED and overrides the config's seed in the child.")
+@click.option("-q", "--quiet", is_flag=True, help="Do not print the variables set on stderr.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[str, ...]) -> int:
+    """Run COMMAND with the env vars that must be set before Python and CUDA start.
+
+    \b
+    Sets for the child process:
+      PYTHONHASHSEED=<seed>                  str/bytes hashes (set order, dict of str) repeat
+      CUBLAS_WORKSPACE_CONFIG=:4096:8        when the config's mode is true/"warn" and unset
+      HCCL_DETERMINISTIC=true                when the config's mode is true/"warn"
+      PROBE_CONFIG=<absolute config path>    PrecisionDebugger() with no argument reads it
+      PROBE_SEED=<seed>                      only with --seed
+    Returns the command's exit code (128+N when killed by signal N); 2 for a bad config or
+    a command that cannot be started.
+
+    \b
+    Examples:
+      probe run -c config.json -- python train.py --epochs 1
+      probe run --seed 42 -- python train.py
+      probe run -c config.yaml -- torchrun --nproc-per-node 2 train.py
+    """
+    if not command:
+        raise ProbeError(f"run: no command given; usage: {USAGE}")
+    config = load(config_path) if config_path is not None else None
+    env = build_env(config, seed, dict(os.environ))
+    if not quiet:
+        shown = ("PYTHONHASHSEED", ENV_SEED, ENV_CONFIG, "CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC")
+        changed = [f"{name}={env[name]}" for name in shown
+                   if name in env and os.environ.get(name) != env[name]]
+        click.echo(f"probe run: {' '.join(changed) or 'no variables changed'}", err=True)
+    return run_child(list(command), env)
