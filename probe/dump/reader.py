@@ -1,0 +1,387 @@
+"""Read probe dumps with numpy and h5py only: never imports torch, never unpickles.
+
+    dump = probe.load("dump/")            # a dump root, a step folder or one step file
+    dump.steps, dump.ranks, dump.incomplete
+    with dump.open(step=0, rank=0) as step:
+        step.records.column("key")        # numpy array, one entry per record
+        step.records.row(0)               # dict
+        step.tensor(3)                    # numpy array of tensor_id 3, original shape
+
+Every problem with the input is a DumpFormatError: one sentence naming the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import h5py
+import numpy as np
+
+from probe.dump import decode, schema
+from probe.errors import DumpFormatError
+
+_ERROR_MESSAGE = re.compile(r"error message = '([^']*)'")
+
+
+def _reason(error: BaseException) -> str:
+    match = _ERROR_MESSAGE.search(str(error))
+    if match:
+        return match.group(1)
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _plain(value):
+    """h5py attribute value -> plain Python (str, int, float, bool, list)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def describe_incomplete(partial_path: str) -> str:
+    """'step 3 rank 0 is incomplete (process killed?): <path>'."""
+    name = os.path.basename(partial_path)
+    rank = schema.parse_rank_file(name[: -len(schema.PARTIAL_SUFFIX)] + schema.FILE_SUFFIX)
+    step = schema.parse_step_dir(os.path.basename(os.path.dirname(partial_path)))
+    where = f"step {step} rank {rank}" if step is not None and rank is not None else "a step file"
+    return f"{where} is incomplete (process killed mid-step?): {partial_path}"
+
+
+class RecordTable:
+    """The records of one step file, column by column (read from the file on first use).
+
+    len(table), table.column(name) -> numpy array (object array of str for text columns),
+    table.row(i) -> dict, iter(table) -> dicts, table.index_of(key) -> row number.
+    """
+
+    def __init__(self, group: h5py.Group, path: str, count: int):
+        self._group = group
+        self._path = path
+        self._count = count
+        self._cache: dict[str, np.ndarray] = {}
+        self._index: dict[str, int] | None = None
+        self.columns: tuple[str, ...] = schema.COLUMN_NAMES + tuple(
+            sorted(name for name in group if name not in schema.COLUMN_NAMES)
+        )
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return f"RecordTable({self._count} records from {self._path})"
+
+    def column(self, name: str) -> np.ndarray:
+        if name in self._cache:
+            return self._cache[name]
+        if name not in self.columns:
+            raise KeyError(f"no record column {name!r}; columns are {', '.join(self.columns)}")
+        try:
+            dataset = self._group[name]
+            if h5py.check_string_dtype(dataset.dtype) is not None:
+                values = dataset.asstr()[()] if self._count else np.array([], dtype=object)
+            else:
+                values = dataset[()]
+        except (OSError, ValueError, RuntimeError) as error:
+            if not self._group.id.valid:
+                raise ValueError(f"{self._path} was closed; reopen it to read records") from None
+            raise DumpFormatError(
+                f"cannot read record column {name!r} of {self._path}: {_reason(error)} "
+                "(truncated or corrupt file)"
+            ) from error
+        values.setflags(write=False)
+        self._cache[name] = values
+        return values
+
+    def row(self, index: int) -> dict:
+        if not -self._count <= index < self._count:
+            raise IndexError(f"record {index} out of range: {self._path} has {self._count} records")
+        return {name: _plain(self.column(name)[index]) for name in self.columns}
+
+    def to_dicts(self) -> list[dict]:
+        """All records as dicts of plain Python values (faster than row() in a loop)."""
+        names = self.columns
+        columns = [self.column(name).tolist() for name in names]
+        return [dict(zip(names, values)) for values in zip(*columns)]
+
+    def __iter__(self):
+        return iter(self.to_dicts())
+
+    def index_of(self, key: str) -> int:
+        """Row number of the record with that key (KeyError if none)."""
+        if self._index is None:
+            index: dict[str, int] = {}
+            for position, name in enumerate(self.column("key")):
+                index.setdefault(name, position)
+            self._index = index
+        try:
+            return self._index[key]
+        except KeyError:
+            raise KeyError(f"no record with key {key!r} in {self._path}") from None
+
+
+class StepDump:
+    """One open step file. Use as a context manager, or call close()."""
+
+    def __init__(self, path: str, handle: h5py.File):
+        self.path = path
+        self._file = handle
+        self.attrs = _read_attrs(path, handle)
+        self.schema_version: int = self.attrs["schema_version"]
+        self.step: int = self.attrs["step"]
+        self.rank: int = self.attrs["rank"]
+        self.records = _read_record_table(path, handle, self.attrs)
+        self._tensors = handle.get(schema.TENSORS_GROUP)
+        self.tensor_count = 0 if self._tensors is None else len(self._tensors)
+        declared = self.attrs.get("tensor_count", self.tensor_count)
+        if declared != self.tensor_count:
+            raise DumpFormatError(
+                f"{path} declares {declared} tensors but holds {self.tensor_count} (truncated or corrupt file)"
+            )
+
+    def __enter__(self) -> "StepDump":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StepDump(step={self.step}, rank={self.rank}, records={len(self.records)}, path={self.path!r})"
+
+    def close(self) -> None:
+        if self._file.id.valid:
+            self._file.close()
+
+    def tensor_info(self, tensor_id: int) -> dict:
+        """{'dtype': torch dtype name, 'shape': list, 'layout': 'strided' | 'sparse_coo' | ...}."""
+        dataset = self._dataset(tensor_id)
+        try:
+            attrs = {name: _plain(dataset.attrs[name]) for name in dataset.attrs}
+        except OSError as error:
+            raise self._corrupt(tensor_id, error) from error
+        if "dtype" not in attrs or "shape" not in attrs:
+            raise DumpFormatError(f"tensor {tensor_id} in {self.path} lacks its dtype/shape attributes")
+        return {"dtype": attrs["dtype"], "shape": list(attrs["shape"]), "layout": attrs.get("layout", "strided")}
+
+    def stored_tensor(self, tensor_id: int) -> tuple[np.ndarray, str]:
+        """(raw stored array, torch dtype name): the exact bits, e.g. uint16 for bfloat16."""
+        info = self.tensor_info(tensor_id)
+        try:
+            array = np.asarray(self._dataset(tensor_id)[()])
+        except OSError as error:
+            raise self._corrupt(tensor_id, error) from error
+        return array, info["dtype"]
+
+    def tensor(self, tensor_id: int) -> np.ndarray:
+        """Tensor tensor_id's values in its original shape (see decode.py for dtypes)."""
+        info = self.tensor_info(tensor_id)
+        array, dtype_name = self.stored_tensor(tensor_id)
+        try:
+            values = decode.from_storage(array, dtype_name)
+        except ValueError as error:
+            raise DumpFormatError(f"cannot decode tensor {tensor_id} of {self.path}: {error}") from None
+        if list(values.shape) != info["shape"]:
+            raise DumpFormatError(
+                f"tensor {tensor_id} of {self.path} has shape {list(values.shape)}, "
+                f"its shape attribute says {info['shape']}"
+            )
+        return values
+
+    def _dataset(self, tensor_id) -> h5py.Dataset:
+        if not self._file.id.valid:
+            raise ValueError(f"{self.path} was closed; reopen it to read tensors")
+        if isinstance(tensor_id, (bool, np.bool_)) or not isinstance(tensor_id, (int, np.integer)):
+            raise TypeError(f"tensor_id must be an int, got {tensor_id!r}")
+        name = str(int(tensor_id))
+        if tensor_id < 0 or self._tensors is None or name not in self._tensors:
+            held = f"ids 0..{self.tensor_count - 1}" if self.tensor_count else "no tensors (task was not 'tensor')"
+            raise DumpFormatError(f"{self.path} has no tensor {tensor_id}: it holds {held}")
+        return self._tensors[name]
+
+    def _corrupt(self, tensor_id, error) -> DumpFormatError:
+        return DumpFormatError(
+            f"cannot read tensor {tensor_id} of {self.path}: {_reason(error)} (truncated or corrupt file)"
+        )
+
+
+def _read_attrs(path: str, handle: h5py.File) -> dict:
+    try:
+        raw = {name: handle.attrs[name] for name in handle.attrs}
+        has_records = schema.RECORDS_GROUP in handle
+    except (OSError, KeyError) as error:
+        raise DumpFormatError(f"cannot read {path}: {_reason(error)} (truncated or corrupt file)") from error
+    if "schema_version" not in raw or not has_records:
+        missing = "schema_version attribute" if "schema_version" not in raw else f"/{schema.RECORDS_GROUP} group"
+        raise DumpFormatError(f"{path} is an HDF5 file but not a probe dump (no {missing})")
+    attrs = {name: _plain(value) for name, value in raw.items()}
+    version = attrs["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise DumpFormatError(f"{path} has schema_version {version!r}, expected an integer >= 1")
+    if version > schema.SCHEMA_VERSION:
+        raise DumpFormatError(
+            f"{path} was written by a newer probe (schema version {version}, this probe reads up to "
+            f"{schema.SCHEMA_VERSION}); upgrade probe to read it"
+        )
+    for name in schema.JSON_ATTRS:
+        if name in attrs:
+            try:
+                attrs[name] = json.loads(attrs[name])
+            except (TypeError, ValueError):
+                raise DumpFormatError(f"{path} root attribute {name!r} is not valid JSON") from None
+    for name in ("step", "rank"):
+        if not isinstance(attrs.get(name), int):
+            raise DumpFormatError(f"{path} lacks an integer {name!r} root attribute")
+    return attrs
+
+
+def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable:
+    group = handle[schema.RECORDS_GROUP]
+    try:
+        lengths = {}
+        for name in schema.COLUMN_NAMES:
+            if name not in group:
+                raise DumpFormatError(f"{path} lacks the record column {name!r}")
+            dataset = group[name]
+            if dataset.ndim != 1:
+                raise DumpFormatError(f"{path} record column {name!r} has shape {dataset.shape}, expected 1-D")
+            lengths[name] = dataset.shape[0]
+    except OSError as error:
+        raise DumpFormatError(f"cannot read {path}: {_reason(error)} (truncated or corrupt file)") from error
+    if len(set(lengths.values())) > 1:
+        summary = ", ".join(f"{name}={length}" for name, length in lengths.items())
+        raise DumpFormatError(f"{path} has record columns of unequal length ({summary})")
+    count = lengths[schema.COLUMN_NAMES[0]]
+    declared = attrs.get("record_count")
+    if declared != count:
+        raise DumpFormatError(
+            f"{path} declares record_count {declared} but its record columns hold {count} (truncated or corrupt file)"
+        )
+    return RecordTable(group, path, count)
+
+
+def open_step_file(path) -> StepDump:
+    """Open and validate one step file (rank<R>.h5)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DumpFormatError(f"{path} does not exist")
+    if os.path.isdir(path):
+        raise DumpFormatError(f"{path} is a folder, expected a step file (use probe.load for folders)")
+    if path.endswith(schema.PARTIAL_SUFFIX):
+        raise DumpFormatError(describe_incomplete(path) + " (a .h5.partial file is never finished)")
+    try:
+        is_hdf5 = h5py.is_hdf5(path)
+    except OSError as error:
+        raise DumpFormatError(f"cannot read {path}: {_reason(error)}") from error
+    if not is_hdf5:
+        raise DumpFormatError(f"{path} is not an HDF5 file (not a probe dump)")
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as error:
+        raise DumpFormatError(f"cannot open {path}: {_reason(error)} (truncated or corrupt HDF5 file)") from error
+    try:
+        return StepDump(path, handle)
+    except BaseException:
+        handle.close()
+        raise
+
+
+class Discovery(dict):
+    """(step, rank) -> step file path; .incomplete lists the *.h5.partial files skipped."""
+
+    def __init__(self, files=(), incomplete=()):
+        super().__init__(files)
+        self.incomplete: list[str] = sorted(incomplete)
+
+
+def discover(path) -> Discovery:
+    """Find the step files under a dump root, a step folder, or one step file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DumpFormatError(f"{path} does not exist")
+    if not os.path.isdir(path):
+        with open_step_file(path) as step_file:
+            return Discovery({(step_file.step, step_file.rank): path})
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError as error:
+        raise DumpFormatError(f"cannot list {path}: {error.strerror or error}") from error
+    step_dirs = [
+        (step, os.path.join(path, name))
+        for name in entries
+        if (step := schema.parse_step_dir(name)) is not None and os.path.isdir(os.path.join(path, name))
+    ]
+    own_step = schema.parse_step_dir(os.path.basename(os.path.normpath(path)))
+    if not step_dirs and own_step is not None:
+        step_dirs = [(own_step, path)]
+    found, incomplete = {}, []
+    for step, folder in step_dirs:
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError as error:
+            raise DumpFormatError(f"cannot list {folder}: {error.strerror or error}") from error
+        for name in names:
+            full = os.path.join(folder, name)
+            rank = schema.parse_rank_file(name)
+            if rank is not None and os.path.isfile(full):
+                found[(step, rank)] = full
+            elif name.endswith(schema.PARTIAL_SUFFIX):
+                incomplete.append(full)
+    if not found:
+        note = ""
+        if incomplete:
+            note = f"; found {len(incomplete)} incomplete .h5.partial file(s): the process writing them was killed mid-step"
+        raise DumpFormatError(f"{path} holds no step files (expected step<N>/rank<R>.h5){note}")
+    return Discovery(dict(sorted(found.items())), incomplete)
+
+
+class Dump:
+    """A dump: the finished step files under one path. What probe.load returns."""
+
+    def __init__(self, path: str, found: Discovery):
+        self.path = path
+        self.files: dict[tuple[int, int], str] = dict(found)
+        self.incomplete: list[str] = list(found.incomplete)
+        self.steps: list[int] = sorted({step for step, _ in self.files})
+        self.ranks: list[int] = sorted({rank for _, rank in self.files})
+
+    def __repr__(self) -> str:
+        return f"Dump({self.path!r}, steps={self.steps}, ranks={self.ranks}, files={len(self.files)})"
+
+    def incomplete_messages(self) -> list[str]:
+        return [describe_incomplete(path) for path in self.incomplete]
+
+    def open(self, step: int, rank: int = 0) -> StepDump:
+        if (step, rank) not in self.files:
+            raise DumpFormatError(
+                f"{self.path} has no step {step} rank {rank} (steps: {self.steps}, ranks: {self.ranks})"
+            )
+        return open_step_file(self.files[(step, rank)])
+
+    def records(self, step: int | None = None, rank: int | None = None) -> list[dict]:
+        """Records of the matching step files, one dict each, with 'step' and 'rank' added."""
+        selected = [
+            key for key in self.files if (step is None or key[0] == step) and (rank is None or key[1] == rank)
+        ]
+        if not selected:
+            raise DumpFormatError(
+                f"{self.path} has no step file for step {step} rank {rank} "
+                f"(steps: {self.steps}, ranks: {self.ranks})"
+            )
+        rows: list[dict] = []
+        for file_step, file_rank in selected:
+            with self.open(file_step, file_rank) as step_file:
+                for row in step_file.records.to_dicts():
+                    row["step"], row["rank"] = file_step, file_rank
+                    rows.append(row)
+        return rows
+
+
+def load(path) -> Dump:
+    """Open a dump root, a step folder or one step file (no data is read until asked)."""
+    path = os.fspath(path)
+    return Dump(path, discover(path))
