@@ -1,0 +1,162 @@
+"""``probe inspect``: what a dump holds, per step file and per record. Never imports torch."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import click
+
+from probe.dump import reader
+
+_TABLE_COLUMNS = ("seq", "key", "dtype", "shape", "min", "max", "mean", "norm", "nan", "inf")
+_NUMERIC = {"seq", "min", "max", "mean", "norm", "nan", "inf"}
+
+
+def key_matcher(pattern: str | None):
+    """None -> match all; 're:REGEX' -> re.search; anything else -> substring."""
+    if not pattern:
+        return lambda key: True
+    if pattern.startswith("re:"):
+        try:
+            compiled = re.compile(pattern[3:])
+        except re.error as error:
+            raise click.BadParameter(f"{pattern[3:]!r} is not a valid regular expression: {error}", param_hint="--key")
+        return lambda key: compiled.search(key) is not None
+    return lambda key: pattern in key
+
+
+def _json_safe(value):
+    """NaN/Inf -> None so the output is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {name: _json_safe(item) for name, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+def _number(value) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.6g}"
+    return str(value)
+
+
+def _table_row(record: dict) -> dict:
+    if not record["dtype"]:  # a non-tensor argument: show its value instead of statistics
+        return {"seq": str(record["seq"]), "key": record["key"], "dtype": "-", "shape": "-",
+                "min": f"value={record['value']}", "max": "", "mean": "", "norm": "", "nan": "", "inf": ""}
+    return {
+        "seq": str(record["seq"]), "key": record["key"], "dtype": record["dtype"], "shape": record["shape"],
+        "min": _number(record["min"]), "max": _number(record["max"]), "mean": _number(record["mean"]),
+        "norm": _number(record["norm"]), "nan": str(record["nan_count"]), "inf": str(record["inf_count"]),
+    }
+
+
+def format_table(records: list[dict]) -> list[str]:
+    rows = [_table_row(record) for record in records]
+    widths = {name: max([len(name)] + [len(row[name]) for row in rows]) for name in _TABLE_COLUMNS}
+
+    def line(cells: dict) -> str:
+        parts = [cells[name].rjust(widths[name]) if name in _NUMERIC else cells[name].ljust(widths[name])
+                 for name in _TABLE_COLUMNS]
+        return "  ".join(parts).rstrip()
+
+    return [line({name: name for name in _TABLE_COLUMNS})] + [line(row) for row in rows]
+
+
+def summary_line(step_file: reader.StepDump) -> str:
+    attrs = step_file.attrs
+    seed_report = attrs.get("seed_report")
+    config = attrs.get("config")
+    seed = None
+    if isinstance(seed_report, dict):
+        seed = seed_report.get("seed")
+    if seed is None and isinstance(config, dict):
+        seed = config.get("seed")
+    return (
+        f"  records {len(step_file.records)}  tensors {step_file.tensor_count}  task {attrs.get('task', '?')}"
+        f"  level {attrs.get('level', '?')}  torch {attrs.get('torch_version', '?')}"
+        f"  device {attrs.get('device', '?')}  seed {seed if seed is not None else '-'}"
+        f"  created {attrs.get('created', '?')}"
+    )
+
+
+@click.command("inspect")
+@click.argument("dump", type=click.Path())
+@click.option("--step", "step", type=int, default=None, help="Only this step.")
+@click.option("--rank", "rank", type=int, default=None, help="Only this rank.")
+@click.option("--key", "key", default=None, metavar="TEXT|re:REGEX",
+              help="Only records whose key contains TEXT, or matches REGEX when prefixed with 're:'.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Show at most N records in all.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (NaN -> null) instead of tables.")
+def inspect(dump, step, rank, key, limit, as_json):
+    """List the steps, ranks and records of a dump.
+
+    DUMP is a dump folder, one step folder (step3/) or one step file (step3/rank0.h5).
+    Prints a summary per step file (records, tensors, task, level, torch, device, seed)
+    and a table of records with their statistics. Incomplete step files (*.h5.partial,
+    left by a process killed mid-step) are reported on stderr and skipped.
+
+    \b
+    Examples:
+      probe inspect dump/
+      probe inspect dump/ --step 0 --rank 0 --key fc1
+      probe inspect dump/ --key 're:/backward/.*grad' --limit 20
+      probe inspect dump/step0/rank0.h5 --json | python -m json.tool
+    """
+    loaded = reader.load(dump)
+    for message in loaded.incomplete_messages():
+        click.echo(f"probe: warning: {message}", err=True)
+    selected = [(s, r) for (s, r) in loaded.files if (step is None or s == step) and (rank is None or r == rank)]
+    if not selected:
+        wanted = " ".join(f"{name} {value}" for name, value in (("step", step), ("rank", rank)) if value is not None)
+        raise click.BadParameter(
+            f"{dump} has no step file for {wanted} (steps {loaded.steps}, ranks {loaded.ranks})",
+            param_hint="--step/--rank",
+        )
+    matches = key_matcher(key)
+    budget = limit
+    files, shown, hidden = [], [], 0
+    for file_step, file_rank in selected:
+        with loaded.open(file_step, file_rank) as step_file:
+            records = [record for record in step_file.records.to_dicts() if matches(record["key"])]
+            keep = records if budget is None else records[:budget]
+            if budget is not None:
+                budget -= len(keep)
+            hidden += len(records) - len(keep)
+            for record in keep:
+                record["step"], record["rank"] = file_step, file_rank
+            files.append({
+                "step": file_step, "rank": file_rank, "path": step_file.path,
+                "record_count": len(step_file.records), "tensor_count": step_file.tensor_count,
+                "attrs": step_file.attrs, "summary": summary_line(step_file), "records": keep,
+            })
+            shown.extend(keep)
+
+    if as_json:
+        payload = {
+            "path": dump,
+            "files": [{name: value for name, value in entry.items() if name not in ("summary", "records")}
+                      for entry in files],
+            "incomplete": [{"path": path, "message": message}
+                           for path, message in zip(loaded.incomplete, loaded.incomplete_messages())],
+            "records": shown,
+            "records_not_shown": hidden,
+        }
+        click.echo(json.dumps(_json_safe(payload), allow_nan=False, ensure_ascii=False))
+        return 0
+
+    click.echo(f"{dump}: {len(loaded.files)} step file(s), steps {loaded.steps}, ranks {loaded.ranks}")
+    for entry in files:
+        click.echo(f"\nstep {entry['step']} rank {entry['rank']}  {entry['path']}")
+        click.echo(entry["summary"])
+        if entry["records"]:
+            click.echo("")
+            for text in format_table(entry["records"]):
+                click.echo("  " + text)
+    if hidden:
+        click.echo(f"probe: {hidden} more matching record(s) not shown (--limit {limit})", err=True)
+    return 0
