@@ -81,8 +81,9 @@ def from_storage(array: np.ndarray, dtype_name: str) -> np.ndarray:
     if dtype_name == "complex32":
         if array.ndim == 0 or array.shape[-1] != 2:
             raise ValueError(f"complex32 is stored with a trailing axis of 2, found shape {array.shape}")
-        pairs = array.astype(np.float32)
-        return pairs[..., 0] + np.complex64(1j) * pairs[..., 1]
+        # float32 pairs reinterpreted in place: arithmetic (re + 1j*im) would turn inf into nan
+        pairs = np.ascontiguousarray(array.astype(np.float32))
+        return pairs.view(np.complex64).reshape(array.shape[:-1])
     return array
 
 
