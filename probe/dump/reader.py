@@ -81,15 +81,15 @@ class RecordTable:
             return self._cache[name]
         if name not in self.columns:
             raise KeyError(f"no record column {name!r}; columns are {', '.join(self.columns)}")
+        if not self._group.id.valid:
+            raise ValueError(f"{self._path} was closed; reopen it to read records")
         try:
             dataset = self._group[name]
             if h5py.check_string_dtype(dataset.dtype) is not None:
                 values = dataset.asstr()[()] if self._count else np.array([], dtype=object)
             else:
                 values = dataset[()]
-        except (OSError, ValueError, RuntimeError) as error:
-            if not self._group.id.valid:
-                raise ValueError(f"{self._path} was closed; reopen it to read records") from None
+        except (OSError, KeyError, ValueError, RuntimeError) as error:
             raise DumpFormatError(
                 f"cannot read record column {name!r} of {self._path}: {_reason(error)} "
                 "(truncated or corrupt file)"
@@ -253,8 +253,11 @@ def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable
     except OSError as error:
         raise DumpFormatError(f"cannot read {path}: {_reason(error)} (truncated or corrupt file)") from error
     if len(set(lengths.values())) > 1:
-        summary = ", ".join(f"{name}={length}" for name, length in lengths.items())
-        raise DumpFormatError(f"{path} has record columns of unequal length ({summary})")
+        common = max(set(lengths.values()), key=list(lengths.values()).count)
+        odd = ", ".join(f"{name!r} has {length}" for name, length in lengths.items() if length != common)
+        raise DumpFormatError(
+            f"{path} has record columns of unequal length ({odd}, the others {common}; truncated or corrupt file)"
+        )
     count = lengths[schema.COLUMN_NAMES[0]]
     declared = attrs.get("record_count")
     if declared != count:
