@@ -15,6 +15,7 @@ still active. Stop the debugger first, then restore.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import numbers
 import os
 import random
@@ -257,17 +258,23 @@ def _dropout_rules() -> dict[Any, tuple[str, int, Any]]:
     rules: dict[Any, tuple[str, int, Any]] = {}
     for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                F.feature_alpha_dropout):
-        rules[fn] = ("training", 2, False)
+        rules[fn] = ("training", _position(fn, "training"), False)
     for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
                  "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
                  "native_dropout"):
         fn = getattr(torch, name, None)
         if fn is not None:
             rules[fn] = ("train", 2, False)
-    rules[F.scaled_dot_product_attention] = ("dropout_p", 3, 0.0)
-    # nn.MultiheadAttention passes dropout_p as the 11th positional argument.
-    rules[F.multi_head_attention_forward] = ("dropout_p", 10, 0.0)
+    # a C builtin without an introspectable signature: (query, key, value, attn_mask, dropout_p)
+    rules[F.scaled_dot_product_attention] = ("dropout_p", 4, 0.0)
+    # nn.MultiheadAttention passes dropout_p positionally.
+    mha = F.multi_head_attention_forward
+    rules[mha] = ("dropout_p", _position(mha, "dropout_p"), 0.0)
     return rules
+
+
+def _position(fn, parameter: str) -> int:
+    return list(inspect.signature(fn).parameters).index(parameter)
 
 
 class DropoutRemover(TorchFunctionMode):
