@@ -114,9 +114,8 @@ def _suggest(word: Any, choices: Iterable[str]) -> str:
 
 
 def _bad(source: str, path: str, value: Any, allowed: str, hint: str = "") -> ConfigError:
-    return ConfigError(
-        f"{source}: {path} is {_show(value)} ({_type_name(value)}), expected {allowed}{hint}"
-    )
+    kind = "" if value is None else f" ({_type_name(value)})"
+    return ConfigError(f"{source}: {path} is {_show(value)}{kind}, expected {allowed}{hint}")
 
 
 def _unknown_key(source: str, name: Any) -> ConfigError:
