@@ -120,7 +120,8 @@ def _bad(source: str, path: str, value: Any, allowed: str, hint: str = "") -> Co
 
 def _unknown_key(source: str, name: Any) -> ConfigError:
     hint = _suggest(name, KEYS) or ";"
-    return ConfigError(f"{source}: unknown key {_show(name)}{hint} valid keys are {', '.join(KEYS)}")
+    shown = repr(name) if isinstance(name, str) else _show(name)
+    return ConfigError(f"{source}: unknown key {shown}{hint} valid keys are {', '.join(KEYS)}")
 
 
 def _is_int(value: Any) -> bool:

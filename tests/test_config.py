@@ -13,9 +13,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (file name, file text, fragments the one-sentence message must contain)
 BAD_CONFIGS = [
     ("unknown_key.json", '{"dump_pth": "./d"}',
-     ["unknown_key.json", '"dump_pth"', "did you mean 'dump_path'?"]),
+     ["unknown_key.json", "unknown key 'dump_pth'", "did you mean 'dump_path'?"]),
     ("unknown_key_far.json", '{"zzz": 1}',
-     ["unknown_key_far.json", '"zzz"', "valid keys are task, dump_path"]),
+     ["unknown_key_far.json", "unknown key 'zzz'", "valid keys are task, dump_path"]),
     ("seed_bool.json", '{"seed": true}',
      ["seed_bool.json", "seed is true (bool)", "an int in 0 .. 4294967295"]),
     ("seed_negative.json", '{"seed": -1}', ["seed is -1", "0 .. 4294967295"]),

@@ -9,6 +9,7 @@ and the child's exit code is returned. This module does not import torch.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,17 @@ def _terminal_delivers_sigint() -> bool:
         return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def _check_executable(program: str, env: dict[str, str]) -> None:
+    """Fail with one line before anything is printed or started when ``program`` cannot run."""
+    if os.sep in program or (os.altsep and os.altsep in program):
+        if not os.path.exists(program):
+            raise ProbeError(f"run: command not found: {program!r}")
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            raise ProbeError(f"run: {program!r} is not executable")
+    elif shutil.which(program, path=env.get("PATH")) is None:
+        raise ProbeError(f"run: command not found: {program!r} (not on PATH)")
 
 
 def run_child(command: list[str], env: dict[str, str]) -> int:
@@ -110,6 +122,7 @@ def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[s
         raise ProbeError(f"run: no command given; usage: {USAGE}")
     config = load(config_path) if config_path is not None else None
     env = build_env(config, seed, dict(os.environ))
+    _check_executable(command[0], env)
     if not quiet:
         shown = ("PYTHONHASHSEED", ENV_SEED, ENV_CONFIG, "CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC")
         changed = [f"{name}={env[name]}" for name in shown
