@@ -364,12 +364,11 @@ _ERROR_MESSAGE = re.compile(r"error message = '([^']*)'")
 
 def _reason(error: BaseException) -> str:
     """The OS's words for an error (h5py hides them inside a long message)."""
-    if isinstance(error, OSError):
-        if error.strerror:
-            return error.strerror
-        match = _ERROR_MESSAGE.search(str(error))
-        if match:
-            return match.group(1)
+    match = _ERROR_MESSAGE.search(str(error))
+    if match:
+        return match.group(1)
+    if isinstance(error, OSError) and error.strerror and "\n" not in error.strerror:
+        return error.strerror
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 
