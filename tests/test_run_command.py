@@ -122,18 +122,23 @@ def test_probe_run_help_teaches_with_examples():
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
-@pytest.mark.parametrize("handles_it,expected", [(True, 7), (False, 128 + signal.SIGTERM)])
-def test_probe_run_forwards_sigterm_to_the_child(handles_it, expected):
-    handler = "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); " if handles_it else ""
+@pytest.mark.parametrize("signum,handles_it,expected", [
+    (signal.SIGTERM, True, 7),
+    (signal.SIGTERM, False, 128 + signal.SIGTERM),
+    (signal.SIGINT, True, 7),  # no terminal here, so the SIGINT must be forwarded
+])
+def test_probe_run_forwards_signals_to_the_child(signum, handles_it, expected):
+    handler = f"signal.signal({int(signum)}, lambda *a: sys.exit(7)); " if handles_it else ""
     child = (f"import signal, sys, time; {handler}print('ready', flush=True); time.sleep(30); "
              "sys.exit(0)")
     process = subprocess.Popen([sys.executable, "-m", "probe", "run", "-q", "--",
                                 sys.executable, "-c", child],
+                               stdin=subprocess.DEVNULL,  # no terminal: as under a scheduler
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=_clean_env(), cwd=REPO_ROOT)
     try:
         assert process.stdout.readline().strip() == "ready"
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         assert process.wait(timeout=20) == expected
     finally:
         if process.poll() is None:
