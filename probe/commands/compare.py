@@ -1,0 +1,93 @@
+"""``probe compare A B``: find the first op where two dumps part.
+
+Imports only click at module level, so ``probe compare --help`` stays fast; numpy, h5py
+and the compare engine load when a compare actually runs. torch is never imported.
+"""
+
+import sys
+
+import click
+
+EXIT_PASS, EXIT_DIVERGED, EXIT_TROUBLE = 0, 1, 2
+
+_EPILOG = """\b
+Examples:
+  probe compare ref_dump/ new_dump/                 # folders: pairs steps and ranks
+  probe compare ref_dump/step0/rank0.h5 new_dump/step0/rank0.h5
+  probe compare ref/ new/ --json > result.json      # one JSON object on stdout
+  probe compare ref/ new/ --csv rows.csv --html report.html
+  probe compare fp32/ bf16/ --tol bfloat16=1e-2,1e-5 --top 20
+  probe compare gpu/ npu/ --mapping map.yaml        # renamed modules / ops
+
+\b
+A is the reference: relative errors are relative to A. A tensor fails when
+||a-b|| > rtol*||a|| + atol*sqrt(n), with the tolerance of the lower-precision
+dtype of the pair (docs/compare.md has the table and the reasoning).
+Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or input).
+"""
+
+
+@click.command("compare", epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of the report.")
+@click.option("--rows", "json_rows", is_flag=True, help="With --json: include every aligned record.")
+@click.option("--csv", "csv_path", metavar="FILE", help="Write one CSV row per aligned record.")
+@click.option("--html", "html_path", metavar="FILE", help="Write a self-contained HTML report (chart + table).")
+@click.option("--rtol", type=float, metavar="R", help="Relative tolerance for every floating dtype.")
+@click.option("--atol", type=float, metavar="A", help="Absolute (RMS) tolerance for every floating dtype.")
+@click.option("--tol", "tol", multiple=True, metavar="DTYPE=R,A",
+              help="Tolerance for one dtype, e.g. bfloat16=1e-2,1e-5 (repeatable; beats --rtol/--atol).")
+@click.option("--tol-file", metavar="YAML", help="Tolerances per dtype: {bfloat16: {rtol: R, atol: A}}.")
+@click.option("--mapping", metavar="YAML", help="Rename modules/ops of a port: {modules: {old: new}, ops: {old: new}}.")
+@click.option("--allow-missing", is_flag=True,
+              help="Compare the steps/ranks both dumps have instead of failing when one side lacks some.")
+@click.option("--step", "steps", multiple=True, type=int, metavar="N", help="Compare only this step (repeatable).")
+@click.option("--rank", "ranks", multiple=True, type=int, metavar="N", help="Compare only this rank (repeatable).")
+@click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="How many top ops to list.")
+@click.option("--strict", is_flag=True, help="Records present on one side only count as a divergence.")
+def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_file, mapping,
+            allow_missing, steps, ranks, top, strict):
+    """Find where two dumps part: the first op beyond tolerance, introduced or inherited.
+
+    A and B are dump folders (written by PrecisionDebugger) or single step files
+    (step<N>/rank<R>.h5). Calls are aligned by execution order, so extra or missing calls
+    on one side (autocast casts, a fused op) do not shift the pairing of the others.
+    """
+    from probe.compare.api import compare as run_compare
+    from probe.report import output, progress
+
+    # fail on unwritable destinations before the (possibly long) compare
+    destinations = {}
+    if csv_path is not None:
+        destinations["csv"] = output.check_destination(csv_path, "--csv")
+    if html_path is not None:
+        destinations["html"] = output.check_destination(html_path, "--html")
+
+    bar = progress.Progress(sys.stderr)
+    try:
+        result = run_compare(
+            a, b, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, mapping=mapping,
+            allow_missing=allow_missing, steps=steps or None, ranks=ranks or None, top=top,
+            strict=strict, progress=bar,
+        )
+    finally:
+        bar.close()
+
+    if "csv" in destinations:
+        from probe.report import csv_report
+
+        output.write_atomic(destinations["csv"], csv_report.render(result), "--csv")
+    if "html" in destinations:
+        from probe.report import html_report
+
+        output.write_atomic(destinations["html"], html_report.render(result), "--html")
+    if as_json:
+        from probe.report import json_report
+
+        click.echo(json_report.render(result, rows=json_rows), nl=False)
+    else:
+        from probe.report import terminal
+
+        click.echo(terminal.render(result), nl=False)
+    return EXIT_DIVERGED if result.diverged else EXIT_PASS

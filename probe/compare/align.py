@@ -1,0 +1,147 @@
+"""Pair the calls of run A with the calls of run B.
+
+Keys alone are not enough: they are stable outside a changed module, but inside it one
+extra call shifts the index of every later call of the same op. So calls are aligned by
+execution order, per phase (forward, backward), in three passes:
+
+1. Sequence pass. Each call becomes a token (module, op, tensor shapes), names after the
+   mapping file's renames. Common leading and trailing runs pair directly; the middle is
+   aligned with difflib.SequenceMatcher (no autojunk), so extra calls in one run (autocast's
+   casts, a debug print's copy, an op that a fused kernel replaces) fall out as unmatched
+   while everything around them still pairs.
+2. Name pass. Inside each region SequenceMatcher marks as replaced, calls are aligned again
+   on (module, op) alone: same op, same place, different shapes -> paired, reported as a
+   shape change.
+3. Key pass. Calls still unmatched pair by key (module, op, index) only when that
+   (module, op, phase) stream is identical in both runs (same number of calls, same shapes
+   in the same order); this recovers calls whose order differs (e.g. backward hooks firing
+   in another order) without ever pairing shifted indexes.
+
+Whatever is left has no partner: only_a / only_b, never "pass".
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from dataclasses import dataclass
+
+from probe.compare.records import Call
+from probe.dump import schema
+
+#: how a pair was made: see the module docstring
+SEQUENCE, NAME, KEY = "sequence", "name", "key"
+
+
+@dataclass
+class CallPair:
+    a: Call | None
+    b: Call | None
+    how: str = ""  # SEQUENCE | NAME | KEY; "" when one side is missing
+    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
+
+    @property
+    def phase(self) -> str:
+        return (self.a or self.b).phase
+
+
+def align_calls(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
+    """All calls of both runs, paired where possible, in A's execution order."""
+    phases = [phase for phase in schema.PHASES]
+    phases += sorted({c.phase for c in calls_a + calls_b} - set(phases))
+    result: list[CallPair] = []
+    for phase in phases:
+        seq_a = [c for c in calls_a if c.phase == phase]
+        seq_b = [c for c in calls_b if c.phase == phase]
+        if seq_a or seq_b:
+            result.extend(_order(_align_phase(seq_a, seq_b)))
+    result.sort(key=lambda pair: pair.order)
+    return result
+
+
+def _token(call: Call) -> tuple:
+    return (call.name, call.shapes)
+
+
+def _align_phase(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
+    tokens_a = [_token(c) for c in calls_a]
+    tokens_b = [_token(c) for c in calls_b]
+    n_a, n_b = len(tokens_a), len(tokens_b)
+    head = 0
+    while head < n_a and head < n_b and tokens_a[head] == tokens_b[head]:
+        head += 1
+    tail = 0
+    while tail < n_a - head and tail < n_b - head and tokens_a[n_a - 1 - tail] == tokens_b[n_b - 1 - tail]:
+        tail += 1
+    pairs = [CallPair(calls_a[i], calls_b[i], SEQUENCE) for i in range(head)]
+    middle_a, middle_b = calls_a[head : n_a - tail], calls_b[head : n_b - tail]
+    pairs += _match(middle_a, middle_b, [_token(c) for c in middle_a], [_token(c) for c in middle_b], SEQUENCE)
+    pairs += [CallPair(calls_a[n_a - tail + i], calls_b[n_b - tail + i], SEQUENCE) for i in range(tail)]
+    return _pair_by_key(pairs, calls_a, calls_b)
+
+
+def _match(calls_a, calls_b, tokens_a, tokens_b, how) -> list[CallPair]:
+    if not calls_a or not calls_b:
+        return [CallPair(c, None) for c in calls_a] + [CallPair(None, c) for c in calls_b]
+    matcher = difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False)
+    pairs: list[CallPair] = []
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            pairs += [CallPair(calls_a[a0 + k], calls_b[b0 + k], how) for k in range(a1 - a0)]
+        elif tag == "replace" and how == SEQUENCE:
+            sub_a, sub_b = calls_a[a0:a1], calls_b[b0:b1]
+            pairs += _match(sub_a, sub_b, [c.name for c in sub_a], [c.name for c in sub_b], NAME)
+        else:
+            pairs += [CallPair(c, None) for c in calls_a[a0:a1]]
+            pairs += [CallPair(None, c) for c in calls_b[b0:b1]]
+    return pairs
+
+
+def _pair_by_key(pairs: list[CallPair], calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
+    lonely_a = [p.a for p in pairs if p.b is None]
+    lonely_b = [p.b for p in pairs if p.a is None]
+    if not lonely_a or not lonely_b:
+        return pairs
+    streams_a, streams_b = _streams(calls_a), _streams(calls_b)
+    wanted = {(c.name, c.index): c for c in lonely_b}
+    partner: dict[int, Call] = {}
+    for call in lonely_a:
+        other = wanted.get((call.name, call.index))
+        if other is not None and other.shapes == call.shapes and streams_a[call.name] == streams_b[call.name]:
+            partner[id(call)] = other
+    if not partner:
+        return pairs
+    taken = {id(c) for c in partner.values()}
+    result = []
+    for pair in pairs:
+        if pair.b is None and id(pair.a) in partner:
+            result.append(CallPair(pair.a, partner[id(pair.a)], KEY))
+        elif pair.a is None and id(pair.b) in taken:
+            continue
+        else:
+            result.append(pair)
+    return result
+
+
+def _streams(calls: list[Call]) -> dict:
+    """(module, op) -> the shapes of its calls in index order."""
+    streams: dict = defaultdict(list)
+    for call in sorted(calls, key=lambda c: c.index):
+        streams[call.name].append(call.shapes)
+    return streams
+
+
+def _order(pairs: list[CallPair]) -> list[CallPair]:
+    """Sort keys: A's (seq, row); a B-only call sorts right after the A call before it."""
+    anchor = None
+    following = 0
+    for pair in pairs:
+        if pair.a is not None:
+            anchor = pair.a.order()
+            following = 0
+            pair.order = (*anchor, 0, 0)
+        else:
+            following += 1
+            base = anchor if anchor is not None else pair.b.order()
+            pair.order = (*base, 1, following)
+    return pairs

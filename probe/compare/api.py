@@ -1,0 +1,209 @@
+"""``probe.compare(a, b, **options) -> CompareResult``: the Python face of ``probe compare``.
+
+A and B are dump files or dump folders. Folders pair their step files by (step, rank);
+a step or rank found on one side only is an error (CompareError) unless
+``allow_missing=True``, which compares the common ones and lists the rest in
+``result.missing``. Two files compare with each other whatever their step numbers.
+A is the reference: relative errors are relative to A.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable
+
+from probe.compare import result as R
+from probe.compare import verdict
+from probe.compare.engine import StepOutcome, compare_step, count_rows
+from probe.compare.mapping import NameMapping, load_mapping, mapping_from_dict
+from probe.compare.records import Records
+from probe.compare.tolerances import Tolerances
+from probe.errors import CompareError
+
+DEFAULT_TOP = 10
+_EVIDENCE_ORDER = ("statistics", "checksum", "tensor")  # weakest first
+
+
+def compare(
+    a,
+    b,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    tol: Iterable[str] = (),
+    tol_file: str | None = None,
+    tolerances: dict | None = None,
+    mapping=None,
+    allow_missing: bool = False,
+    steps: Iterable[int] | None = None,
+    ranks: Iterable[int] | None = None,
+    top: int = DEFAULT_TOP,
+    strict: bool = False,
+    progress: Callable[[float, int], None] | None = None,
+) -> R.CompareResult:
+    """Compare dump A (the reference) with dump B.
+
+    rtol/atol: override every floating dtype; tol: ["bfloat16=1e-2,1e-5", ...];
+    tol_file: YAML {dtype: {rtol, atol}}; tolerances: {dtype: (rtol, atol)} (Python form).
+    mapping: a YAML path, a dict {"modules": {...}, "ops": {...}} or a NameMapping.
+    steps/ranks: compare only these. strict: records present on one side only count as a
+    divergence. progress(fraction_done, tensor_bytes_read) is called as the compare goes.
+    """
+    from probe.dump.reader import load
+
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise CompareError(f"top must be an integer >= 0, found {top!r}")
+    table = Tolerances.build(rtol=rtol, atol=atol, per_dtype=tol, tol_file=tol_file, overrides=tolerances)
+    names = _mapping(mapping)
+    path_a, path_b = os.fspath(a), os.fspath(b)
+    dump_a, dump_b = load(path_a), load(path_b)
+    pairs, missing = _pair_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
+
+    notes = [f"A: {message}" for message in dump_a.incomplete_messages()]
+    notes += [f"B: {message}" for message in dump_b.incomplete_messages()]
+    outcomes: list[StepOutcome] = []
+    steps_info = []
+    total_bytes = 0
+    for position, (key_a, key_b) in enumerate(pairs):
+        def report(done, total, read, _position=position):
+            if progress is not None:
+                progress((_position + done / max(total, 1)) / len(pairs), total_bytes + read)
+
+        with dump_a.open(*key_a) as file_a, dump_b.open(*key_b) as file_b:
+            if position == 0:
+                notes += _attr_notes(file_a.attrs, file_b.attrs)
+            outcome = compare_step(
+                Records.from_table(file_a.records, file_a.path),
+                Records.from_table(file_b.records, file_b.path),
+                file_a.tensor if file_a.tensor_count else None,
+                file_b.tensor if file_b.tensor_count else None,
+                table,
+                names,
+                step=key_a[0],
+                rank=key_a[1],
+                progress=report,
+            )
+        total_bytes += outcome.tensor_bytes
+        outcomes.append(outcome)
+        counts = outcome.counts()
+        steps_info.append({
+            "step": key_a[0],
+            "rank": key_a[1],
+            "step_b": key_b[0],
+            "rank_b": key_b[1],
+            "file_a": dump_a.files[key_a],
+            "file_b": dump_b.files[key_b],
+            "verdict": _step_verdict(counts, strict),
+            "counts": counts,
+        })
+    return _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+
+
+def _mapping(mapping) -> NameMapping | None:
+    if mapping is None or isinstance(mapping, NameMapping):
+        return mapping
+    if isinstance(mapping, dict):
+        return mapping_from_dict(mapping)
+    return load_mapping(os.fspath(mapping))
+
+
+def _pair_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks):
+    files_a, files_b = dict(dump_a.files), dict(dump_b.files)
+    if os.path.isfile(path_a) and os.path.isfile(path_b):
+        return [(next(iter(files_a)), next(iter(files_b)))], []
+    keep_steps = None if steps is None else set(steps)
+    keep_ranks = None if ranks is None else set(ranks)
+
+    def wanted(key):
+        return (keep_steps is None or key[0] in keep_steps) and (keep_ranks is None or key[1] in keep_ranks)
+
+    keys_a = {key for key in files_a if wanted(key)}
+    keys_b = {key for key in files_b if wanted(key)}
+    if os.path.isfile(path_a) or os.path.isfile(path_b):
+        # one file against a folder: the folder's file for the same step and rank
+        single, side = (keys_a, "B") if os.path.isfile(path_a) else (keys_b, "A")
+        other = keys_b if side == "B" else keys_a
+        key = next(iter(single))
+        if key not in other:
+            folder = path_b if side == "B" else path_a
+            raise CompareError(f"{folder} has no step {key[0]} rank {key[1]} to compare with the file given for {'A' if side == 'B' else 'B'}")
+        return [(key, key)], []
+    if not keys_a or not keys_b:
+        empty = path_a if not keys_a else path_b
+        raise CompareError(f"{empty} has no step file for the selected steps {sorted(keep_steps or [])} and ranks {sorted(keep_ranks or [])}")
+    only_a, only_b = sorted(keys_a - keys_b), sorted(keys_b - keys_a)
+    missing = [f"step {s} rank {r} only in A" for s, r in only_a]
+    missing += [f"step {s} rank {r} only in B" for s, r in only_b]
+    common = sorted(keys_a & keys_b)
+    if missing and not allow_missing:
+        raise CompareError(
+            f"the dumps hold different steps or ranks ({_describe(only_a, 'A')}{'; ' if only_a and only_b else ''}"
+            f"{_describe(only_b, 'B')}); pass --allow-missing to compare the {len(common)} common ones"
+        )
+    if not common:
+        raise CompareError(
+            f"{path_a} (steps {dump_a.steps}, ranks {dump_a.ranks}) and {path_b} (steps {dump_b.steps}, "
+            f"ranks {dump_b.ranks}) have no step and rank in common"
+        )
+    return [(key, key) for key in common], missing
+
+
+def _describe(keys, side) -> str:
+    if not keys:
+        return ""
+    shown = ", ".join(f"step {s} rank {r}" for s, r in keys[:3])
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return f"{shown}{more} only in {side}"
+
+
+def _attr_notes(attrs_a: dict, attrs_b: dict) -> list[str]:
+    notes = []
+    for name in ("task", "level"):
+        if attrs_a.get(name) != attrs_b.get(name):
+            notes.append(f"{name} differs: {attrs_a.get(name)!r} in A, {attrs_b.get(name)!r} in B")
+    return notes
+
+
+def _step_verdict(counts: dict, strict: bool) -> str:
+    unmatched = counts["only_a"] + counts["only_b"]
+    return "diverged" if counts["diverged"] or (strict and unmatched) else "pass"
+
+
+def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict) -> R.CompareResult:
+    rows = [row for outcome in outcomes for row in outcome.rows]
+    counts = count_rows(rows)
+    first = cause = None
+    for outcome in outcomes:  # steps then ranks, in order
+        if outcome.diverged:
+            first = verdict.first_divergence(outcome.rows)
+            cause = verdict.likely_cause(outcome.rows, first)
+            break
+    if first is None and strict:
+        lonely = [row for row in rows if row.status in (R.ONLY_A, R.ONLY_B)]
+        first = min(lonely, key=lambda row: (row.step, row.rank, row.order), default=None)
+    used = set().union(*(outcome.evidence for outcome in outcomes)) if outcomes else set()
+    evidence = next((name for name in _EVIDENCE_ORDER if name in used), "tensor" if not used else "statistics")
+    if evidence == "statistics":
+        notes.append("statistics only: errors are lower bounds from min/max/mean/norm; dump with task 'tensor' for full evidence")
+    elif evidence == "checksum":
+        notes.append("checksums tell bit-equal or not; magnitudes are lower bounds from the statistics")
+    unmatched = counts["only_a"] + counts["only_b"]
+    if unmatched and not strict:
+        notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']}); they are not compared")
+    diverged = counts["diverged"] > 0 or (strict and unmatched > 0)
+    tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
+    return R.CompareResult(
+        verdict="diverged" if diverged else "pass",
+        first_divergence=first,
+        likely_cause=cause,
+        counts=counts,
+        rows=rows,
+        top_ops=verdict.rank_top_ops([s for outcome in outcomes for s in outcome.summaries], top),
+        tolerances=tolerances,
+        evidence=evidence,
+        steps=steps_info,
+        path_a=path_a,
+        path_b=path_b,
+        missing=missing,
+        notes=notes,
+    )

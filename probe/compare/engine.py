@@ -1,0 +1,252 @@
+"""Compare the records of one step file of A with one of B.
+
+records -> calls -> aligned call pairs -> per record pair: metrics (tensors streamed one
+pair at a time, each distinct pair measured once) -> judgement -> origin per call.
+Tensor data is fetched through callables so the engine never holds a whole dump.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from probe.compare import result as R
+from probe.compare import verdict
+from probe.compare.align import CallPair, align_calls
+from probe.compare.mapping import NameMapping
+from probe.compare.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
+from probe.compare.records import Call, Records, build_calls, is_param_slot
+from probe.compare.tolerances import Tolerances
+
+Fetch = Callable[[int], np.ndarray]
+_STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "dtype")
+
+
+@dataclass
+class StepOutcome:
+    step: int
+    rank: int
+    rows: list[R.RecordRow]
+    summaries: list[R.OpSummary]
+    evidence: set = field(default_factory=set)
+    tensor_bytes: int = 0
+
+    @property
+    def diverged(self) -> bool:
+        return any(row.status == R.DIVERGED for row in self.rows)
+
+    def counts(self) -> dict:
+        return count_rows(self.rows)
+
+
+def count_rows(rows) -> dict:
+    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0}
+    for row in rows:
+        if row.status in (R.MATCH, R.DIVERGED):
+            counts["matched"] += 1
+            if row.status == R.DIVERGED:
+                counts["diverged"] += 1
+        else:
+            counts[row.status] += 1
+    return counts
+
+
+class _Provenance:
+    """Where an input tensor of run A came from: produced by an earlier record, a param, or neither."""
+
+    def __init__(self, records: Records, calls: list[Call]):
+        cols = records.columns
+        self._cols = cols
+        self.produced: dict = {}
+        self.params: set = set()
+        for call in calls:
+            for slot, row in call.slots.items():
+                if cols["dtype"][row] == "":
+                    continue
+                prints = self.fingerprints(row)
+                if is_param_slot(slot):
+                    self.params.update(prints)
+                elif cols["io"][row] == "out":
+                    for mark in prints:
+                        self.produced.setdefault(mark, call.order())
+
+    def fingerprints(self, row: int) -> list:
+        cols = self._cols
+        marks = []
+        if cols["tensor_id"][row] >= 0:
+            marks.append(("id", cols["tensor_id"][row]))
+        stats = tuple(repr(cols[name][row]) for name in _STAT_COLUMNS) + (cols["shape"][row],)
+        if not all(math.isnan(cols[name][row]) for name in ("min", "max", "mean", "norm")):
+            marks.append(("stats", stats))
+        return marks
+
+    def kind(self, row: int, order: tuple) -> str:
+        prints = self.fingerprints(row)
+        for mark in prints:
+            made = self.produced.get(mark)
+            if made is not None and made < order:
+                return "produced"
+        if any(mark in self.params for mark in prints):
+            return "param"
+        return "external"
+
+
+def compare_step(
+    records_a: Records,
+    records_b: Records,
+    fetch_a: Fetch | None,
+    fetch_b: Fetch | None,
+    tolerances: Tolerances,
+    mapping: NameMapping | None = None,
+    step: int = 0,
+    rank: int = 0,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> StepOutcome:
+    """Align, measure and judge one pair of step files.
+
+    progress(done_calls, total_calls, tensor_bytes_read) is called after each call pair.
+    """
+    rename = mapping.rename if mapping else None
+    calls_a = build_calls(records_a, rename)
+    calls_b = build_calls(records_b, rename)
+    pairs = align_calls(calls_a, calls_b)
+    provenance = _Provenance(records_a, calls_a)
+    measure = _Measurer(records_a, records_b, fetch_a, fetch_b, tolerances)
+    rows: list[R.RecordRow] = []
+    summaries: list[R.OpSummary] = []
+    for done, pair in enumerate(pairs, 1):
+        call_rows = _pair_rows(pair, records_a, records_b, step, rank)
+        for row, row_a, row_b in call_rows:
+            if row_a is not None and row_b is not None:
+                measure.judge(row, row_a, row_b)
+        if pair.a is not None and pair.b is not None:
+            lookup = {id(row): row_a for row, row_a, _ in call_rows}
+            order = pair.a.order()
+            verdict.judge_call(
+                [row for row, _, _ in call_rows],
+                lambda row: provenance.kind(lookup[id(row)], order),
+            )
+            summary = verdict.summarize_call([row for row, _, _ in call_rows])
+            if summary is not None:
+                summaries.append(summary)
+        rows.extend(row for row, _, _ in call_rows)
+        if progress is not None:
+            progress(done, len(pairs), measure.bytes_read)
+    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
+
+
+def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int, rank: int):
+    """RecordRows of one call pair, slots in A's record order then B's extra slots."""
+    a, b = pair.a, pair.b
+    slots_a = a.slots if a else {}
+    slots_b = b.slots if b else {}
+    ordered = sorted(slots_a, key=slots_a.get) + sorted((s for s in slots_b if s not in slots_a), key=slots_b.get)
+    out = []
+    for position, slot in enumerate(ordered):
+        row_a, row_b = slots_a.get(slot), slots_b.get(slot)
+        out.append((_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position), row_a, row_b))
+    for call, records, status in ((a, records_a, R.ONLY_A), (b, records_b, R.ONLY_B)):
+        for extra in call.extras if call else ():
+            row_a = extra if status == R.ONLY_A else None
+            row_b = extra if status == R.ONLY_B else None
+            slot = records.get("slot", extra)
+            out.append((_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, len(out)), row_a, row_b))
+    return out
+
+
+def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position) -> R.RecordRow:
+    main, main_row = (records_a, row_a) if row_a is not None else (records_b, row_b)
+    get = main.columns
+    if row_a is not None and row_b is not None:
+        status = R.MATCH
+    else:
+        status = R.ONLY_A if row_a is not None else R.ONLY_B
+    row = R.RecordRow(
+        step=step,
+        rank=rank,
+        status=status,
+        module=get["module"][main_row],
+        op=get["op"][main_row],
+        index=int(get["index"][main_row]),
+        phase=get["phase"][main_row],
+        slot=slot,
+        io=get["io"][main_row],
+        kind=get["kind"][main_row],
+        source=get["source"][main_row],
+        paired_by=pair.how,
+        order=(*pair.order, position),
+    )
+    if row_a is not None:
+        cols = records_a.columns
+        row.key_a, row.seq_a = cols["key"][row_a], int(cols["seq"][row_a])
+        row.dtype_a, row.shape_a = cols["dtype"][row_a], cols["shape"][row_a]
+    if row_b is not None:
+        cols = records_b.columns
+        row.key_b, row.seq_b = cols["key"][row_b], int(cols["seq"][row_b])
+        row.dtype_b, row.shape_b = cols["dtype"][row_b], cols["shape"][row_b]
+    if status == R.ONLY_A:
+        row.reasons.append("no partner in B")
+    elif status == R.ONLY_B:
+        row.reasons.append("no partner in A")
+    return row
+
+
+class _Measurer:
+    """Metrics of record pairs, reading each distinct tensor pair once."""
+
+    def __init__(self, records_a, records_b, fetch_a, fetch_b, tolerances: Tolerances):
+        self.a, self.b = records_a.columns, records_b.columns
+        self.fetch_a, self.fetch_b = fetch_a, fetch_b
+        self.tolerances = tolerances
+        self.memo: dict[tuple[int, int], Metrics] = {}
+        self.evidence: set = set()
+        self.bytes_read = 0
+
+    def judge(self, row: R.RecordRow, row_a: int, row_b: int) -> None:
+        a, b = self.a, self.b
+        if a["dtype"][row_a] == "" or b["dtype"][row_b] == "":
+            if a["dtype"][row_a] != b["dtype"][row_b]:
+                row.status = R.DIVERGED
+                row.reasons.append("a tensor on one side, a plain value on the other")
+                return
+            verdict.judge_value(row, value_metrics(a["value"][row_a], b["value"][row_b]))
+            return
+        row.tol_dtype, tol = self.tolerances.for_pair(row.dtype_a, row.dtype_b)
+        if row.dtype_a != row.dtype_b:
+            row.notes.append(f"dtype {row.dtype_a} in A, {row.dtype_b} in B (judged as {row.tol_dtype})")
+        if _shape(row.shape_a) != _shape(row.shape_b):
+            verdict.judge_shape(row)
+            return
+        verdict.judge_tensor(row, self.metrics(row_a, row_b, tol), tol)
+        self.evidence.add(row.metrics.evidence)
+
+    def metrics(self, row_a: int, row_b: int, tol) -> Metrics:
+        a, b = self.a, self.b
+        id_a, id_b = a["tensor_id"][row_a], b["tensor_id"][row_b]
+        if id_a >= 0 and id_b >= 0 and self.fetch_a is not None and self.fetch_b is not None:
+            memo_key = (id_a, id_b)
+            found = self.memo.get(memo_key)
+            if found is not None:
+                return found
+            array_a = self.fetch_a(id_a)
+            array_b = self.fetch_b(id_b)
+            self.bytes_read += array_a.nbytes + array_b.nbytes
+            found = tensor_metrics(array_a, array_b, tol, a["dtype"][row_a], b["dtype"][row_b])
+            del array_a, array_b
+            self.memo[memo_key] = found
+            return found
+        stats_a = {name: a[name][row_a] for name in _STAT_COLUMNS}
+        stats_b = {name: b[name][row_b] for name in _STAT_COLUMNS}
+        evidence = "checksum" if stats_a["checksum"] and stats_b["checksum"] else "statistics"
+        return statistics_metrics(stats_a, stats_b, evidence)
+
+
+def _shape(text: str):
+    try:
+        return tuple(json.loads(text)) if text else ()
+    except (ValueError, TypeError):
+        return text

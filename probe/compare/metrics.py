@@ -1,0 +1,332 @@
+"""Error metrics of one aligned pair: full tensors, statistics only, checksums, or values.
+
+Everything is computed in float64, with A as the reference (relative errors divide by A).
+Full tensors are processed in fixed-size chunks so that converting a large tensor to
+float64 never needs more than a few MB beyond the two arrays themselves, and each chunk
+is read a handful of times while it is still in the CPU cache.
+
+Statistics-only dumps cannot give ||a - b||, but they bound it from below: with d = a - b,
+|mean_a - mean_b| * sqrt(n), |max_a - max_b|, |min_a - min_b| and | ||a|| - ||b|| | are
+all <= ||d||. The largest of them is used as the error, so statistics can miss a
+divergence (weaker evidence) but never invent one the tensors would not show.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from probe.compare.tolerances import Tolerance
+
+#: elements per chunk: 2 x 1 MB of float64 plus scratch stays in L2/L3 cache.
+CHUNK = 1 << 17
+
+#: integer view with the same width as each dtype whose ULP distance we report
+_ULP_VIEWS = {"float16": np.int16, "float32": np.int32, "float64": np.int64}
+ULP_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass
+class Metrics:
+    """Errors of one aligned pair. Fields that a kind of evidence cannot give are None."""
+
+    evidence: str  # "tensor" | "statistics" | "checksum" | "value"
+    numel: int = 0
+    err_l2: float = 0.0  # ||a - b|| (a lower bound for statistics evidence)
+    ref_norm: float = 0.0  # ||a||
+    other_norm: float = 0.0  # ||b||
+    rel_l2: float = 0.0  # ||a - b|| / ||a||
+    max_abs: float = 0.0
+    max_rel: float | None = None  # max |a - b| / max(|a|, atol)
+    cosine: float | None = None
+    within: float | None = None  # share of elements with |a - b| <= atol + rtol * |a|
+    nan_mismatch: int = 0  # positions NaN on one side only (count difference for statistics)
+    inf_mismatch: int = 0
+    ulp_max: int | None = None
+    bit_equal: bool | None = None
+    stat_rel: dict | None = None  # statistics evidence: relative change of norm/mean/min/max
+    value_a: str | None = None  # non-tensor values
+    value_b: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for name in ("value_a", "value_b", "stat_rel", "ulp_max", "bit_equal"):
+            if data[name] is None:
+                del data[name]
+        if not data["notes"]:
+            del data["notes"]
+        return data
+
+
+# ---------------------------------------------------------------------------- full tensors
+
+
+def _as_real(array: np.ndarray) -> np.ndarray:
+    """Flat array of numbers float64 can hold: complex -> (re, im) pairs, bool -> uint8."""
+    array = np.ascontiguousarray(array).reshape(-1)
+    if np.iscomplexobj(array):
+        return array.view(array.real.dtype)
+    if array.dtype == np.bool_:
+        return array.view(np.uint8)
+    return array
+
+
+def _ordered_bits(values: np.ndarray, dtype_name: str) -> np.ndarray | None:
+    """Integers that order like the floats and step by one per ULP (-0 and +0 both 0)."""
+    if dtype_name == "bfloat16":
+        if values.dtype != np.float32:
+            return None
+        bits = values.view(np.int32) >> 16  # decoded bf16 keeps its bits in the top half
+        magnitude = np.int32(0x7FFF)
+    elif dtype_name in _ULP_VIEWS and values.dtype == np.dtype(dtype_name):
+        view = _ULP_VIEWS[dtype_name]
+        bits = values.view(view)
+        magnitude = view(np.iinfo(view).max)
+    else:
+        return None
+    # sign-magnitude -> two's complement: negatives become -magnitude. Plain integer ops
+    # (shift, and, xor, subtract) are several times faster than np.where here.
+    sign = bits >> (bits.dtype.itemsize * 8 - 1)  # -1 where negative, else 0
+    ordered = np.bitwise_and(sign, magnitude)
+    np.bitwise_xor(ordered, bits, out=ordered)
+    np.subtract(ordered, sign, out=ordered)
+    return ordered
+
+
+def _ulp_chunk_max(ordered_a: np.ndarray, ordered_b: np.ndarray) -> int:
+    if ordered_a.size == 0:
+        return 0
+    if ordered_a.dtype != np.int64:
+        wide = np.int32 if ordered_a.dtype == np.int16 or ordered_a.itemsize == 2 else np.int64
+        diff = np.subtract(ordered_a, ordered_b, dtype=wide)
+        return int(max(diff.max(), -diff.min()))
+    # 64-bit: a difference across zero can exceed int64; take those apart exactly
+    cross = (ordered_a < 0) != (ordered_b < 0)
+    best = 0
+    if not cross.all():
+        same_a, same_b = ordered_a[~cross], ordered_b[~cross]
+        diff = same_a - same_b
+        best = int(max(diff.max(), -diff.min()))
+    if cross.any():
+        mags = np.abs(ordered_a[cross]).astype(np.uint64) + np.abs(ordered_b[cross]).astype(np.uint64)
+        best = max(best, int(mags.max()))
+    return best
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    # einsum's single-threaded loop, not BLAS: OpenBLAS threads spin badly on a busy machine
+    return float(np.einsum("i,i->", x, y))
+
+
+class _Accumulator:
+    __slots__ = ("saa", "sbb", "sab", "sdd", "max_abs", "max_rel", "within", "nan", "inf", "ulp")
+
+    def __init__(self):
+        self.saa = self.sbb = self.sab = self.sdd = 0.0
+        self.max_abs = self.max_rel = 0.0
+        self.within = self.nan = self.inf = self.ulp = 0
+
+
+def tensor_metrics(
+    a: np.ndarray,
+    b: np.ndarray,
+    tol: Tolerance,
+    dtype_a: str = "",
+    dtype_b: str = "",
+    chunk: int = CHUNK,
+) -> Metrics:
+    """Metrics of two same-shape arrays (decoded values). A is the reference."""
+    flat_a, flat_b = _as_real(a), _as_real(b)
+    if flat_a.size != flat_b.size:
+        raise ValueError(f"tensor_metrics needs equal sizes, got {flat_a.size} and {flat_b.size}")
+    numel = int(np.asarray(a).size)
+    ulp_dtype = dtype_a if dtype_a == dtype_b and dtype_a in ULP_DTYPES else None
+    # The ULP of a float32 that holds a decoded bf16 is the bf16 ULP; of an exactly
+    # representable int, none: only floats stored as themselves get one.
+    acc = _Accumulator()
+    size = flat_a.size
+    width = min(chunk, max(size, 1))
+    buf_a = np.empty(width, np.float64)
+    buf_b = np.empty(width, np.float64)
+    buf_d = np.empty(width, np.float64)
+    buf_t = np.empty(width, np.float64)
+    buf_m = np.empty(width, np.bool_)
+    floor = max(tol.atol, np.finfo(np.float64).tiny)
+    ulp_ok = ulp_dtype is not None
+    for start in range(0, size, width):
+        raw_a = flat_a[start : start + width]
+        raw_b = flat_b[start : start + width]
+        n = raw_a.size
+        ca, cb = buf_a[:n], buf_b[:n]
+        ca[...] = raw_a
+        cb[...] = raw_b
+        saa, sbb = _dot(ca, ca), _dot(cb, cb)
+        if not (math.isfinite(saa) and math.isfinite(sbb)):
+            ca, cb, raw_a, raw_b = _drop_non_finite(ca, cb, raw_a, raw_b, acc)
+            n = ca.size
+            saa, sbb = _dot(ca, ca), _dot(cb, cb)
+        acc.saa += saa
+        acc.sbb += sbb
+        acc.sab += _dot(ca, cb)
+        if n == 0:
+            continue
+        d, t, m = buf_d[:n], buf_t[:n], buf_m[:n]
+        np.subtract(ca, cb, out=d)
+        acc.sdd += _dot(d, d)
+        np.abs(d, out=d)
+        acc.max_abs = max(acc.max_abs, float(d.max()))
+        np.abs(ca, out=ca)
+        np.multiply(ca, tol.rtol, out=t)
+        t += tol.atol
+        acc.within += int(np.count_nonzero(np.less_equal(d, t, out=m)))
+        np.maximum(ca, floor, out=ca)
+        np.divide(d, ca, out=t)
+        acc.max_rel = max(acc.max_rel, float(t.max()))
+        if ulp_ok:
+            ordered_a = _ordered_bits(raw_a, ulp_dtype)
+            ordered_b = _ordered_bits(raw_b, ulp_dtype)
+            if ordered_a is None or ordered_b is None:
+                ulp_ok = False
+            else:
+                acc.ulp = max(acc.ulp, _ulp_chunk_max(ordered_a, ordered_b))
+    return _finish(acc, numel, size, ulp_ok)
+
+
+def _drop_non_finite(ca, cb, raw_a, raw_b, acc):
+    """Count NaN/Inf disagreements and keep the positions finite on both sides."""
+    nan_a, nan_b = np.isnan(ca), np.isnan(cb)
+    acc.nan += int(np.count_nonzero(nan_a != nan_b))
+    inf_a, inf_b = np.isinf(ca), np.isinf(cb)
+    with np.errstate(invalid="ignore"):
+        differs = ca != cb
+    acc.inf += int(np.count_nonzero((inf_a | inf_b) & differs & ~(nan_a | nan_b)))
+    keep = ~(nan_a | nan_b | inf_a | inf_b)
+    return ca[keep], cb[keep], raw_a[keep], raw_b[keep]
+
+
+def _finish(acc: _Accumulator, numel: int, size: int, ulp_ok: bool) -> Metrics:
+    err = math.sqrt(acc.sdd)
+    norm_a, norm_b = math.sqrt(acc.saa), math.sqrt(acc.sbb)
+    if norm_a > 0:
+        rel = err / norm_a
+    else:
+        rel = 0.0 if err == 0 else math.inf
+    if norm_a > 0 and norm_b > 0:
+        cosine = max(-1.0, min(1.0, acc.sab / (norm_a * norm_b)))
+    else:
+        cosine = 1.0 if norm_a == norm_b else 0.0
+    within = (acc.within / size) if size else 1.0
+    return Metrics(
+        evidence="tensor",
+        numel=numel,
+        err_l2=err,
+        ref_norm=norm_a,
+        other_norm=norm_b,
+        rel_l2=rel,
+        max_abs=acc.max_abs,
+        max_rel=acc.max_rel,
+        cosine=cosine,
+        within=within,
+        nan_mismatch=acc.nan,
+        inf_mismatch=acc.inf,
+        ulp_max=acc.ulp if ulp_ok else None,
+        bit_equal=(acc.sdd == 0 and acc.nan == 0 and acc.inf == 0 and (not ulp_ok or acc.ulp == 0)),
+    )
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def statistics_metrics(ra: dict, rb: dict, evidence: str = "statistics") -> Metrics:
+    """Lower bounds of the error from the recorded min/max/mean/norm/NaN/Inf counts."""
+    numel = int(ra["numel"])
+    rms_a = ra["norm"] / math.sqrt(numel) if numel > 0 and math.isfinite(ra["norm"]) else math.nan
+    diffs = {}
+    for name in ("norm", "mean", "min", "max"):
+        va, vb = float(ra[name]), float(rb[name])
+        diffs[name] = abs(va - vb) if math.isfinite(va) and math.isfinite(vb) else math.nan
+    bounds = [
+        diffs["norm"],
+        diffs["mean"] * math.sqrt(numel) if numel > 0 else math.nan,
+        diffs["max"],
+        diffs["min"],
+    ]
+    known = [value for value in bounds if math.isfinite(value)]
+    err = max(known) if known else 0.0
+    norm_a = float(ra["norm"]) if math.isfinite(ra["norm"]) else 0.0
+    if norm_a > 0:
+        rel = err / norm_a
+    else:
+        rel = 0.0 if err == 0 else math.inf
+    stat_rel = {}
+    for name, diff in diffs.items():
+        scale = norm_a if name == "norm" else rms_a
+        if not math.isfinite(diff):
+            stat_rel[name] = None
+        elif diff == 0:
+            stat_rel[name] = 0.0
+        else:
+            stat_rel[name] = diff / scale if scale and math.isfinite(scale) else math.inf
+    abs_known = [diffs[name] for name in ("max", "min", "mean") if math.isfinite(diffs[name])]
+    metrics = Metrics(
+        evidence=evidence,
+        numel=numel,
+        err_l2=err,
+        ref_norm=norm_a,
+        other_norm=float(rb["norm"]) if math.isfinite(rb["norm"]) else 0.0,
+        rel_l2=rel,
+        max_abs=max(abs_known) if abs_known else 0.0,
+        nan_mismatch=abs(int(ra["nan_count"]) - int(rb["nan_count"])),
+        inf_mismatch=abs(int(ra["inf_count"]) - int(rb["inf_count"])),
+        stat_rel=stat_rel,
+    )
+    if evidence == "checksum":
+        same = bool(ra["checksum"]) and ra["checksum"] == rb["checksum"] and ra["dtype"] == rb["dtype"]
+        metrics.bit_equal = same
+        if same:  # identical bytes: the statistics cannot disagree, the error is exactly zero
+            metrics.err_l2 = metrics.rel_l2 = metrics.max_abs = 0.0
+    return metrics
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def parse_value(text: str):
+    """The Python value of a record's JSON value column ("" -> None)."""
+    if text == "":
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def value_metrics(text_a: str, text_b: str) -> Metrics:
+    """Non-tensor values compare exactly (1 and 1.0 are equal; NaN equals NaN)."""
+    equal = _values_equal(parse_value(text_a), parse_value(text_b))
+    return Metrics(
+        evidence="value",
+        numel=1,
+        err_l2=0.0 if equal else math.inf,
+        rel_l2=0.0 if equal else math.inf,
+        max_abs=0.0 if equal else math.inf,
+        bit_equal=equal,
+        value_a=text_a,
+        value_b=text_b,
+    )
+
+
+def _values_equal(x, y) -> bool:
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_values_equal(p, q) for p, q in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_values_equal(x[k], y[k]) for k in x)
+    if isinstance(x, bool) or isinstance(y, bool):
+        return type(x) is type(y) and x == y
+    return x == y

@@ -1,0 +1,148 @@
+"""The records of one step file as plain columns, and their grouping into calls.
+
+Compare works on this small in-memory form so that the same code runs on a step file
+(``Records.from_table(step.records)``) and on hand-made records in tests
+(``Records.from_dicts([...])``). A *call* is every record of one (module, op, index, phase):
+the inputs, parameters, arguments and outputs of one forward call or one backward firing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from probe.dump import schema
+
+_NUMERIC = {name for name, kind in schema.RECORD_COLUMNS if kind != "str"}
+_IN_PREFIXES = ("input", "kwarg", "param.", "grad_output")
+
+
+def slot_io(slot: str) -> str:
+    """The io a slot has by the schema's rules (used to fill hand-made records)."""
+    return "in" if slot.startswith(_IN_PREFIXES) else "out"
+
+
+def is_param_slot(slot: str) -> bool:
+    return slot.startswith("param.")
+
+
+class Records:
+    """Column name -> Python list, one entry per record (row i of each list = record i)."""
+
+    def __init__(self, columns: dict[str, list], source: str = ""):
+        lengths = {len(values) for values in columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"record columns of unequal length in {source or 'records'}")
+        self.columns = columns
+        self.source = source
+        self._length = lengths.pop() if lengths else 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def get(self, name: str, row: int):
+        return self.columns[name][row]
+
+    def row(self, row: int) -> dict:
+        return {name: values[row] for name, values in self.columns.items()}
+
+    @classmethod
+    def from_table(cls, table, source: str = "") -> "Records":
+        """From probe.dump.reader's RecordTable (numpy columns)."""
+        return cls({name: table.column(name).tolist() for name in schema.COLUMN_NAMES}, source)
+
+    @classmethod
+    def from_dicts(cls, rows: list[dict], source: str = "") -> "Records":
+        """From record dicts; missing columns get the schema's 'not recorded' values."""
+        filled = [_fill(row) for row in rows]
+        return cls({name: [row[name] for row in filled] for name in schema.COLUMN_NAMES}, source)
+
+
+def _fill(row: dict) -> dict:
+    row = dict(row)
+    slot = row.get("slot", "output.0")
+    row.setdefault("slot", slot)
+    row.setdefault("module", "")
+    row.setdefault("op", "op")
+    row.setdefault("index", 0)
+    row.setdefault("phase", "forward")
+    row.setdefault("kind", "param" if is_param_slot(slot) or slot.startswith("param_grad") else "api")
+    row.setdefault("io", slot_io(slot))
+    row.setdefault("seq", 0)
+    row.setdefault("key", schema.make_key(row["module"], row["op"], row["index"], row["phase"], slot))
+    is_value = "value" in row and row["value"] != ""
+    row.setdefault("value", "")
+    row.setdefault("dtype", "" if is_value else "float32")
+    row.setdefault("shape", "" if is_value else "[]")
+    row.setdefault("device", "" if is_value else "cpu")
+    if "numel" not in row:
+        row["numel"] = 0 if is_value else math.prod(json.loads(row["shape"] or "[]"))
+    for name in ("min", "max", "mean", "norm"):
+        row.setdefault(name, math.nan)
+    for name in ("nan_count", "inf_count"):
+        row.setdefault(name, 0)
+    row.setdefault("checksum", "")
+    row.setdefault("tensor_id", -1)
+    row.setdefault("source", "")
+    missing = [name for name in schema.COLUMN_NAMES if name not in row]
+    if missing:
+        raise ValueError(f"record lacks {missing}")
+    return row
+
+
+@dataclass
+class Call:
+    """The records of one call: (module, op, index, phase), in execution order by seq."""
+
+    module: str
+    op: str
+    index: int
+    phase: str
+    kind: str
+    seq: int
+    first_row: int
+    slots: dict[str, int] = field(default_factory=dict)  # slot -> row
+    extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
+    name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
+    shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}/{self.op}#{self.index}/{self.phase}"
+
+    def order(self) -> tuple[int, int]:
+        return (self.seq, self.first_row)
+
+
+def build_calls(records: Records, rename=None) -> list[Call]:
+    """Group records into calls, in execution order. rename(module, op) -> (module, op)."""
+    cols = records.columns
+    modules, ops, indexes, phases = cols["module"], cols["op"], cols["index"], cols["phase"]
+    kinds, seqs, slots, dtypes, shapes = cols["kind"], cols["seq"], cols["slot"], cols["dtype"], cols["shape"]
+    calls: dict[tuple, Call] = {}
+    for row in range(len(records)):
+        group = (modules[row], ops[row], indexes[row], phases[row])
+        call = calls.get(group)
+        if call is None:
+            call = Call(
+                module=modules[row], op=ops[row], index=int(indexes[row]), phase=phases[row],
+                kind=kinds[row], seq=int(seqs[row]), first_row=row,
+            )
+            calls[group] = call
+        elif kinds[row] != "param" and call.kind == "param":
+            call.kind = kinds[row]  # a module call that also carries its parameters
+        call.seq = min(call.seq, int(seqs[row]))
+        # a repeated slot (never written by probe) keeps its first record; the rest stay unpaired
+        if slots[row] in call.slots:
+            call.extras.append(row)
+        else:
+            call.slots[slots[row]] = row
+    result = list(calls.values())
+    for call in result:
+        call.name = rename(call.module, call.op) if rename else (call.module, call.op)
+        call.shapes = tuple(
+            sorted((slot, shapes[row]) for slot, row in call.slots.items() if dtypes[row] != "")
+        )
+    result.sort(key=Call.order)
+    return result

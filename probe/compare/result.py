@@ -1,0 +1,216 @@
+"""What a compare returns: one row per aligned record, the verdict, and the summaries.
+
+``CompareResult.to_dict()`` is exactly what ``probe compare --json`` prints. Non-finite
+floats become the strings "inf", "-inf" and "nan" so the output stays strict JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from probe.compare.metrics import Metrics
+
+# row status
+MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
+# origin of a divergent record
+INTRODUCED, INHERITED = "introduced", "inherited"
+# what kind of divergence a row is
+OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
+
+
+@dataclass
+class RecordRow:
+    """One record of A aligned with one record of B (or with nothing)."""
+
+    step: int
+    rank: int
+    status: str
+    module: str
+    op: str
+    index: int
+    phase: str
+    slot: str
+    io: str
+    kind: str
+    key_a: str = ""
+    key_b: str = ""
+    seq_a: int | None = None
+    seq_b: int | None = None
+    dtype_a: str = ""
+    dtype_b: str = ""
+    shape_a: str = ""
+    shape_b: str = ""
+    source: str = ""
+    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY)
+    tol_dtype: str = ""
+    rtol: float | None = None
+    atol: float | None = None
+    metrics: Metrics | None = None
+    score: float | None = None  # error / tolerance budget: > 1 is beyond tolerance
+    divergence: str = ""  # OUTPUT / PARAM / ARGUMENT / INPUT when status is DIVERGED
+    origin: str = ""  # INTRODUCED / INHERITED for divergent outputs
+    cause: str = ""  # one line: why this op introduced its error
+    reasons: list[str] = field(default_factory=list)  # why the row diverged
+    notes: list[str] = field(default_factory=list)  # facts that are not errors (dtype differs)
+    input_errors: list[dict] = field(default_factory=list)  # the call's inputs, for outputs
+    order: tuple = ()  # execution order within the step (A's seq)
+
+    @property
+    def key(self) -> str:
+        return self.key_a or self.key_b
+
+    def to_dict(self) -> dict:
+        data = {
+            "step": self.step,
+            "rank": self.rank,
+            "status": self.status,
+            "key": self.key,
+            "key_b": self.key_b,
+            "module": self.module,
+            "op": self.op,
+            "index": self.index,
+            "phase": self.phase,
+            "slot": self.slot,
+            "io": self.io,
+            "kind": self.kind,
+            "seq_a": self.seq_a,
+            "seq_b": self.seq_b,
+            "dtype_a": self.dtype_a,
+            "dtype_b": self.dtype_b,
+            "shape_a": self.shape_a,
+            "shape_b": self.shape_b,
+            "source": self.source,
+            "paired_by": self.paired_by,
+            "tolerance": {"dtype": self.tol_dtype, "rtol": self.rtol, "atol": self.atol} if self.tol_dtype else None,
+            "score": self.score,
+            "divergence": self.divergence or None,
+            "origin": self.origin or None,
+            "cause": self.cause or None,
+            "reasons": list(self.reasons),
+            "notes": list(self.notes),
+        }
+        if self.metrics is not None:
+            data["evidence"] = self.metrics.evidence
+            data["metrics"] = self.metrics.to_dict()
+        if self.input_errors:
+            data["input_errors"] = list(self.input_errors)
+        return json_safe(data)
+
+
+@dataclass
+class OpSummary:
+    """One call pair ranked by the error it introduces (top_ops)."""
+
+    step: int
+    rank: int
+    module: str
+    op: str
+    index: int
+    phase: str
+    key: str
+    kind: str
+    introduced: float  # output rel L2 minus the largest rel L2 of its produced inputs
+    output_rel_l2: float
+    input_rel_l2: float
+    ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)
+    diverged: bool
+    origin: str
+    source: str = ""
+
+    def to_dict(self) -> dict:
+        return json_safe(dict(self.__dict__))
+
+
+@dataclass
+class CompareResult:
+    verdict: str  # "pass" | "diverged"
+    first_divergence: RecordRow | None
+    likely_cause: RecordRow | None
+    counts: dict
+    rows: list[RecordRow]
+    top_ops: list[OpSummary]
+    tolerances: dict
+    evidence: str  # "tensor" | "checksum" | "statistics" (the weakest used)
+    steps: list[dict]  # [{"step", "rank", "verdict", "counts"}] per compared file pair
+    path_a: str = ""
+    path_b: str = ""
+    missing: list[str] = field(default_factory=list)  # steps/ranks on one side only
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def diverged(self) -> bool:
+        return self.verdict == "diverged"
+
+    @property
+    def divergences(self) -> list[RecordRow]:
+        return [row for row in self.rows if row.status == DIVERGED]
+
+    def to_dict(self, rows: bool = False) -> dict:
+        data = {
+            "verdict": self.verdict,
+            "a": self.path_a,
+            "b": self.path_b,
+            "reference": "a",
+            "first_divergence": divergence_dict(self.first_divergence),
+            "likely_cause": divergence_dict(self.likely_cause),
+            "counts": dict(self.counts),
+            "evidence": self.evidence,
+            "tolerances": self.tolerances,
+            "top_ops": [op.to_dict() for op in self.top_ops],
+            "steps": list(self.steps),
+            "missing": list(self.missing),
+            "notes": list(self.notes),
+        }
+        if rows:
+            data["rows"] = [row.to_dict() for row in self.rows]
+        return json_safe(data)
+
+
+def divergence_dict(row: RecordRow | None) -> dict | None:
+    """The contract form of a divergence: where, what, and every metric at the top level."""
+    if row is None:
+        return None
+    data = {
+        "step": row.step,
+        "rank": row.rank,
+        "key": row.key,
+        "module": row.module,
+        "op": row.op,
+        "index": row.index,
+        "phase": row.phase,
+        "slot": row.slot,
+        "io": row.io,
+        "kind": row.divergence,
+        "origin": row.origin or None,
+        "cause": row.cause or None,
+        "source": row.source,
+        "dtype_a": row.dtype_a,
+        "dtype_b": row.dtype_b,
+        "shape": row.shape_a or row.shape_b,
+        "score": row.score,
+        "reasons": list(row.reasons),
+        "input_errors": list(row.input_errors),
+    }
+    if row.metrics is not None:
+        data["evidence"] = row.metrics.evidence
+        metrics = row.metrics.to_dict()
+        metrics.pop("evidence", None)
+        metrics.pop("notes", None)
+        data.update(metrics)
+    return json_safe(data)
+
+
+def json_safe(value):
+    """Replace non-finite floats by strings, recursively (JSON has no Infinity/NaN)."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value

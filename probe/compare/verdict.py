@@ -1,0 +1,239 @@
+"""Judge aligned records, tell introduced from inherited error, pick the first divergence.
+
+Rules (docs/compare.md explains them for users):
+
+* A tensor record is beyond tolerance when ``||a - b|| > rtol * ||a|| + atol * sqrt(n)``
+  (``score`` = the left side over the right side, > 1 fails), with the tolerance of the
+  lower-precision dtype; or when NaN or Inf sit on one side only; or when the shapes differ.
+  A dtype difference alone is a note.
+* A non-tensor argument (value column) compares exactly. A changed argument is a cause: the
+  row is a divergence of kind "argument" and every output of that call counts as diverged
+  and introduced there. Dtype-valued arguments (``x.to(torch.bfloat16)``) are notes.
+* A parameter record (slot ``param.*``) beyond tolerance is a divergence of kind "param".
+* The inputs of a call are classified through the step's records: *produced* when an
+  earlier record outputs the same tensor (same tensor_id, or same checksum/statistics),
+  *param* when it is a parameter, else *external* (data, buffers, constants).
+* A divergent output is ``introduced`` when no produced input is beyond tolerance (a
+  changed parameter, argument or external input enters the computation here), or when its
+  relative L2 error exceeds AMPLIFICATION times the largest relative L2 error of its
+  produced inputs; otherwise ``inherited``.
+* The first divergence is the earliest divergent output record in A's execution order
+  (seq; forward and backward as they ran). Records that exist on one side only are never
+  a pass and never a divergence: they are counted as only_a / only_b.
+"""
+
+from __future__ import annotations
+
+import math
+
+from probe.compare import result as R
+from probe.compare.metrics import Metrics, parse_value
+from probe.compare.records import is_param_slot
+from probe.compare.tolerances import MANTISSA_BITS, Tolerance
+
+#: an output whose rel L2 error is this many times its inputs' is called introduced
+AMPLIFICATION = 10.0
+
+_DTYPE_WORDS = set(MANTISSA_BITS) | {
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "half",
+    "float", "double", "long", "int", "short",
+}
+
+
+def is_dtype_value(text: str) -> bool:
+    value = parse_value(text)
+    return isinstance(value, str) and value.removeprefix("torch.") in _DTYPE_WORDS
+
+
+def score_of(metrics: Metrics, tol: Tolerance) -> float:
+    budget = tol.budget(metrics.ref_norm, metrics.numel)
+    if metrics.err_l2 == 0:
+        return 0.0
+    if budget <= 0:
+        return math.inf
+    return metrics.err_l2 / budget
+
+
+def judge_tensor(row: R.RecordRow, metrics: Metrics, tol: Tolerance) -> None:
+    """Set score, status and reasons of a paired tensor row from its metrics."""
+    row.metrics = metrics
+    row.rtol, row.atol = tol.rtol, tol.atol
+    row.score = score_of(metrics, tol)
+    reasons = []
+    if metrics.nan_mismatch:
+        what = "positions" if metrics.evidence == "tensor" else "in the NaN count"
+        reasons.append(f"NaN on one side only ({metrics.nan_mismatch} {what})")
+    if metrics.inf_mismatch:
+        what = "positions" if metrics.evidence == "tensor" else "in the Inf count"
+        reasons.append(f"Inf on one side only ({metrics.inf_mismatch} {what})")
+    if row.score > 1:
+        reasons.append(
+            f"rel L2 {metrics.rel_l2:.3g} beyond {row.tol_dtype} tolerance "
+            f"(score {row.score:.3g}, rtol {tol.rtol:g}, atol {tol.atol:g})"
+        )
+    row.reasons.extend(reasons)
+    row.status = R.DIVERGED if reasons else R.MATCH
+
+
+def judge_shape(row: R.RecordRow) -> None:
+    row.status = R.DIVERGED
+    row.reasons.append(f"shape {row.shape_a} in A, {row.shape_b} in B")
+
+
+def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
+    row.metrics = metrics
+    row.score = 0.0 if metrics.bit_equal else math.inf
+    if metrics.bit_equal:
+        row.status = R.MATCH
+    elif row.io == "in" and is_dtype_value(metrics.value_a or "") and is_dtype_value(metrics.value_b or ""):
+        row.status = R.MATCH  # a dtype choice, never an error by itself
+        row.notes.append(f"dtype argument {metrics.value_a} in A, {metrics.value_b} in B")
+    else:
+        row.status = R.DIVERGED
+        row.reasons.append(f"value {metrics.value_a} in A, {metrics.value_b} in B")
+
+
+def judge_call(rows: list[R.RecordRow], input_kind) -> None:
+    """Classify the divergent rows of one call pair and give its outputs an origin.
+
+    input_kind(row) -> "produced" | "param" | "external" for an input-side tensor row.
+    """
+    inputs, changed_args, params, external = [], [], [], []
+    for row in rows:
+        if row.io != "in" or row.status not in (R.MATCH, R.DIVERGED):
+            continue
+        if row.metrics is not None and row.metrics.evidence == "value":
+            if row.status == R.DIVERGED:
+                row.divergence = R.ARGUMENT
+                row.origin = R.INTRODUCED
+                changed_args.append(row)
+            continue
+        kind = "param" if is_param_slot(row.slot) else input_kind(row)
+        if kind == "param":
+            if row.status == R.DIVERGED:
+                row.divergence = R.PARAM
+                row.origin = R.INTRODUCED
+                params.append(row)
+            continue
+        if kind == "external" and row.status == R.DIVERGED:
+            external.append(row)
+        if kind == "produced":
+            inputs.append(row)
+        if row.status == R.DIVERGED:
+            row.divergence = R.INPUT
+            row.origin = R.INTRODUCED if kind == "external" else R.INHERITED
+    input_rel = max((_rel(r) for r in inputs), default=0.0)
+    inherited = [r for r in inputs if r.status == R.DIVERGED]
+    summary = [_input_summary(r, input_kind) for r in rows if r.io == "in" and r.metrics is not None and r.metrics.evidence != "value"]
+    for row in rows:
+        if row.io != "out" or row.status not in (R.MATCH, R.DIVERGED):
+            continue
+        row.input_errors = summary
+        if changed_args and row.status == R.MATCH:
+            row.status = R.DIVERGED
+            row.reasons.append("computed with a changed argument")
+        if row.status != R.DIVERGED:
+            continue
+        row.divergence = R.OUTPUT
+        out_rel = _rel(row)
+        amplified = bool(inherited) and out_rel > AMPLIFICATION * input_rel
+        if not inherited or amplified or changed_args:
+            row.origin = R.INTRODUCED
+            row.cause = _cause(changed_args, params, external, amplified, out_rel, input_rel)
+        else:
+            row.origin = R.INHERITED
+            worst = max(inherited, key=_rel)
+            row.cause = f"input {worst.slot} already differs (rel L2 {_rel(worst):.3g})"
+
+
+def _rel(row: R.RecordRow) -> float:
+    return row.metrics.rel_l2 if row.metrics is not None else 0.0
+
+
+def _input_summary(row: R.RecordRow, input_kind) -> dict:
+    kind = "param" if is_param_slot(row.slot) else input_kind(row)
+    return R.json_safe({
+        "slot": row.slot,
+        "source": kind,
+        "status": row.status,
+        "rel_l2": row.metrics.rel_l2,
+        "max_abs": row.metrics.max_abs,
+        "score": row.score,
+    })
+
+
+def _cause(changed_args, params, external, amplified, out_rel, input_rel) -> str:
+    if changed_args:
+        arg = changed_args[0]
+        return f"argument {arg.slot} changed: {arg.metrics.value_a} in A, {arg.metrics.value_b} in B"
+    parts = []
+    if params:
+        names = ", ".join(r.slot.removeprefix("param.") for r in params)
+        parts.append(f"parameter {names} differs (rel L2 {max(_rel(r) for r in params):.3g})")
+    if external:
+        names = ", ".join(r.slot for r in external)
+        parts.append(f"input {names} differs and no recorded op produced it")
+    if amplified:
+        ratio = out_rel / input_rel if input_rel > 0 else math.inf
+        parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {input_rel:.3g} -> {out_rel:.3g})")
+    if not parts:
+        parts.append(f"its inputs agree within tolerance (largest input rel L2 {input_rel:.3g})")
+    return "; ".join(parts)
+
+
+def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
+    """Earliest divergent output in execution order (inputs only if no output diverged)."""
+    diverged = [row for row in rows if row.status == R.DIVERGED]
+    outputs = [row for row in diverged if row.divergence == R.OUTPUT]
+    candidates = outputs or [row for row in diverged if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT)] or diverged
+    return min(candidates, key=lambda row: row.order, default=None)
+
+
+def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.RecordRow | None:
+    """The first divergent output that introduced its error (the first divergence if none)."""
+    for row in sorted(rows, key=lambda row: row.order):
+        if row.status == R.DIVERGED and row.divergence == R.OUTPUT and row.origin == R.INTRODUCED:
+            return row
+    return first
+
+
+def summarize_call(rows: list[R.RecordRow]) -> R.OpSummary | None:
+    """Error this call pair introduces: its outputs' rel L2 minus its produced inputs'."""
+    outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"]
+    if not outputs:
+        return None
+    worst = max(outputs, key=_rel)
+    input_rel = max(
+        (e["rel_l2"] for e in worst.input_errors if e["source"] == "produced" and isinstance(e["rel_l2"], float)),
+        default=0.0,
+    )
+    out_rel = _rel(worst)
+    if not math.isfinite(out_rel):
+        out_rel = math.inf
+    head = rows[0]
+    return R.OpSummary(
+        step=head.step,
+        rank=head.rank,
+        module=head.module,
+        op=head.op,
+        index=head.index,
+        phase=head.phase,
+        key=worst.key.rsplit("/", 1)[0],
+        kind=head.kind,
+        introduced=out_rel - input_rel,
+        output_rel_l2=out_rel,
+        input_rel_l2=input_rel,
+        ratio=(out_rel / input_rel) if input_rel > 0 else None,
+        diverged=any(r.status == R.DIVERGED for r in outputs),
+        origin=worst.origin,
+        source=worst.source,
+    )
+
+
+def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
+    """The calls that introduce the most error; API calls when any were captured."""
+    api = [s for s in summaries if s.kind == "api"]
+    pool = api or summaries
+    pool = [s for s in pool if s.introduced > 0]
+    pool.sort(key=lambda s: (-s.introduced, s.step, s.rank))
+    return pool[:top]

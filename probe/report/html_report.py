@@ -1,0 +1,266 @@
+"""``probe compare --html FILE``: one self-contained page (inline SVG, CSS and JS; no assets).
+
+The page shows the verdict, a chart of the error score of every compared output record
+along A's execution order (forward and backward as they ran; score > 1 is beyond
+tolerance) with the first divergence marked, the ops that introduce the most error, and a
+sortable, filterable table of the records.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+from probe.compare import result as R
+from probe.report import terminal
+
+MAX_POINTS = 4000  # chart points; more rows are bucketed (the worst of each bucket is kept)
+MAX_TABLE_ROWS = 3000  # table rows: divergent and unmatched first, then the rest in order
+WIDTH, HEIGHT = 1000, 320
+LEFT, RIGHT, TOP, BOTTOM = 60, 20, 20, 40
+Y_FLOOR = 1e-4
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 8px}
+.pass{color:#1a7f37}.diverged{color:#c62828} .muted{color:#666;font-size:13px}
+table{border-collapse:collapse;font-size:12px;width:100%}
+th,td{border-bottom:1px solid #e3e3e3;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#f6f8fa;cursor:pointer;position:sticky;top:0;user-select:none}
+th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
+tr.status-diverged td{background:#fdecea} tr.status-only_a td,tr.status-only_b td{background:#f3f3f3;color:#555}
+tr.first td{outline:2px solid #c62828}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.controls{margin:8px 0;font-size:13px} .controls input{width:240px}
+.legend span{margin-right:14px;font-size:12px} .dot{display:inline-block;width:9px;height:9px;border-radius:50%}
+dl{display:grid;grid-template-columns:max-content auto;gap:2px 12px;font-size:13px} dt{color:#555}
+svg text{font-size:11px;fill:#444}
+"""
+
+_JS = """
+(function(){
+  var table=document.getElementById('records'); if(!table) return;
+  var body=table.tBodies[0], heads=table.tHead.rows[0].cells;
+  function key(row,i,num){var c=row.cells[i];var v=c.getAttribute('data-v');
+    if(num){var x=parseFloat(v===null?c.textContent:v);return isNaN(x)?-Infinity:x;}
+    return (v===null?c.textContent:v).toLowerCase();}
+  for(var i=0;i<heads.length;i++){(function(i){heads[i].addEventListener('click',function(){
+    var num=heads[i].getAttribute('data-type')==='num';
+    var asc=!heads[i].classList.contains('sorted-asc');
+    for(var j=0;j<heads.length;j++){heads[j].classList.remove('sorted-asc','sorted-desc');}
+    heads[i].classList.add(asc?'sorted-asc':'sorted-desc');
+    var rows=Array.prototype.slice.call(body.rows);
+    rows.sort(function(a,b){var x=key(a,i,num),y=key(b,i,num);return (x<y?-1:x>y?1:0)*(asc?1:-1);});
+    rows.forEach(function(r){body.appendChild(r);});});})(i);}
+  var text=document.getElementById('filter-text'), status=document.getElementById('filter-status');
+  function apply(){var t=text.value.toLowerCase(), s=status.value, shown=0;
+    Array.prototype.forEach.call(body.rows,function(r){
+      var ok=(!t||r.textContent.toLowerCase().indexOf(t)>=0)&&(!s||r.getAttribute('data-status')===s||(s==='unmatched'&&/^only_/.test(r.getAttribute('data-status'))));
+      r.style.display=ok?'':'none'; if(ok) shown++;});
+    document.getElementById('shown').textContent=shown;}
+  text.addEventListener('input',apply); status.addEventListener('change',apply); apply();
+})();
+"""
+
+
+def _e(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(value) -> str:
+    return terminal._num(value)
+
+
+def _chart_rows(result: R.CompareResult) -> list[R.RecordRow]:
+    return [row for row in result.rows if row.io == "out" or row.divergence in (R.PARAM, R.ARGUMENT)]
+
+
+def _bucket(points: list[tuple[int, R.RecordRow]], keep) -> list[tuple[int, R.RecordRow]]:
+    if len(points) <= MAX_POINTS:
+        return points
+    size = math.ceil(len(points) / MAX_POINTS)
+    chosen = []
+    for start in range(0, len(points), size):
+        bucket = points[start : start + size]
+        chosen.append(max(bucket, key=lambda p: (p[1] is keep, _score(p[1]))))
+    return chosen
+
+
+def _score(row: R.RecordRow) -> float:
+    if row.score is None or (isinstance(row.score, float) and math.isnan(row.score)):
+        return -1.0
+    return row.score
+
+
+def chart_svg(result: R.CompareResult) -> str:
+    rows = _chart_rows(result)
+    first = result.first_divergence
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    finite = [r.score for r in rows if r.score is not None and math.isfinite(r.score) and r.score > 0]
+    top = max([10.0] + [s * 2 for s in finite])
+    y_max = 10 ** math.ceil(math.log10(top))
+    lo, hi = math.log10(Y_FLOOR), math.log10(y_max)
+    n = max(len(rows), 1)
+
+    def x_of(i):
+        return LEFT + (plot_w * (i + 0.5) / n)
+
+    def y_of(score):
+        if score is None or (isinstance(score, float) and math.isnan(score)):
+            return TOP + plot_h
+        if math.isinf(score):
+            return TOP
+        value = math.log10(max(score, Y_FLOOR))
+        return TOP + plot_h * (1 - (value - lo) / (hi - lo))
+
+    parts = [
+        f'<svg id="error-chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
+        f'width="100%" role="img" aria-label="error score along execution order">',
+        f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="#fff" stroke="#ccc"/>',
+    ]
+    exponent = int(lo)
+    while exponent <= hi:
+        y = y_of(10.0**exponent)
+        parts.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
+        parts.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">1e{exponent}</text>')
+        exponent += 1
+    # step-file boundaries
+    previous = None
+    for i, row in enumerate(rows):
+        if (row.step, row.rank) != previous and previous is not None:
+            x = x_of(i) - plot_w / n / 2
+            parts.append(f'<line class="step-boundary" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#999" stroke-dasharray="2,3"/>')
+            parts.append(f'<text x="{x + 3:.1f}" y="{TOP + 12}">step {row.step} rank {row.rank}</text>')
+        previous = (row.step, row.rank)
+    tol_y = y_of(1.0)
+    parts.append(f'<line id="tolerance-line" x1="{LEFT}" x2="{LEFT + plot_w}" y1="{tol_y:.1f}" y2="{tol_y:.1f}" stroke="#c62828" stroke-dasharray="6,4"/>')
+    parts.append(f'<text x="{LEFT + plot_w - 4}" y="{tol_y - 4:.1f}" text-anchor="end" fill="#c62828">tolerance (score 1)</text>')
+    points = _bucket(list(enumerate(rows)), first)
+    for i, row in points:
+        x, y = x_of(i), y_of(row.score)
+        label = _e(f"{row.key} [{row.status}] score {_fmt(row.score)}" + (f" {row.origin}" if row.origin else ""))
+        if row.status in (R.ONLY_A, R.ONLY_B):
+            parts.append(f'<path class="pt unmatched" d="M{x:.1f},{TOP + plot_h - 1:.1f} l-3,-6 l6,0 z" fill="#999"><title>{label}</title></path>')
+            continue
+        color = "#1f6feb" if row.phase == "forward" else "#e36209"
+        stroke = ' stroke="#c62828" stroke-width="1.5"' if row.status == R.DIVERGED else ""
+        parts.append(f'<circle class="pt {row.phase}" cx="{x:.1f}" cy="{y:.1f}" r="2.6" fill="{color}"{stroke}><title>{label}</title></circle>')
+    if first is not None and first in rows:
+        x = x_of(rows.index(first))
+        parts.append(f'<line id="first-divergence" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#c62828" stroke-width="1.5"/>')
+        anchor = "start" if x < LEFT + plot_w * 0.7 else "end"
+        dx = 4 if anchor == "start" else -4
+        text = _e(f"first divergence: {first.module or '<root>'} {first.op} ({first.phase}, {first.slot})")
+        parts.append(f'<text x="{x + dx:.1f}" y="{TOP + 26}" text-anchor="{anchor}" fill="#c62828">{text}</text>')
+    parts.append(f'<text x="{LEFT + plot_w / 2:.0f}" y="{HEIGHT - 8}" text-anchor="middle">records in execution order of A (outputs; forward blue, backward orange, no partner grey)</text>')
+    parts.append(f'<text transform="translate(14,{TOP + plot_h / 2:.0f}) rotate(-90)" text-anchor="middle">error score (log)</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _table_rows(result: R.CompareResult) -> tuple[list[tuple[int, R.RecordRow]], int]:
+    numbered = list(enumerate(result.rows, 1))
+    if len(numbered) <= MAX_TABLE_ROWS:
+        return numbered, 0
+    important = [p for p in numbered if p[1].status != R.MATCH][:MAX_TABLE_ROWS]
+    rest = [p for p in numbered if p[1].status == R.MATCH][: MAX_TABLE_ROWS - len(important)]
+    chosen = sorted(important + rest, key=lambda p: p[0])
+    return chosen, len(numbered) - len(chosen)
+
+
+_HEAD = (
+    ("#", "num"), ("step", "num"), ("rank", "num"), ("status", "text"), ("module", "text"), ("op", "text"),
+    ("phase", "text"), ("slot", "text"), ("dtype A/B", "text"), ("score", "num"), ("rel L2", "num"),
+    ("max abs", "num"), ("cosine", "num"), ("within", "num"), ("origin", "text"), ("why", "text"),
+)
+
+
+def _num_cell(value) -> str:
+    if value is None:
+        return '<td class="num" data-v="">-</td>'
+    raw = value if not (isinstance(value, float) and math.isinf(value)) else (1e308 if value > 0 else -1e308)
+    return f'<td class="num" data-v="{_e(raw)}">{_e(_fmt(value))}</td>'
+
+
+def table_html(result: R.CompareResult) -> str:
+    chosen, dropped = _table_rows(result)
+    first = result.first_divergence
+    head = "".join(f'<th data-type="{kind}">{_e(name)}</th>' for name, kind in _HEAD)
+    body = []
+    for number, row in chosen:
+        m = row.metrics
+        dtype = row.dtype_a if row.dtype_a == row.dtype_b else f"{row.dtype_a or '-'}/{row.dtype_b or '-'}"
+        why = row.cause or "; ".join(row.reasons + row.notes)
+        classes = f"status-{row.status}" + (" first" if row is first else "")
+        cells = [
+            f'<td class="num">{number}</td>', f'<td class="num">{row.step}</td>', f'<td class="num">{row.rank}</td>',
+            f"<td>{_e(row.status)}</td>", f"<td>{_e(row.module or '<root>')}</td>", f"<td>{_e(row.op)}#{row.index}</td>",
+            f"<td>{_e(row.phase)}</td>", f"<td>{_e(row.slot)}</td>", f"<td>{_e(dtype)}</td>",
+            _num_cell(row.score), _num_cell(m.rel_l2 if m else None), _num_cell(m.max_abs if m else None),
+            _num_cell(m.cosine if m else None), _num_cell(m.within if m else None),
+            f"<td>{_e(row.origin)}</td>", f"<td>{_e(why)}</td>",
+        ]
+        body.append(f'<tr class="{classes}" data-status="{_e(row.status)}">{"".join(cells)}</tr>')
+    note = f'<p class="muted">{dropped} matching records not shown; probe compare --csv lists every record.</p>' if dropped else ""
+    return (
+        '<div class="controls">filter <input id="filter-text" type="search" placeholder="module, op, slot...">'
+        ' <select id="filter-status"><option value="">all records</option><option value="diverged">diverged</option>'
+        '<option value="unmatched">no partner</option><option value="match">match</option></select>'
+        ' <span class="muted"><span id="shown"></span> shown; click a column to sort</span></div>'
+        f'<table id="records"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>{note}'
+    )
+
+
+def _top_ops_html(result: R.CompareResult) -> str:
+    if not result.top_ops:
+        return "<p class=\"muted\">No op introduces error.</p>"
+    rows = []
+    for number, op in enumerate(result.top_ops, 1):
+        rows.append(
+            f"<tr><td class=\"num\">{number}</td><td>{_e(op.module or '<root>')}</td><td>{_e(op.op)}#{op.index}</td>"
+            f"<td>{_e(op.phase)}</td><td class=\"num\">{_e(_fmt(op.introduced))}</td>"
+            f"<td class=\"num\">{_e(_fmt(op.output_rel_l2))}</td><td class=\"num\">{_e(_fmt(op.input_rel_l2))}</td>"
+            f"<td>{'beyond tolerance' if op.diverged else 'within'}</td><td>{_e(op.origin)}</td></tr>"
+        )
+    return (
+        '<table id="top-ops"><thead><tr><th>#</th><th>module</th><th>op</th><th>phase</th><th>introduced rel L2</th>'
+        f'<th>output rel L2</th><th>input rel L2</th><th>judged</th><th>origin</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    )
+
+
+def _summary_html(result: R.CompareResult) -> str:
+    c = result.counts
+    items = [
+        ("A (reference)", result.path_a), ("B", result.path_b), ("evidence", result.evidence),
+        ("counts", f"{c['matched']} matched, {c['diverged']} diverged, {c['only_a']} only in A, {c['only_b']} only in B"),
+        ("step files", ", ".join(f"step {s['step']} rank {s['rank']}: {s['verdict']}" for s in result.steps)),
+    ]
+    first, cause = result.first_divergence, result.likely_cause
+    if first is not None:
+        items.append(("first divergence", f"{first.key} ({first.origin or first.status}); {terminal.metrics_line(first)}"))
+        if first.source:
+            items.append(("source", first.source))
+    if cause is not None:
+        items.append(("likely cause", f"{cause.key}: {cause.cause or '; '.join(cause.reasons)}"))
+    items += [("missing", item) for item in result.missing] + [("note", note) for note in result.notes]
+    return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in items) + "</dl>"
+
+
+def render(result: R.CompareResult) -> str:
+    line = terminal.verdict_line(result)
+    css_class = "pass" if result.verdict == "pass" else "diverged"
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>probe compare: {_e(result.verdict)}</title><style>{_CSS}</style></head><body>"
+        f'<h1 id="verdict" class="{css_class}">{_e(line)}</h1>'
+        f"{_summary_html(result)}"
+        "<h2>Error along execution order</h2>"
+        '<div class="legend"><span><i class="dot" style="background:#1f6feb"></i> forward</span>'
+        '<span><i class="dot" style="background:#e36209"></i> backward</span>'
+        '<span><i class="dot" style="background:#999"></i> no partner</span>'
+        '<span style="color:#c62828">--- tolerance / first divergence</span></div>'
+        f"{chart_svg(result)}"
+        f"<h2>Ops that introduce the most error</h2>{_top_ops_html(result)}"
+        f"<h2>Records</h2>{table_html(result)}"
+        f"<script>{_JS}</script></body></html>\n"
+    )
