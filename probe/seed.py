@@ -131,12 +131,18 @@ def _seed_devices(seed: int, settings: dict, sources: list, devices: list) -> No
         devices.extend(f"npu:{i}" for i in range(npu.device_count()))
 
 
-def _hash_seed_note(seed: int, before: str | None) -> str:
-    if before == str(seed):
-        return f"PYTHONHASHSEED={seed} was already set when this interpreter started: str hashes are fixed."
+# The hash seed is read once at interpreter start-up; the closest record of it we have is the
+# variable as it stood when probe.seed was first imported (before any seed_all wrote it).
+_STARTUP_HASH_SEED = os.environ.get("PYTHONHASHSEED")
+
+
+def _hash_seed_note(seed: int) -> str:
+    if _STARTUP_HASH_SEED == str(seed):
+        return f"PYTHONHASHSEED={seed} was set when this process started: str hashes are fixed."
+    started = f"PYTHONHASHSEED={_STARTUP_HASH_SEED}" if _STARTUP_HASH_SEED else "random"
     return (
         f"PYTHONHASHSEED={seed} is set for child processes only; this interpreter's hash seed "
-        f"was fixed at start-up ({'PYTHONHASHSEED=' + before if before else 'random'}). "
+        f"was fixed at start-up ({started}). "
         f"Launch with `probe run --seed {seed} -- python train.py` to fix it here too."
     )
 
@@ -194,7 +200,6 @@ def seed_all(seed: int = 1234, mode: bool | str = False, remove_dropout: bool = 
     devices: list[str] = []
     problems: list[str] = []
 
-    hash_seed_before = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = str(seed)
     env["PYTHONHASHSEED"] = str(seed)
     _seed_devices(seed, settings, sources, devices)
@@ -218,7 +223,7 @@ def seed_all(seed: int = 1234, mode: bool | str = False, remove_dropout: bool = 
         settings=settings,
         env=env,
         warnings=tuple(problems),
-        hash_seed_note=_hash_seed_note(seed, hash_seed_before),
+        hash_seed_note=_hash_seed_note(seed),
         determinism=determinism_state(),
     )
 

@@ -362,3 +362,13 @@ def test_dropout_remover_works_as_a_context_manager_under_an_earlier_mode():
 def test_bad_remove_dropout_raises_seed_error(value):
     with pytest.raises(SeedError, match="remove_dropout"):
         seed_all(1, remove_dropout=value)
+
+
+def test_hash_seed_note_says_fixed_only_when_the_process_started_with_that_seed():
+    code = ("from probe.seed import seed_all; "
+            "print(seed_all(4).hash_seed_note); print(seed_all(5).hash_seed_note)")
+    env = dict(os.environ, PYTHONHASHSEED="4")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(HERE), check=True).stdout.splitlines()
+    assert "str hashes are fixed" in out[0]
+    assert "child processes only" in out[1] and "PYTHONHASHSEED=4" in out[1]
