@@ -367,3 +367,26 @@ def test_a_tensor_larger_than_the_buffer_still_goes_through_alone(tmp_path):
     assert writer.peak_pending_bytes == big.numel() * 4
     with reader.open_step_file(path) as step_file:
         assert np.array_equal(step_file.tensor(2), big.numpy())
+
+
+def test_concurrent_close_from_two_threads_finishes_the_file_once(tmp_path):
+    writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
+    for i in range(20):
+        writer.add_tensor(torch.full((50_000,), float(i)))
+    writer.add_rows([make_row()])
+    results, errors = [], []
+
+    def close():
+        try:
+            results.append(writer.close())
+        except Exception as error:  # pragma: no cover - the assertion below reports it
+            errors.append(error)
+
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == [] and results == [writer.path, writer.path]
+    with reader.open_step_file(writer.path) as step_file:
+        assert step_file.tensor_count == 20 and step_file.tensor(19)[0] == 19.0

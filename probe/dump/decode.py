@@ -72,10 +72,14 @@ def from_storage(array: np.ndarray, dtype_name: str) -> np.ndarray:
     """Decode a stored array to the tensor's values (exact, see the module doc)."""
     array = np.asarray(array)
     expected = storage_dtype_for(dtype_name)
-    if array.dtype != expected:
+    if array.dtype.newbyteorder("=") != expected:
         raise ValueError(f"a {dtype_name} tensor is stored as {expected}, found {array.dtype}")
+    array = array.astype(expected, copy=False)  # a file written on a big-endian machine
     if dtype_name == "bfloat16":
-        return (array.astype(np.uint32) << 16).view(np.float32)
+        # one pass into a fresh uint32 array (astype + shift would make two)
+        widened = np.empty(array.shape, dtype=np.uint32)
+        np.left_shift(array, 16, out=widened, dtype=np.uint32)
+        return widened.view(np.float32)
     if dtype_name in _FLOAT8_FORMATS:
         return float8_table(dtype_name)[array]
     if dtype_name == "complex32":

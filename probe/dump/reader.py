@@ -159,30 +159,18 @@ class StepDump:
 
     def tensor_info(self, tensor_id: int) -> dict:
         """{'dtype': torch dtype name, 'shape': list, 'layout': 'strided' | 'sparse_coo' | ...}."""
-        dataset = self._dataset(tensor_id)
-        try:
-            attrs = {name: _plain(dataset.attrs[name]) for name in dataset.attrs}
-        except OSError as error:
-            raise self._corrupt(tensor_id, error) from error
-        if "dtype" not in attrs or "shape" not in attrs:
-            raise DumpFormatError(f"tensor {tensor_id} in {self.path} lacks its dtype/shape attributes")
-        return {"dtype": attrs["dtype"], "shape": list(attrs["shape"]), "layout": attrs.get("layout", "strided")}
+        return self._open_tensor(tensor_id)[1]
 
     def stored_tensor(self, tensor_id: int) -> tuple[np.ndarray, str]:
         """(raw stored array, torch dtype name): the exact bits, e.g. uint16 for bfloat16."""
-        info = self.tensor_info(tensor_id)
-        try:
-            array = np.asarray(self._dataset(tensor_id)[()])
-        except OSError as error:
-            raise self._corrupt(tensor_id, error) from error
-        return array, info["dtype"]
+        dataset, info = self._open_tensor(tensor_id)
+        return self._read(tensor_id, dataset), info["dtype"]
 
     def tensor(self, tensor_id: int) -> np.ndarray:
         """Tensor tensor_id's values in its original shape (see decode.py for dtypes)."""
-        info = self.tensor_info(tensor_id)
-        array, dtype_name = self.stored_tensor(tensor_id)
+        dataset, info = self._open_tensor(tensor_id)
         try:
-            values = decode.from_storage(array, dtype_name)
+            values = decode.from_storage(self._read(tensor_id, dataset), info["dtype"])
         except ValueError as error:
             raise DumpFormatError(f"cannot decode tensor {tensor_id} of {self.path}: {error}") from None
         if list(values.shape) != info["shape"]:
@@ -192,16 +180,34 @@ class StepDump:
             )
         return values
 
-    def _dataset(self, tensor_id) -> h5py.Dataset:
+    def _open_tensor(self, tensor_id) -> tuple[h5py.Dataset, dict]:
         if not self._file.id.valid:
             raise ValueError(f"{self.path} was closed; reopen it to read tensors")
         if isinstance(tensor_id, (bool, np.bool_)) or not isinstance(tensor_id, (int, np.integer)):
             raise TypeError(f"tensor_id must be an int, got {tensor_id!r}")
-        name = str(int(tensor_id))
-        if tensor_id < 0 or self._tensors is None or name not in self._tensors:
+        dataset = None
+        if tensor_id >= 0 and self._tensors is not None:
+            try:
+                dataset = self._tensors.get(str(int(tensor_id)))
+            except OSError as error:
+                raise self._corrupt(tensor_id, error) from error
+        if not isinstance(dataset, h5py.Dataset):
             held = f"ids 0..{self.tensor_count - 1}" if self.tensor_count else "no tensors (task was not 'tensor')"
             raise DumpFormatError(f"{self.path} has no tensor {tensor_id}: it holds {held}")
-        return self._tensors[name]
+        try:
+            attrs = {name: _plain(value) for name, value in dataset.attrs.items()}
+        except OSError as error:
+            raise self._corrupt(tensor_id, error) from error
+        if "dtype" not in attrs or "shape" not in attrs:
+            raise DumpFormatError(f"tensor {tensor_id} in {self.path} lacks its dtype/shape attributes")
+        info = {"dtype": attrs["dtype"], "shape": list(attrs["shape"]), "layout": attrs.get("layout", "strided")}
+        return dataset, info
+
+    def _read(self, tensor_id, dataset: h5py.Dataset) -> np.ndarray:
+        try:
+            return np.asarray(dataset[()])
+        except OSError as error:
+            raise self._corrupt(tensor_id, error) from error
 
     def _corrupt(self, tensor_id, error) -> DumpFormatError:
         return DumpFormatError(
