@@ -1,0 +1,159 @@
+"""Call alignment: order-based, robust to extra, missing, fused and reordered calls."""
+
+import json
+
+import pytest
+
+from probe.compare.align import KEY, NAME, SEQUENCE, align_calls
+from probe.compare.mapping import load_mapping, mapping_from_dict
+from probe.compare.records import Records, build_calls
+from probe.errors import CompareError
+
+
+def _calls(spec, rename=None):
+    """spec: list of (module, op, shape, tag[, phase]); tag identifies the call across runs."""
+    rows, counters = [], {}
+    for seq, item in enumerate(spec):
+        module, op, shape, tag = item[:4]
+        phase = item[4] if len(item) > 4 else "forward"
+        index = counters.get((module, op, phase), 0)
+        counters[(module, op, phase)] = index + 1
+        rows.append(dict(module=module, op=op, index=index, phase=phase, seq=seq, slot="output.0",
+                         shape=json.dumps(shape), source=tag))
+    records = Records.from_dicts(rows)
+    return records, build_calls(records, rename)
+
+
+def _pairs(spec_a, spec_b, rename=None):
+    rec_a, calls_a = _calls(spec_a, rename)
+    rec_b, calls_b = _calls(spec_b, rename)
+    out = []
+    for pair in align_calls(calls_a, calls_b):
+        tag_a = rec_a.get("source", pair.a.first_row) if pair.a else None
+        tag_b = rec_b.get("source", pair.b.first_row) if pair.b else None
+        out.append((tag_a, tag_b, pair.how))
+    return out
+
+
+BASE = [
+    ("fc1", "functional.linear", [4, 8], "l1"),
+    ("blk", "Tensor.mul", [4, 8], "m1"),
+    ("blk", "torch.relu", [4, 8], "r1"),
+    ("blk", "Tensor.mul", [4, 8], "m2"),
+    ("blk", "Tensor.add", [4, 8], "a1"),
+    ("fc2", "functional.linear", [4, 2], "l2"),
+]
+
+
+def test_identical_runs_pair_every_call_in_order():
+    pairs = _pairs(BASE, BASE)
+    assert [(a, b) for a, b, _ in pairs] == [(t, t) for *_, t in BASE]
+    assert {how for *_, how in pairs} == {SEQUENCE}
+
+
+def test_an_extra_call_inside_a_module_does_not_shift_the_pairing_of_later_same_op_calls():
+    extra = BASE[:2] + [("blk", "Tensor.mul", [4, 8], "EXTRA")] + BASE[2:]
+    pairs = _pairs(BASE, extra)
+    assert (None, "EXTRA", "") in pairs
+    matched = [(a, b) for a, b, _ in pairs if a and b]
+    assert matched == [(t, t) for *_, t in BASE]
+
+
+def test_a_missing_call_is_only_in_a_and_the_rest_still_pairs():
+    pairs = _pairs(BASE, BASE[:2] + BASE[3:])
+    assert ("r1", None, "") in pairs
+    assert [(a, b) for a, b, _ in pairs if a and b] == [(t, t) for *_, t in BASE if t != "r1"]
+
+
+def test_autocast_casts_present_in_one_run_only_are_unmatched():
+    casts = []
+    for item in BASE:
+        casts.append(("blk" if item[0] == "blk" else item[0], "Tensor.to", item[2], "cast-" + item[3]))
+        casts.append(item)
+    pairs = _pairs(BASE, casts)
+    assert sum(1 for a, b, _ in pairs if a is None) == len(BASE)
+    assert [(a, b) for a, b, _ in pairs if a and b] == [(t, t) for *_, t in BASE]
+
+
+def test_a_fused_op_replacing_two_ops_leaves_both_sides_unmatched():
+    fused = BASE[:3] + [("blk", "torch.addcmul", [4, 8], "fused")] + BASE[5:]
+    pairs = _pairs(BASE, fused)
+    unmatched_a = {a for a, b, _ in pairs if b is None}
+    assert unmatched_a == {"m2", "a1"}
+    assert (None, "fused", "") in pairs
+    assert ("l2", "l2", SEQUENCE) in pairs
+
+
+def test_a_changed_shape_still_pairs_by_name_and_position():
+    changed = list(BASE)
+    changed[2] = ("blk", "torch.relu", [4, 9], "r1")
+    pairs = _pairs(BASE, changed)
+    assert ("r1", "r1", NAME) in pairs
+
+
+def test_reordered_calls_pair_by_key_when_their_stream_agrees():
+    backward = [("m%d" % i, "Linear", [4, 4], "g%d" % i, "backward") for i in range(4)]
+    swapped = [backward[0], backward[2], backward[1], backward[3]]
+    pairs = _pairs(backward, swapped)
+    assert all(a == b for a, b, _ in pairs)
+    assert any(how == KEY for *_, how in pairs)
+
+
+def test_key_pass_never_pairs_calls_of_a_stream_that_changed():
+    a = [("blk", "Tensor.mul", [2], "x0"), ("blk", "Tensor.mul", [3], "x1"), ("o", "op", [1], "o")]
+    b = [("o", "op", [1], "o"), ("blk", "Tensor.mul", [3], "y0"), ("blk", "Tensor.mul", [2], "y1"),
+         ("blk", "Tensor.mul", [3], "y2")]
+    pairs = _pairs(a, b)
+    assert ("o", "o", KEY) in pairs  # moved, and its stream is unchanged: recovered
+    for tag_a, tag_b, how in pairs:
+        if tag_a != "o":
+            assert how != KEY
+
+
+def test_forward_and_backward_align_separately_and_keep_execution_order():
+    spec = [("m", "Linear", [2], "f0"), ("m", "Linear", [2], "b0", "backward"), ("m", "Linear", [2], "f1")]
+    pairs = _pairs(spec, spec)
+    assert [a for a, _, _ in pairs] == ["f0", "b0", "f1"]
+
+
+def test_mapping_renames_module_prefixes_and_ops_on_both_sides():
+    old = [("encoder.layer.0", "npu_fusion_attention", [4], "att"), ("encoder.layer.0.fc", "functional.linear", [4], "fc")]
+    new = [("model.layers.0", "functional.scaled_dot_product_attention", [4], "att"),
+           ("model.layers.0.fc", "functional.linear", [4], "fc")]
+    mapping = mapping_from_dict({"modules": {"encoder.layer": "model.layers"},
+                                 "ops": {"npu_fusion_attention": "functional.scaled_dot_product_attention"}})
+    assert [(a, b) for a, b, _ in _pairs(old, new, mapping.rename)] == [("att", "att"), ("fc", "fc")]
+    unmapped = _pairs(old, new)
+    assert all(a is None or b is None for a, b, _ in unmapped)
+
+
+def test_mapping_prefixes_match_on_dot_boundaries_and_the_longest_wins():
+    mapping = mapping_from_dict({"modules": {"enc": "E", "enc.layer": "L"}, "ops": {"fa": "attn"}})
+    assert mapping.module("enc.layer.3") == "L.3"
+    assert mapping.module("enc.other") == "E.other"
+    assert mapping.module("encoder") == "encoder"
+    assert mapping.op("torch_npu.fa") == "attn" and mapping.op("fa") == "attn" and mapping.op("fab") == "fab"
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("modules: [a, b]\n", "must map names to names"),
+        ("module: {a: b}\n", "unknown key 'module'"),
+        ("ops: {a: 1}\n", "must map a string to a string"),
+        ("ops: {a: b\n", "not valid YAML"),
+        ("", "is empty"),
+        ("- a\n", "must be a mapping"),
+    ],
+)
+def test_bad_mapping_file_is_one_compare_error(tmp_path, content, fragment):
+    path = tmp_path / "map.yaml"
+    path.write_text(content)
+    with pytest.raises(CompareError) as info:
+        load_mapping(str(path))
+    assert fragment in str(info.value) and str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_mapping_file_names_the_path(tmp_path):
+    with pytest.raises(CompareError, match="does not exist"):
+        load_mapping(str(tmp_path / "nope.yaml"))
