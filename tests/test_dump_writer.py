@@ -390,3 +390,12 @@ def test_concurrent_close_from_two_threads_finishes_the_file_once(tmp_path):
     assert errors == [] and results == [writer.path, writer.path]
     with reader.open_step_file(writer.path) as step_file:
         assert step_file.tensor_count == 20 and step_file.tensor(19)[0] == 19.0
+
+
+def test_strings_utf8_cannot_hold_are_stored_escaped_instead_of_failing_the_step(tmp_path):
+    rows = [make_row(module="ok", source="trän.py:1"), make_row(module="nul", value='"a\x00b"'),
+            make_row(module="surrogate", source="/data/caf\udce9.py:3")]
+    with reader.open_step_file(write_step(tmp_path, 0, rows=rows)) as step_file:
+        assert list(step_file.records.column("source")) == ["trän.py:1", "", "/data/caf\\udce9.py:3"]
+        assert step_file.records.column("value")[1] == '"a\\x00b"'
+        assert step_file.records.column("module").tolist() == ["ok", "nul", "surrogate"]

@@ -289,7 +289,9 @@ def open_step_file(path) -> StepDump:
     if not is_hdf5:
         raise DumpFormatError(f"{path} is not an HDF5 file (not a probe dump)")
     try:
-        handle = h5py.File(path, "r")
+        # finished step files never change (they are renamed into place), so no HDF5 lock is
+        # needed, and locks fail on some network file systems
+        handle = h5py.File(path, "r", locking=False)
     except OSError as error:
         raise DumpFormatError(f"cannot open {path}: {_reason(error)} (truncated or corrupt HDF5 file)") from error
     try:

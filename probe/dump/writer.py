@@ -281,11 +281,17 @@ class StepWriter:
         for (name, kind), values in zip(schema.RECORD_COLUMNS, columns):
             try:
                 if kind == "str":
-                    data = np.array(values, dtype=object)
                     if set(map(type, values)) - {str}:  # map(type) runs in C: 10x an isinstance loop
                         bad = next(v for v in values if not isinstance(v, str))
                         raise TypeError(f"holds {bad!r}, expected str")
-                    group.create_dataset(name, shape=(len(values),), dtype=_STR_DTYPE, data=data if data.size else None)
+                    try:
+                        _write_strings(group, name, values)
+                    except (ValueError, UnicodeEncodeError):
+                        # NUL characters and lone surrogates (undecodable file names) cannot be
+                        # stored as UTF-8 strings: store them escaped rather than lose the step
+                        if name in group:
+                            del group[name]
+                        _write_strings(group, name, [_storable_text(value) for value in values])
                 else:
                     group.create_dataset(name, data=np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1))
             except (TypeError, ValueError, OverflowError) as error:
@@ -318,6 +324,16 @@ class StepWriter:
             pass
 
 
+def _write_strings(group: h5py.Group, name: str, values) -> None:
+    data = np.array(values, dtype=object) if len(values) else None
+    group.create_dataset(name, shape=(len(values),), dtype=_STR_DTYPE, data=data)
+
+
+def _storable_text(text: str) -> str:
+    """text with NULs and lone surrogates written as backslash escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
 def _create_partial(partial_path: str) -> h5py.File:
     folder = os.path.dirname(partial_path)
     try:
@@ -330,7 +346,8 @@ def _create_partial(partial_path: str) -> h5py.File:
     if os.path.isdir(final):
         raise DumpError(f"cannot write {final}: a folder is in the way")
     try:
-        return h5py.File(partial_path, "w", libver=_LIBVER)
+        # no HDF5 file locks: nobody else opens a .partial file, and locks fail on some NFS mounts
+        return h5py.File(partial_path, "w", libver=_LIBVER, locking=False)
     except OSError as error:
         raise DumpError(f"cannot create {partial_path}: {_reason(error)}") from error
 
