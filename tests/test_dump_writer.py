@@ -399,3 +399,13 @@ def test_strings_utf8_cannot_hold_are_stored_escaped_instead_of_failing_the_step
         assert list(step_file.records.column("source")) == ["trän.py:1", "", "/data/caf\\udce9.py:3"]
         assert step_file.records.column("value")[1] == '"a\\x00b"'
         assert step_file.records.column("module").tolist() == ["ok", "nul", "surrogate"]
+
+
+def test_dtype_without_bit_exact_storage_is_refused_and_leaves_no_file(tmp_path):
+    # float4_e2m1fn_x2 (two fp4 values per byte) has no storage dtype in the schema yet
+    writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
+    fp4 = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(DumpError, match="dtype float4_e2m1fn_x2"):
+        writer.add_tensor(fp4)
+    writer.abort()
+    assert os.listdir(tmp_path / "step0") == []

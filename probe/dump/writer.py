@@ -103,7 +103,11 @@ class StepWriter:
         self._thread = threading.Thread(
             target=self._run, name=f"probe-writer-step{step}-rank{rank}", daemon=True
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as error:  # "can't start new thread": no thread, no file
+            self._discard("failed")
+            raise DumpError(f"cannot write {self.path}: {error}") from error
         _OPEN_WRITERS.add(self)
 
     # ------------------------------------------------------------------ training thread
@@ -177,9 +181,11 @@ class StepWriter:
         if self._state != "open":
             raise DumpError(f"cannot close {self.path}: the writer was already {self._state}")
         self._stop_thread(drop=False)
+        if self._error is not None:
+            error = self._error
+            self._discard("failed")
+            raise DumpError(f"cannot write {self.path}: {_reason(error)}") from error
         try:
-            if self._error is not None:
-                raise self._error
             self._write_records()
             self._write_root_attrs(extra_attrs or {})
             self._file.flush()
