@@ -20,7 +20,16 @@ from probe.compare.align import CallPair, align_calls
 from probe.compare.mapping import NameMapping
 from probe.compare.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
 from probe.compare.records import Call, Records, build_calls, is_param_slot
-from probe.compare.tolerances import Tolerances
+from probe.compare.tolerances import Tolerances, tolerance_dtype
+
+
+def lower_precision(first: str | None, second: str) -> str:
+    """The less precise of two tolerance dtypes ("exact" never lowers a float)."""
+    if first is None or first == "exact":
+        return second
+    if second == "exact":
+        return first
+    return tolerance_dtype(first, second)
 
 Fetch = Callable[[int], np.ndarray]
 _STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "dtype")
@@ -72,7 +81,7 @@ class _Provenance:
                     self.params.update(prints)
                 elif cols["io"][row] == "out":
                     for mark in prints:
-                        self.produced.setdefault(mark, call.order())
+                        self.produced.setdefault(mark, ((int(cols["seq"][row]), row), row))
 
     def fingerprints(self, row: int) -> list:
         cols = self._cols
@@ -84,15 +93,16 @@ class _Provenance:
             marks.append(("stats", stats))
         return marks
 
-    def kind(self, row: int, order: tuple) -> str:
+    def kind(self, row: int, order: tuple) -> tuple[str, int | None]:
+        """("produced", producing row) | ("param", None) | ("external", None)."""
         prints = self.fingerprints(row)
         for mark in prints:
             made = self.produced.get(mark)
-            if made is not None and made < order:
-                return "produced"
+            if made is not None and made[0] < order:
+                return "produced", made[1]
         if any(mark in self.params for mark in prints):
-            return "param"
-        return "external"
+            return "param", None
+        return "external", None
 
 
 def compare_step(
@@ -116,26 +126,62 @@ def compare_step(
     pairs = align_calls(calls_a, calls_b)
     provenance = _Provenance(records_a, calls_a)
     measure = _Measurer(records_a, records_b, fetch_a, fetch_b, tolerances)
+    seqs = records_a.columns["seq"]
+
+    per_pair = [_pair_rows(pair, records_a, records_b, step, rank) for pair in pairs]
+    # Measure in A's execution order (a module's output after the API calls inside it), so
+    # that precision floors are known before the records that inherit them.
+    paired = [
+        (row, row_a, row_b, number)
+        for number, call_rows in enumerate(per_pair)
+        for row, row_a, row_b in call_rows
+        if row_a is not None and row_b is not None
+    ]
+    paired.sort(key=lambda item: item[0].order)
+    judged: dict[int, R.RecordRow] = {}  # A's row -> its RecordRow (producers' status)
+    effective: dict[int, str] = {}  # A's row -> the tolerance dtype it was judged with
+    origins: dict[int, tuple] = {}  # A's input row -> (kind, producing row)
+    call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
+    mixed = None  # lowest precision where the runs' dtypes differ, once seen
+    for done, (row, row_a, row_b, number) in enumerate(paired, 1):
+        kind, producer = provenance.kind(row_a, (int(seqs[row_a]), row_a))
+        if row.io == "in":
+            origins[row_a] = (kind, producer)
+        upstream = mixed
+        if producer is not None and producer in effective:
+            upstream = lower_precision(upstream, effective[producer])
+        if row.io == "out" and number in call_floor:
+            upstream = lower_precision(upstream, call_floor[number])
+        measure.judge(row, row_a, row_b, upstream)
+        judged[row_a] = row
+        if row.tol_dtype and row.tol_dtype != "exact":
+            effective[row_a] = row.tol_dtype
+            if row.io == "in":
+                call_floor[number] = lower_precision(call_floor.get(number), row.tol_dtype)
+            if row.dtype_a != row.dtype_b:
+                # B computed in another precision from here on: every later value carries it
+                mixed = lower_precision(mixed, tolerance_dtype(row.dtype_a, row.dtype_b))
+        if progress is not None and (done % 64 == 0 or done == len(paired)):
+            progress(done, len(paired), measure.bytes_read)
+
     rows: list[R.RecordRow] = []
     summaries: list[R.OpSummary] = []
-    for done, pair in enumerate(pairs, 1):
-        call_rows = _pair_rows(pair, records_a, records_b, step, rank)
-        for row, row_a, row_b in call_rows:
-            if row_a is not None and row_b is not None:
-                measure.judge(row, row_a, row_b)
+    for pair, call_rows in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None:
             lookup = {id(row): row_a for row, row_a, _ in call_rows}
-            order = pair.a.order()
-            verdict.judge_call(
-                [row for row, _, _ in call_rows],
-                lambda row: provenance.kind(lookup[id(row)], order),
-            )
+
+            def input_kind(row, _lookup=lookup):
+                kind, producer = origins.get(_lookup[id(row)], ("external", None))
+                return kind, judged.get(producer) if producer is not None else None
+
+            verdict.judge_call([row for row, _, _ in call_rows], input_kind)
             summary = verdict.summarize_call([row for row, _, _ in call_rows])
             if summary is not None:
                 summaries.append(summary)
         rows.extend(row for row, _, _ in call_rows)
-        if progress is not None:
-            progress(done, len(pairs), measure.bytes_read)
+    if progress is not None and not paired:
+        progress(1, 1, measure.bytes_read)
+    rows.sort(key=lambda row: row.order)
     return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
 
 
@@ -178,7 +224,8 @@ def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, positio
         kind=get["kind"][main_row],
         source=get["source"][main_row],
         paired_by=pair.how,
-        order=(*pair.order, position),
+        # a record's own seq: a module's output comes after the API calls inside it
+        order=(int(records_a.columns["seq"][row_a]), row_a, 0, 0) if row_a is not None else (*pair.order, position),
     )
     if row_a is not None:
         cols = records_a.columns
@@ -206,7 +253,9 @@ class _Measurer:
         self.evidence: set = set()
         self.bytes_read = 0
 
-    def judge(self, row: R.RecordRow, row_a: int, row_b: int) -> None:
+    def judge(self, row: R.RecordRow, row_a: int, row_b: int, upstream: str | None = None) -> None:
+        """Judge one paired record. upstream: the lowest-precision dtype its value was computed
+        from (a float32 tensor made from bfloat16 values is judged as bfloat16)."""
         a, b = self.a, self.b
         if a["dtype"][row_a] == "" or b["dtype"][row_b] == "":
             if a["dtype"][row_a] != b["dtype"][row_b]:
@@ -215,9 +264,15 @@ class _Measurer:
                 return
             verdict.judge_value(row, value_metrics(a["value"][row_a], b["value"][row_b]))
             return
-        row.tol_dtype, tol = self.tolerances.for_pair(row.dtype_a, row.dtype_b)
+        own = tolerance_dtype(row.dtype_a, row.dtype_b)
+        row.tol_dtype = own
+        if upstream is not None and own != "exact":
+            row.tol_dtype = lower_precision(own, upstream)
+        tol = self.tolerances.table[row.tol_dtype]
         if row.dtype_a != row.dtype_b:
             row.notes.append(f"dtype {row.dtype_a} in A, {row.dtype_b} in B (judged as {row.tol_dtype})")
+        elif row.tol_dtype != own:
+            row.notes.append(f"computed from {row.tol_dtype} values upstream (judged as {row.tol_dtype})")
         if _shape(row.shape_a) != _shape(row.shape_b):
             verdict.judge_shape(row)
             return
@@ -228,7 +283,7 @@ class _Measurer:
         a, b = self.a, self.b
         id_a, id_b = a["tensor_id"][row_a], b["tensor_id"][row_b]
         if id_a >= 0 and id_b >= 0 and self.fetch_a is not None and self.fetch_b is not None:
-            memo_key = (id_a, id_b)
+            memo_key = (id_a, id_b, tol)
             found = self.memo.get(memo_key)
             if found is not None:
                 return found

@@ -110,7 +110,7 @@ class OpSummary:
     phase: str
     key: str
     kind: str
-    introduced: float  # output rel L2 minus the largest rel L2 of its produced inputs
+    introduced: float  # output score minus the largest score of its produced inputs (tolerance units)
     output_rel_l2: float
     input_rel_l2: float
     ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)

@@ -12,7 +12,9 @@ Rules (docs/compare.md explains them for users):
 * A parameter record (slot ``param.*``) beyond tolerance is a divergence of kind "param".
 * The inputs of a call are classified through the step's records: *produced* when an
   earlier record outputs the same tensor (same tensor_id, or same checksum/statistics),
-  *param* when it is a parameter, else *external* (data, buffers, constants).
+  *param* when it is a parameter, else *external* (data, buffers, constants). A produced
+  input that differs although its producer agreed was changed by something unrecorded in
+  between (a custom autograd Function, a hook): it counts as a source, like a parameter.
 * A divergent output is ``introduced`` when no produced input is beyond tolerance (a
   changed parameter, argument or external input enters the computation here), or when its
   relative L2 error exceeds AMPLIFICATION times the largest relative L2 error of its
@@ -96,9 +98,12 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
 def judge_call(rows: list[R.RecordRow], input_kind) -> None:
     """Classify the divergent rows of one call pair and give its outputs an origin.
 
-    input_kind(row) -> "produced" | "param" | "external" for an input-side tensor row.
+    input_kind(row) -> (kind, producer) for an input-side tensor row: kind is "produced",
+    "param" or "external"; producer is the RecordRow of the earlier output that made the
+    tensor (None when unknown).
     """
-    inputs, changed_args, params, external = [], [], [], []
+    inputs, changed_args, params, external, between = [], [], [], [], []
+    kinds = {}
     for row in rows:
         if row.io != "in" or row.status not in (R.MATCH, R.DIVERGED):
             continue
@@ -108,23 +113,26 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
                 row.origin = R.INTRODUCED
                 changed_args.append(row)
             continue
-        kind = "param" if is_param_slot(row.slot) else input_kind(row)
+        kind, producer = ("param", None) if is_param_slot(row.slot) else input_kind(row)
+        if kind == "produced" and row.status == R.DIVERGED and producer is not None and producer.status == R.MATCH:
+            # the op that made this tensor agreed, yet it differs here: something that was
+            # not recorded changed it in between (a custom autograd Function, a hook, ...)
+            kind = "changed"
+            between.append((row, producer))
+        kinds[id(row)] = kind
+        if row.status == R.DIVERGED:
+            row.divergence = R.PARAM if kind == "param" else R.INPUT
+            row.origin = R.INHERITED if kind == "produced" else R.INTRODUCED
         if kind == "param":
             if row.status == R.DIVERGED:
-                row.divergence = R.PARAM
-                row.origin = R.INTRODUCED
                 params.append(row)
-            continue
-        if kind == "external" and row.status == R.DIVERGED:
-            external.append(row)
-        if kind == "produced":
+        elif kind == "produced":
             inputs.append(row)
-        if row.status == R.DIVERGED:
-            row.divergence = R.INPUT
-            row.origin = R.INTRODUCED if kind == "external" else R.INHERITED
+        elif kind == "external" and row.status == R.DIVERGED:
+            external.append(row)
     input_rel = max((_rel(r) for r in inputs), default=0.0)
     inherited = [r for r in inputs if r.status == R.DIVERGED]
-    summary = [_input_summary(r, input_kind) for r in rows if r.io == "in" and r.metrics is not None and r.metrics.evidence != "value"]
+    summary = [_input_summary(r, kinds.get(id(r), "external")) for r in rows if id(r) in kinds]
     for row in rows:
         if row.io != "out" or row.status not in (R.MATCH, R.DIVERGED):
             continue
@@ -139,7 +147,7 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
         amplified = bool(inherited) and out_rel > AMPLIFICATION * input_rel
         if not inherited or amplified or changed_args:
             row.origin = R.INTRODUCED
-            row.cause = _cause(changed_args, params, external, amplified, out_rel, input_rel)
+            row.cause = _cause(changed_args, params, external, between, amplified, out_rel, input_rel)
         else:
             row.origin = R.INHERITED
             worst = max(inherited, key=_rel)
@@ -150,19 +158,18 @@ def _rel(row: R.RecordRow) -> float:
     return row.metrics.rel_l2 if row.metrics is not None else 0.0
 
 
-def _input_summary(row: R.RecordRow, input_kind) -> dict:
-    kind = "param" if is_param_slot(row.slot) else input_kind(row)
+def _input_summary(row: R.RecordRow, kind: str) -> dict:
     return R.json_safe({
         "slot": row.slot,
         "source": kind,
         "status": row.status,
-        "rel_l2": row.metrics.rel_l2,
-        "max_abs": row.metrics.max_abs,
+        "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
+        "max_abs": row.metrics.max_abs if row.metrics is not None else None,
         "score": row.score,
     })
 
 
-def _cause(changed_args, params, external, amplified, out_rel, input_rel) -> str:
+def _cause(changed_args, params, external, between, amplified, out_rel, input_rel) -> str:
     if changed_args:
         arg = changed_args[0]
         return f"argument {arg.slot} changed: {arg.metrics.value_a} in A, {arg.metrics.value_b} in B"
@@ -173,6 +180,11 @@ def _cause(changed_args, params, external, amplified, out_rel, input_rel) -> str
     if external:
         names = ", ".join(r.slot for r in external)
         parts.append(f"input {names} differs and no recorded op produced it")
+    for row, producer in between:
+        parts.append(
+            f"input {row.slot} differs (rel L2 {_rel(row):.3g}) although {producer.key}, which produced it, "
+            "agreed: something not recorded changed it in between (a custom autograd Function, a hook, ...)"
+        )
     if amplified:
         ratio = out_rel / input_rel if input_rel > 0 else math.inf
         parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {input_rel:.3g} -> {out_rel:.3g})")
@@ -198,18 +210,16 @@ def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.Record
 
 
 def summarize_call(rows: list[R.RecordRow]) -> R.OpSummary | None:
-    """Error this call pair introduces: its outputs' rel L2 minus its produced inputs'."""
+    """Error this call pair introduces, in tolerance units: its worst output's score minus
+    the largest score of its produced inputs (parameters and other sources count as 0)."""
     outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"]
     if not outputs:
         return None
-    worst = max(outputs, key=_rel)
-    input_rel = max(
-        (e["rel_l2"] for e in worst.input_errors if e["source"] == "produced" and isinstance(e["rel_l2"], float)),
-        default=0.0,
-    )
+    worst = max(outputs, key=_score)
+    produced = [e for e in worst.input_errors if e["source"] == "produced"]
+    input_score = max((_number(e["score"]) for e in produced), default=0.0)
+    input_rel = max((_number(e["rel_l2"]) for e in produced), default=0.0)
     out_rel = _rel(worst)
-    if not math.isfinite(out_rel):
-        out_rel = math.inf
     head = rows[0]
     return R.OpSummary(
         step=head.step,
@@ -220,7 +230,7 @@ def summarize_call(rows: list[R.RecordRow]) -> R.OpSummary | None:
         phase=head.phase,
         key=worst.key.rsplit("/", 1)[0],
         kind=head.kind,
-        introduced=out_rel - input_rel,
+        introduced=_score(worst) - input_score,
         output_rel_l2=out_rel,
         input_rel_l2=input_rel,
         ratio=(out_rel / input_rel) if input_rel > 0 else None,
@@ -228,6 +238,18 @@ def summarize_call(rows: list[R.RecordRow]) -> R.OpSummary | None:
         origin=worst.origin,
         source=worst.source,
     )
+
+
+def _score(row: R.RecordRow) -> float:
+    if row.score is None:
+        return math.inf if row.status == R.DIVERGED else 0.0
+    return row.score
+
+
+def _number(value) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    return {"inf": math.inf, "-inf": -math.inf}.get(value, 0.0)
 
 
 def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:

@@ -223,7 +223,7 @@ def _top_ops_html(result: R.CompareResult) -> str:
             f"<td>{'beyond tolerance' if op.diverged else 'within'}</td><td>{_e(op.origin)}</td></tr>"
         )
     return (
-        '<table id="top-ops"><thead><tr><th>#</th><th>module</th><th>op</th><th>phase</th><th>introduced rel L2</th>'
+        '<table id="top-ops"><thead><tr><th>#</th><th>module</th><th>op</th><th>phase</th><th>introduced (score)</th>'
         f'<th>output rel L2</th><th>input rel L2</th><th>judged</th><th>origin</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
     )
 

@@ -111,7 +111,7 @@ def _describe(row: R.RecordRow, indent: str = "  ") -> list[str]:
 def top_ops_lines(result: R.CompareResult) -> list[str]:
     if not result.top_ops:
         return []
-    lines = ["top ops by the error they introduce (output rel L2 minus input rel L2):"]
+    lines = ["top ops by the error they introduce (output score minus input score; score 1 = tolerance):"]
     lines.append(f"  {'#':>3}  {'introduced':>10}  {'out relL2':>10}  {'in relL2':>10}  {'ratio':>8}  op")
     for number, op in enumerate(result.top_ops, 1):
         flag = f" [{op.origin}]" if op.diverged and op.origin else (" [beyond tol]" if op.diverged else "")
