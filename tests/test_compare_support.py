@@ -139,6 +139,7 @@ def write_step(run: SyntheticRun, dump_path, step: int = 0, rank: int = 0, **att
     root = {
         "probe_version": "test", "torch_version": torch.__version__, "world_size": 1, "task": run.task,
         "level": "mix", "device": "cpu", "config": {}, "seed_report": None, "determinism": {},
+        "schema_version": schema.SCHEMA_VERSION, "step": step, "rank": rank,
     }
     root.update(attrs)
     writer = StepWriter(str(dump_path), step, rank, root)
