@@ -1,0 +1,170 @@
+"""Report renderers: verdict line first, strict JSON, one CSV row per record, a
+self-contained HTML page, atomic writes and a progress bar that only a terminal sees."""
+
+import csv
+import io
+import json
+import math
+import os
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from probe.compare import result as R
+from probe.compare.api import _assemble
+from probe.compare.engine import compare_step
+from probe.compare.tolerances import Tolerances
+from probe.errors import CompareError
+from probe.report import csv_report, html_report, json_report, output, terminal
+from probe.report.progress import Progress
+from test_compare_support import SyntheticRun, mlp_run
+
+
+def _result(run_a, run_b, strict=False):
+    table = Tolerances()
+    outcome = compare_step(run_a.records(), run_b.records(), run_a.fetch, run_b.fetch, table)
+    info = [{"step": 0, "rank": 0, "verdict": "diverged" if outcome.diverged else "pass", "counts": outcome.counts()}]
+    return _assemble([outcome], info, table, "a/", "b/", [], [], 10, strict)
+
+
+@pytest.fixture()
+def diverged():
+    return _result(mlp_run(), mlp_run(weight_noise=1e-3, extra_call=True))
+
+
+@pytest.fixture()
+def passed():
+    return _result(mlp_run(), mlp_run())
+
+
+def test_terminal_report_starts_with_the_verdict_line(diverged, passed):
+    text = terminal.render(diverged)
+    assert text.splitlines()[0] == "DIVERGED at step 0 rank 0: fc1 functional.linear (forward, output.0) -- introduced"
+    for fragment in ("where    step 0, rank 0, module fc1", "source   model.py:10", "rel L2", "inputs of this call:",
+                     "input.1", "top ops by the error", "counts:"):
+        assert fragment in text
+    assert terminal.render(passed).startswith("PASS: ")
+
+
+def test_json_is_strict_and_carries_the_contract(diverged):
+    diverged.rows[0].metrics.rel_l2 = math.inf  # non-finite values must not break strict JSON
+    text = json_report.render(diverged)
+    data = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    assert text.count("\n{") == 0 and text.startswith("{")
+    assert data["verdict"] == "diverged" and data["first_divergence"]["origin"] == "introduced"
+    assert data["counts"]["only_b"] == 2 and data["divergences_total"] == len(data["divergences"]) > 0
+    assert "rows" not in data and "rows" in json_report.to_dict(diverged, rows=True)
+
+
+def test_csv_has_one_row_per_aligned_record_in_execution_order(diverged):
+    rows = list(csv.DictReader(io.StringIO(csv_report.render(diverged))))
+    assert len(rows) == len(diverged.rows)
+    assert tuple(rows[0]) == csv_report.COLUMNS
+    seqs = [int(row["seq_a"]) for row in rows if row["seq_a"]]
+    assert seqs == sorted(seqs)
+    statuses = {row["status"] for row in rows}
+    assert statuses == {"match", "diverged", "only_b"}
+
+
+class _Collector(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.ids, self.external = [], set(), []
+        self.body_rows = 0
+        self._in_records = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append(tag)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        for name in ("src", "href"):
+            if name in attrs:
+                self.external.append(attrs[name])
+        if tag == "link":
+            self.external.append(attrs)
+        if tag == "table":
+            self._in_records = attrs.get("id") == "records"
+        if tag == "tr" and self._in_records and "data-status" in attrs:
+            self.body_rows += 1
+
+
+def test_html_is_self_contained_with_chart_marker_and_sortable_table(diverged):
+    page = html_report.render(diverged)
+    parser = _Collector()
+    parser.feed(page)
+    assert parser.external == []
+    assert {"verdict", "error-chart", "tolerance-line", "first-divergence", "records", "top-ops"} <= parser.ids
+    assert parser.body_rows == len(diverged.rows)
+    assert "<script>" in page and "addEventListener('click'" in page
+    charted = [r for r in diverged.rows if r.io == "out" or r.divergence in ("param", "argument")]
+    assert page.count("<circle") == sum(1 for r in charted if r.status in ("match", "diverged"))
+    assert page.count('class="pt unmatched"') == sum(1 for r in charted if r.status.startswith("only_"))
+
+
+def test_html_escapes_names(diverged):
+    diverged.rows[0].module = "<script>alert(1)</script>"
+    assert "<script>alert(1)</script>" not in html_report.render(diverged)
+
+
+def test_html_of_a_pass_has_no_divergence_marker(passed):
+    page = html_report.render(passed)
+    assert 'id="first-divergence"' not in page and 'class="pass"' in page
+
+
+def test_html_chart_caps_points_for_huge_compares(monkeypatch, diverged):
+    monkeypatch.setattr(html_report, "MAX_POINTS", 3)
+    page = html_report.render(diverged)
+    assert page.count("<circle") + page.count('class="pt unmatched"') <= 4  # 3 buckets + the kept marker
+
+
+def test_atomic_write_replaces_only_on_success(tmp_path):
+    target = tmp_path / "report.csv"
+    target.write_text("old")
+    output.write_atomic(str(target), "new", "--csv")
+    assert target.read_text() == "new"
+    assert os.listdir(tmp_path) == ["report.csv"]
+
+
+def test_destination_checks_name_the_option(tmp_path):
+    with pytest.raises(CompareError, match="--html .* does not exist"):
+        output.check_destination(str(tmp_path / "no" / "x.html"), "--html")
+    with pytest.raises(CompareError, match="is a folder"):
+        output.check_destination(str(tmp_path), "--csv")
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self):
+        return self._tty
+
+
+def test_progress_bar_only_on_a_terminal():
+    quiet = _Stream(False)
+    bar = Progress(quiet, delay=0)
+    bar(0.5, 10)
+    bar.close()
+    assert quiet.getvalue() == ""
+    loud = _Stream(True)
+    bar = Progress(loud, delay=0)
+    bar(0.5, 10)
+    assert "50.0%" in loud.getvalue() and loud.getvalue().startswith("\r")
+    bar.close()
+    assert loud.getvalue().endswith("\r")
+
+
+def test_progress_waits_before_showing_for_short_compares():
+    loud = _Stream(True)
+    bar = Progress(loud, delay=60)
+    bar(0.9)
+    assert loud.getvalue() == ""
+
+
+def test_strict_mode_turns_unmatched_records_into_a_divergence():
+    result = _result(mlp_run(), mlp_run(extra_call=True), strict=True)
+    assert result.verdict == "diverged" and result.first_divergence.status == R.ONLY_B
+    assert _result(mlp_run(), mlp_run(extra_call=True)).verdict == "pass"
