@@ -47,7 +47,7 @@ def test_changed_argument_is_the_cause_and_earlier_ops_stay_clean():
     assert first.origin == R.INTRODUCED and "kwarg.approximate" in first.cause
     argument = _row(outcome, "act/functional.gelu#0/forward/kwarg.approximate")
     assert argument.divergence == R.ARGUMENT
-    other_calls = [row for row in outcome.rows if row.order[:2] < first.order[:2]]
+    other_calls = [row for row in outcome.rows if row.seq_a < first.seq_a]
     assert other_calls and all(row.status == R.MATCH for row in other_calls)
 
 
