@@ -212,3 +212,16 @@ def test_python_api_returns_the_same_result_object(dumps):
     result = probe.compare(str(a), str(bad))
     assert result.verdict == "diverged" and result.first_divergence.module == "fc1"
     assert result.to_dict()["counts"] == result.counts and result.rows
+
+
+def test_a_step_with_no_pairable_record_never_passes(tmp_path, capsys):
+    from test_compare_support import SyntheticRun
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_step(SyntheticRun(), a)
+    write_step(mlp_run(), b)
+    code, out, _ = _run(["compare", str(a), str(b), "--json"], capsys)
+    data = json.loads(out)
+    assert code == 1 and data["verdict"] == "diverged"
+    assert data["counts"]["matched"] == 0 and data["counts"]["only_b"] == len(mlp_run().rows)
+    assert any("no record could be paired" in note for note in data["notes"])

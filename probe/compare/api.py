@@ -164,9 +164,15 @@ def _attr_notes(attrs_a: dict, attrs_b: dict) -> list[str]:
     return notes
 
 
-def _step_verdict(counts: dict, strict: bool) -> str:
+def _unpaired_fails(counts: dict, strict: bool) -> bool:
+    """Unmatched records fail a step with --strict, or when nothing at all could be paired
+    (an empty or unrelated dump must never pass)."""
     unmatched = counts["only_a"] + counts["only_b"]
-    return "diverged" if counts["diverged"] or (strict and unmatched) else "pass"
+    return bool(unmatched) and (strict or counts["matched"] == 0)
+
+
+def _step_verdict(counts: dict, strict: bool) -> str:
+    return "diverged" if counts["diverged"] or _unpaired_fails(counts, strict) else "pass"
 
 
 def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict) -> R.CompareResult:
@@ -178,9 +184,15 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
             first = verdict.first_divergence(outcome.rows)
             cause = verdict.likely_cause(outcome.rows, first)
             break
-    if first is None and strict:
-        lonely = [row for row in rows if row.status in (R.ONLY_A, R.ONLY_B)]
-        first = min(lonely, key=lambda row: (row.step, row.rank, row.order), default=None)
+    failing = [o for o in outcomes if _unpaired_fails(o.counts(), strict)]
+    if first is None and failing:
+        lonely = [row for row in failing[0].rows if row.status in (R.ONLY_A, R.ONLY_B)]
+        first = min(lonely, key=lambda row: row.order, default=None)
+        if failing[0].counts()["matched"] == 0:
+            notes.append(
+                f"step {failing[0].step} rank {failing[0].rank}: no record could be paired "
+                f"({failing[0].counts()['only_a']} in A, {failing[0].counts()['only_b']} in B): the dumps do not describe the same run"
+            )
     used = set().union(*(outcome.evidence for outcome in outcomes)) if outcomes else set()
     evidence = next((name for name in _EVIDENCE_ORDER if name in used), "tensor" if not used else "statistics")
     if evidence == "statistics":
@@ -190,7 +202,7 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     unmatched = counts["only_a"] + counts["only_b"]
     if unmatched and not strict:
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']}); they are not compared")
-    diverged = counts["diverged"] > 0 or (strict and unmatched > 0)
+    diverged = counts["diverged"] > 0 or bool(failing)
     tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
     return R.CompareResult(
         verdict="diverged" if diverged else "pass",

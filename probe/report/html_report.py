@@ -122,7 +122,8 @@ def chart_svg(result: R.CompareResult) -> str:
     while exponent <= hi:
         y = y_of(10.0**exponent)
         parts.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">1e{exponent}</text>')
+        label = f"1e{exponent}" if exponent > lo else f"\u22641e{exponent}"
+        parts.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
         exponent += 1
     # step-file boundaries
     previous = None
@@ -134,7 +135,7 @@ def chart_svg(result: R.CompareResult) -> str:
         previous = (row.step, row.rank)
     tol_y = y_of(1.0)
     parts.append(f'<line id="tolerance-line" x1="{LEFT}" x2="{LEFT + plot_w}" y1="{tol_y:.1f}" y2="{tol_y:.1f}" stroke="#c62828" stroke-dasharray="6,4"/>')
-    parts.append(f'<text x="{LEFT + plot_w - 4}" y="{tol_y - 4:.1f}" text-anchor="end" fill="#c62828">tolerance (score 1)</text>')
+    parts.append(f'<text x="{LEFT + 4}" y="{tol_y - 4:.1f}" fill="#c62828">tolerance (score 1)</text>')
     points = _bucket(list(enumerate(rows)), first)
     for i, row in points:
         x, y = x_of(i), y_of(row.score)
@@ -143,8 +144,11 @@ def chart_svg(result: R.CompareResult) -> str:
             parts.append(f'<path class="pt unmatched" d="M{x:.1f},{TOP + plot_h - 1:.1f} l-3,-6 l6,0 z" fill="#999"><title>{label}</title></path>')
             continue
         color = "#1f6feb" if row.phase == "forward" else "#e36209"
-        stroke = ' stroke="#c62828" stroke-width="1.5"' if row.status == R.DIVERGED else ""
-        parts.append(f'<circle class="pt {row.phase}" cx="{x:.1f}" cy="{y:.1f}" r="2.6" fill="{color}"{stroke}><title>{label}</title></circle>')
+        if row.status == R.DIVERGED:  # beyond tolerance: bigger, with a dark red ring
+            parts.append(f'<circle class="pt {row.phase} diverged" cx="{x:.1f}" cy="{y:.1f}" r="3.4" fill="{color}" '
+                         f'stroke="#8b0000" stroke-width="1.2"><title>{label}</title></circle>')
+        else:
+            parts.append(f'<circle class="pt {row.phase}" cx="{x:.1f}" cy="{y:.1f}" r="2.4" fill="{color}"><title>{label}</title></circle>')
     if first is not None and first in rows:
         x = x_of(rows.index(first))
         parts.append(f'<line id="first-divergence" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#c62828" stroke-width="1.5"/>')

@@ -136,7 +136,11 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
                 f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
-        others = [row for row in result.divergences if row is not first and row.divergence in (R.PARAM, R.ARGUMENT)]
+        # parameters by their own records (an API input holding the same weight repeats them)
+        others = [
+            row for row in result.divergences
+            if row is not first and (row.divergence == R.ARGUMENT or (row.divergence == R.PARAM and row.slot.startswith("param.")))
+        ]
         if others:
             lines.append("changed parameters and arguments:")
             for row in others[:max_divergences]:
