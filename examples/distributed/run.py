@@ -1,0 +1,93 @@
+"""DDP on CPU: two torchrun jobs, per-rank dumps, compared rank by rank.
+
+Launches ``torchrun --standalone --nproc_per_node 2 train_ddp.py`` (gloo backend, localhost
+only) for a reference run and a candidate run in which rank 1 computes one GELU with the tanh
+approximation. Every rank writes ``{dump}/step{N}/rank{R}.h5``; the script compares the two
+runs file by file and prints, per rank, the verdict and the first divergence.
+
+    python examples/distributed/run.py            # ~20 s on 2 CPU cores (two torchrun jobs)
+    python examples/distributed/run.py --same     # candidate identical to the reference
+    python examples/distributed/run.py --smoke    # CI size
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+# Run as `python examples/distributed/run.py` from anywhere: make `probe` importable
+# without installing anything.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from probe import compare
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_ddp.py")
+NPROC = 2
+
+
+def torchrun(dump_dir, steps, bug_rank):
+    """Run one DDP job; returns torchrun's exit code."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(NPROC), WORKER, "--dump", dump_dir, "--steps", str(steps)]
+    if bug_rank is not None:
+        command += ["--bug-rank", str(bug_rank)]
+    # One thread per rank: the ranks share the machine's cores.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    print("$ torchrun --standalone --nproc_per_node 2 examples/distributed/train_ddp.py "
+          + " ".join(command[7:]), file=sys.stderr)
+    return subprocess.call(command, env=env)
+
+
+def rank_files(dump_dir, step):
+    folder = os.path.join(dump_dir, f"step{step}")
+    return sorted(name for name in os.listdir(folder) if name.endswith(".h5"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps per job")
+    parser.add_argument("--same", action="store_true",
+                        help="candidate has no bug: shows that two DDP runs compare clean")
+    parser.add_argument("--out", default=os.path.join("out", "distributed"))
+    parser.add_argument("--smoke", action="store_true", help="CI size: 1 step")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps = 1
+    bug_rank = None if args.same else 1
+    reference = os.path.join(args.out, "reference")
+    candidate = os.path.join(args.out, "same" if args.same else "rank1_gelu_tanh")
+
+    started = time.perf_counter()
+    for dump_dir, bug in ((reference, None), (candidate, bug_rank)):
+        code = torchrun(dump_dir, args.steps, bug)
+        if code != 0:
+            print(f"torchrun failed with exit code {code}", file=sys.stderr)
+            return 2
+    print(f"two torchrun jobs of {NPROC} ranks, {args.steps} step(s) each: "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    last = args.steps - 1
+    files = rank_files(reference, last)
+    print(f"\nreference: {reference}/step*/{{{','.join(f[:-3] for f in files)}}}.h5")
+    print(f"candidate: {candidate}/step*/ ({'no change' if args.same else 'rank 1 computes blocks.1 GELU with tanh'})")
+    print(f"\nper-rank compare of step {last}:")
+    for name in files:
+        result = compare(os.path.join(reference, f"step{last}", name),
+                               os.path.join(candidate, f"step{last}", name))
+        line = f"  {name[:-3]}: {result.verdict}"
+        first = result.first_divergence
+        if first is not None:
+            line += f"; first divergence {first.key} ({first.origin})"
+        print(line)
+    overall = compare(reference, candidate)
+    print(f"\nwhole runs (all steps and ranks): verdict {overall.verdict}")
+    if overall.first_divergence is not None:
+        first = overall.first_divergence
+        print(f"first divergence: step {first.step}, rank {first.rank}, {first.key} ({first.origin})")
+    print(f"the full report: python -m probe compare {reference} {candidate}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

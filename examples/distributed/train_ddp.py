@@ -1,0 +1,67 @@
+"""One rank of a DDP training job on CPU (gloo), dumped with probe. Started by torchrun:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        examples/distributed/train_ddp.py --dump out/distributed/reference
+
+Each rank trains a small residual MLP on its own shard of data, averages its loss across ranks
+with an explicit all_reduce (as a logging loop would), and writes its own dump file
+``{dump}/step{N}/rank{R}.h5``. ``--bug-rank R`` makes rank R compute one GELU with the tanh
+approximation, as if that rank's node had a different kernel library.
+"""
+
+import argparse
+import os
+import sys
+
+# torchrun starts this file as a script: make `probe` and `examples.models` importable
+# without installing anything.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from probe import Config, PrecisionDebugger, seed_all
+from examples.models import DeepMLP, make_batch, train_step
+
+SEED = 1234
+
+
+def main():
+    parser = argparse.ArgumentParser(description="One rank of the DDP example (run by torchrun).")
+    parser.add_argument("--dump", required=True, help="dump folder for this run")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bug-rank", type=int, default=None,
+                        help="this rank computes blocks.1's GELU with the tanh approximation")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seed_all(SEED)
+    model = DeepMLP(in_features=32, width=64, depth=3, out_features=10)
+    if rank == args.bug_rank:
+        model.blocks[1].act = nn.GELU(approximate="tanh")
+    ddp_model = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(SEED + rank)  # each rank reads its own shard
+
+    debugger = PrecisionDebugger(
+        Config(task="statistics", level="mix", dump_path=args.dump, seed=SEED))
+    for step in range(args.steps):
+        x, y = make_batch("mlp", 16, generator=data, in_features=32, out_features=10)
+        debugger.start(ddp_model)
+        loss = train_step(ddp_model, optimizer, x, y)
+        mean_loss = loss.clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= world
+        debugger.stop()
+        debugger.step()
+        if rank == 0:
+            print(f"step {step}: mean loss over {world} ranks {mean_loss.item():.6f}", flush=True)
+    debugger.close()  # every step file on disk before the process group goes away
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""PPO on CartPole: seeded training repeats exactly; one update step dumped and compared.
+
+1. Two PPO trainings in fresh processes, each with seed_all + env.reset(seed=...) +
+   env.action_space.seed(...): the episode returns must repeat exactly, episode by episode.
+2. One PPO update step (one minibatch: forward, clipped loss, backward, Adam step) is dumped
+   in two configurations from the same weights and minibatch and compared. The candidate is a
+   float64 "high-precision bench" by default (--candidate threads: 1 thread vs the default).
+
+    python examples/reinforcement_learning/run.py           # ~15 s on 2 CPU cores
+    python examples/reinforcement_learning/run.py --smoke   # CI size
+Needs gymnasium (pip install 'precision-probe[examples]').
+"""
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+
+# Run as `python examples/reinforcement_learning/run.py` from anywhere: make `probe` and
+# `examples` importable without installing anything.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+
+from probe import Config, PrecisionDebugger, compare, seed_all
+from probe.report import html_report
+from examples.reinforcement_learning.ppo import (
+    ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, train, update_step,
+)
+
+SEED = 1234
+
+
+def make_env():
+    try:
+        import gymnasium
+    except ImportError:
+        sys.exit("this example needs gymnasium: pip install 'precision-probe[examples]'")
+    return gymnasium.make("CartPole-v1")
+
+
+def settings_for(smoke):
+    return PPOSettings(rollout_steps=128, minibatch=64) if smoke else PPOSettings()
+
+
+def seeded_training(updates, smoke, device):
+    """A full seeded PPO training; returns the return of every finished episode."""
+    seed_all(SEED)
+    env = make_env()
+    tracker = EpisodeTracker(env, SEED)
+    model = ActorCritic().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings_for(smoke).lr)
+    returns = train(model, optimizer, tracker, settings_for(smoke), updates, device)
+    env.close()
+    return returns
+
+
+def dump_update(model, batch, settings, dump_dir, dtype, threads):
+    """One update step of a copy of model on batch, dumped to dump_dir."""
+    model = copy.deepcopy(model).to(dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    debugger = PrecisionDebugger(
+        Config(task="statistics", level="mix", dump_path=dump_dir, seed=SEED))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        debugger.start(model)
+        loss = update_step(model, optimizer, batch.to(dtype=dtype), settings)
+        debugger.stop()
+        debugger.step()
+    finally:
+        torch.set_num_threads(threads_before)
+    debugger.close()  # returns once the step file is on disk
+    return loss
+
+
+def compare_update_step(args):
+    """Dump one PPO minibatch update in two configurations and compare them."""
+    settings = settings_for(args.smoke)
+    seed_all(SEED)
+    env = make_env()
+    model = ActorCritic().to(args.device)
+    rollout = collect(model, EpisodeTracker(env, SEED), settings, args.device).to(args.device)
+    batch = next(minibatches(rollout, settings))
+    env.close()
+
+    threads = torch.get_num_threads()
+    if args.candidate == "fp64":
+        sides = [("fp32", torch.float32, threads), ("fp64", torch.float64, threads)]
+        words = "float32 vs float64 high-precision bench"
+    else:
+        other = 1 if threads > 1 else 2
+        sides = [(f"{threads}threads", torch.float32, threads),
+                 (f"{other}threads", torch.float32, other)]
+        words = f"{threads} vs {other} CPU thread(s), float32"
+    dumps, losses = [], []
+    for name, dtype, n_threads in sides:
+        dumps.append(os.path.join(args.out, f"update_{name}"))
+        losses.append(dump_update(model, batch, settings, dumps[-1], dtype, n_threads))
+    result = compare(*dumps)
+    html = os.path.join(args.out, "report.html")
+    write_html(result, html)
+    print(f"\n2. one PPO update step ({len(batch.actions)} samples), {words}")
+    print(f"   loss: {losses[0]!r} vs {losses[1]!r}")
+    print(f"   verdict: {result.verdict}")
+    if result.first_divergence is not None:
+        first = result.first_divergence
+        print(f"   first divergence: {first.key} ({first.origin})")
+    print(f"   dumps: {dumps[0]}  {dumps[1]}")
+    print(f"   report: {html}")
+
+
+def write_html(result, path):
+    """The page `probe compare A B --html FILE` writes."""
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(html_report.render(result))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--updates", type=int, default=8, help="PPO rollouts+updates per training")
+    parser.add_argument("--candidate", choices=["fp64", "threads"], default="fp64")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=os.path.join("out", "reinforcement_learning"))
+    parser.add_argument("--smoke", action="store_true", help="CI size: 2 updates of 128 steps")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.updates = 2
+    os.makedirs(args.out, exist_ok=True)
+
+    if args.child:
+        with open(args.child, "w") as handle:
+            json.dump(seeded_training(args.updates, args.smoke, args.device), handle)
+        return 0
+
+    files = [os.path.join(args.out, f"returns_run{run}.json") for run in (1, 2)]
+    command = [sys.executable, os.path.abspath(__file__), "--updates", str(args.updates),
+               "--device", args.device, "--out", args.out] + (["--smoke"] if args.smoke else [])
+    # Both trainings at once, each in a fresh interpreter: nothing is shared but the seed.
+    jobs = [subprocess.Popen(command + ["--child", path]) for path in files]
+    if any(job.wait() != 0 for job in jobs):
+        print("a training run failed", file=sys.stderr)
+        return 2
+    runs = []
+    for path in files:
+        with open(path) as handle:
+            runs.append(json.load(handle))
+    same = runs[0] == runs[1]
+    print(f"1. PPO on CartPole-v1, {args.updates} updates, twice in fresh processes on {args.device}")
+    print(f"   episodes: {len(runs[0])} and {len(runs[1])}; last 5 returns run 1: "
+          f"{runs[0][-5:]}, run 2: {runs[1][-5:]}")
+    print(f"   episode returns repeat exactly: {'yes' if same else 'NO'}")
+
+    compare_update_step(args)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
