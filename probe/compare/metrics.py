@@ -21,8 +21,8 @@ import numpy as np
 
 from probe.compare.tolerances import Tolerance
 
-#: elements per chunk: 2 x 1 MB of float64 plus scratch stays in L2/L3 cache.
-CHUNK = 1 << 17
+#: elements per chunk: four 512 KB float64 buffers stay in the CPU cache between passes.
+CHUNK = 1 << 16
 
 #: integer view with the same width as each dtype whose ULP distance we report
 _ULP_VIEWS = {"float16": np.int16, "float32": np.int32, "float64": np.int64}
@@ -75,46 +75,41 @@ def _as_real(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _ordered_bits(values: np.ndarray, dtype_name: str) -> np.ndarray | None:
-    """Integers that order like the floats and step by one per ULP (-0 and +0 both 0)."""
+#: bits of magnitude (below the sign bit) per dtype
+_MAGNITUDE_BITS = {"float16": 15, "bfloat16": 15, "float32": 31, "float64": 63}
+
+
+def _raw_bits(values: np.ndarray, dtype_name: str) -> np.ndarray | None:
+    """The sign-magnitude bit patterns of a float array as signed integers (sign = int sign)."""
     if dtype_name == "bfloat16":
-        if values.dtype != np.float32:
-            return None
-        bits = values.view(np.int32) >> 16  # decoded bf16 keeps its bits in the top half
-        magnitude = np.int32(0x7FFF)
-    elif dtype_name in _ULP_VIEWS and values.dtype == np.dtype(dtype_name):
-        view = _ULP_VIEWS[dtype_name]
-        bits = values.view(view)
-        magnitude = view(np.iinfo(view).max)
-    else:
-        return None
-    # sign-magnitude -> two's complement: negatives become -magnitude. Plain integer ops
-    # (shift, and, xor, subtract) are several times faster than np.where here.
-    sign = bits >> (bits.dtype.itemsize * 8 - 1)  # -1 where negative, else 0
-    ordered = np.bitwise_and(sign, magnitude)
-    np.bitwise_xor(ordered, bits, out=ordered)
-    np.subtract(ordered, sign, out=ordered)
-    return ordered
+        # a decoded bf16 keeps its 16 bits in the top half of a float32
+        return values.view(np.int32) >> 16 if values.dtype == np.float32 else None
+    if dtype_name in _ULP_VIEWS and values.dtype == np.dtype(dtype_name):
+        return values.view(_ULP_VIEWS[dtype_name])
+    return None
 
 
-def _ulp_chunk_max(ordered_a: np.ndarray, ordered_b: np.ndarray) -> int:
-    if ordered_a.size == 0:
+def _ulp_chunk_max(bits_a: np.ndarray, bits_b: np.ndarray, magnitude_bits: int) -> int:
+    """Largest ULP distance between paired floats given as raw bits (-0 and +0 are 0 apart).
+
+    With equal signs the distance is the difference of the raw integers (which cannot
+    overflow); across zero it is the sum of the two magnitudes. Plain integer passes:
+    several times faster than mapping every value to an ordered integer first.
+    """
+    if bits_a.size == 0:
         return 0
-    if ordered_a.dtype != np.int64:
-        wide = np.int32 if ordered_a.dtype == np.int16 or ordered_a.itemsize == 2 else np.int64
-        diff = np.subtract(ordered_a, ordered_b, dtype=wide)
-        return int(max(diff.max(), -diff.min()))
-    # 64-bit: a difference across zero can exceed int64; take those apart exactly
-    cross = (ordered_a < 0) != (ordered_b < 0)
+    diff = bits_a - bits_b
+    cross = np.bitwise_xor(bits_a, bits_b) < 0
+    if not cross.any():
+        return max(int(diff.max()), -int(diff.min()))
     best = 0
-    if not cross.all():
-        same_a, same_b = ordered_a[~cross], ordered_b[~cross]
-        diff = same_a - same_b
-        best = int(max(diff.max(), -diff.min()))
-    if cross.any():
-        mags = np.abs(ordered_a[cross]).astype(np.uint64) + np.abs(ordered_b[cross]).astype(np.uint64)
-        best = max(best, int(mags.max()))
-    return best
+    same = ~cross
+    if same.any():
+        kept = diff[same]
+        best = max(int(kept.max()), -int(kept.min()))
+    mask = (1 << magnitude_bits) - 1
+    mags = (bits_a[cross].astype(np.int64) & mask).astype(np.uint64) + (bits_b[cross].astype(np.int64) & mask).astype(np.uint64)
+    return max(best, int(mags.max()))
 
 
 def _dot(x: np.ndarray, y: np.ndarray) -> float:
@@ -187,12 +182,11 @@ def tensor_metrics(
         np.divide(d, ca, out=t)
         acc.max_rel = max(acc.max_rel, float(t.max()))
         if ulp_ok:
-            ordered_a = _ordered_bits(raw_a, ulp_dtype)
-            ordered_b = _ordered_bits(raw_b, ulp_dtype)
-            if ordered_a is None or ordered_b is None:
+            bits_a, bits_b = _raw_bits(raw_a, ulp_dtype), _raw_bits(raw_b, ulp_dtype)
+            if bits_a is None or bits_b is None:
                 ulp_ok = False
             else:
-                acc.ulp = max(acc.ulp, _ulp_chunk_max(ordered_a, ordered_b))
+                acc.ulp = max(acc.ulp, _ulp_chunk_max(bits_a, bits_b, _MAGNITUDE_BITS[ulp_dtype]))
     return _finish(acc, numel, size, ulp_ok)
 
 
