@@ -1,0 +1,185 @@
+"""Module level: per-module hooks, registered with handles at start() and removed at stop().
+
+Every submodule of the model, the root included (path ""), gets
+
+* a forward pre-hook: pushes the module path (so API records know their innermost module),
+  and at level module/mix records the inputs (``input.N``, ``kwarg.name``) before the
+  forward runs (an in-place op inside cannot change what was recorded) and the module's own
+  parameters (kind "param", slot ``param.<name>``);
+* a forward hook registered with ``always_call=True``: pops the path even when the forward
+  raises, and records the outputs (``output.N``).
+
+Backward, at level module/mix, uses tensor hooks instead of register_full_backward_hook:
+torch's full backward hooks wrap inputs and outputs in a custom autograd Function, which
+makes ``nn.ReLU(inplace=True)`` fail with "Output 0 of BackwardHookFunction is a view and
+is being modified inplace" (torch 2.13), i.e. they would break ordinary models.
+
+* ``grad_output.N``: a hook on each output tensor that requires grad: the gradient of the
+  loss with respect to that output (what torch's grad_output is).
+* ``grad_input.N``: a hook on each input tensor that requires grad, registered before the
+  forward: the gradient with respect to that input, accumulated over all its uses (torch's
+  module grad_input counts only this module's use; the two agree when the input feeds only
+  this module, as in a Sequential chain; they differ for a residual input).
+* parameter gradients: ``register_post_accumulate_grad_hook`` on every parameter, so
+  ``param_grad.<name>`` is recorded when the gradient has landed in ``.grad``, in backward
+  order.
+
+Records of a call carry the call index from the pre-hook; the forward hook and the backward
+hooks reuse it through closures, so backward records pair with the right forward call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from probe.capture.recorder import Recorder
+
+Tensor = torch.Tensor
+_DisableTorchFunction = torch._C.DisableTorchFunction
+_is_grad_enabled = torch.is_grad_enabled
+
+
+class ModuleHooks:
+    """Hooks on one model. ``record`` False: only track the module stack (API level)."""
+
+    def __init__(self, model: torch.nn.Module, recorder: Recorder, record: bool) -> None:
+        self.model = model
+        self.recorder = recorder
+        self.record = record
+        self._handles: list = []
+        self._open_calls: dict[str, list] = {}
+
+    # ------------------------------------------------------------------ install / remove
+
+    def install(self) -> None:
+        try:
+            seen_params: set[int] = set()
+            for path, module in self.model.named_modules(remove_duplicate=True):
+                kind = type(module).__name__
+                if self.record:
+                    pre = functools.partial(self._pre_record, path, kind)
+                    self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                else:
+                    pre = functools.partial(self._pre_track, path)
+                    self._handles.append(module.register_forward_pre_hook(pre))
+                post = functools.partial(self._post, path, kind)
+                self._handles.append(module.register_forward_hook(post, always_call=True))
+                if self.record:
+                    for name, param in module.named_parameters(recurse=False):
+                        if id(param) in seen_params or not param.requires_grad:
+                            continue
+                        seen_params.add(id(param))
+                        hook = functools.partial(self._param_grad, path, kind, name)
+                        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._open_calls.clear()
+
+    # ------------------------------------------------------------------ forward
+
+    def _pre_track(self, path, module, args):
+        self.recorder.module_stack.append(path)
+
+    def _pre_record(self, path, kind, module, args, kwargs):
+        rec = self.recorder
+        rec.module_stack.append(path)
+        decision = rec.filter.call(path, kind)
+        if not decision:
+            self._open_calls.setdefault(path, []).append(None)
+            return None
+        with _DisableTorchFunction():
+            index = rec.namer.index(path, kind)
+            call = rec.call("module", path, kind, index, "forward", rec.locate(1), decision)
+            rec.calls += 1
+            filt = rec.filter
+            if filt.forward_in:
+                for position, arg in enumerate(args):
+                    rec.add_tree(call, f"input.{position}", "in", arg)
+                for key, arg in kwargs.items():
+                    rec.add_tree(call, "kwarg." + key, "in", arg)
+                param_call = ("param",) + call[1:]
+                for name, param in module.named_parameters(recurse=False):
+                    rec.add(param_call, "param." + name, "in", param)
+            if filt.backward_out and _is_grad_enabled():
+                inputs = [(f"grad_input.{p}", a) for p, a in enumerate(args)]
+                inputs += [("grad_input." + k, a) for k, a in kwargs.items()]
+                self._hook_tensors(inputs, call, "out")
+        self._open_calls.setdefault(path, []).append(call)
+        return None
+
+    def _post(self, path, kind, module, args, output):
+        rec = self.recorder
+        stack = rec.module_stack
+        if stack and stack[-1] == path:
+            stack.pop()
+        if not self.record:
+            return None
+        calls = self._open_calls.get(path)
+        forward_call = calls.pop() if calls else None
+        if forward_call is None:
+            return None
+        _, _, _, index, _, _, source, decision, _ = forward_call
+        filt = rec.filter
+        with _DisableTorchFunction():
+            call = rec.call("module", path, kind, index, "forward", source, decision)
+            if filt.forward_out:
+                rec.add_output(call, "out", output)
+            if filt.backward_in and _is_grad_enabled():
+                if isinstance(output, Tensor):
+                    outputs = [("grad_output.0", output)]
+                elif isinstance(output, (tuple, list)):
+                    outputs = [(f"grad_output.{p}", o) for p, o in enumerate(output)]
+                elif isinstance(output, dict):
+                    outputs = [("grad_output." + str(k), o) for k, o in output.items()]
+                else:
+                    outputs = []
+                self._hook_tensors(outputs, call, "in")
+        return None
+
+    # ------------------------------------------------------------------ backward
+
+    def _hook_tensors(self, slots, forward_call, io):
+        generation = self.recorder.generation
+        for slot, value in slots:
+            for leaf_slot, tensor in _tensor_leaves(value, slot):
+                if tensor.requires_grad:
+                    tensor.register_hook(functools.partial(
+                        self._on_grad, generation, forward_call, leaf_slot, io))
+
+    def _on_grad(self, generation, forward_call, slot, io, grad):
+        rec = self.recorder
+        if not rec.active or rec.generation != generation:
+            return None
+        kind, module, op, index, _, _, source, decision, _ = forward_call
+        with _DisableTorchFunction():
+            call = rec.call(kind, module, op, index, "backward", source, decision)
+            rec.add(call, slot, io, grad)
+        return None
+
+    def _param_grad(self, path, kind, name, param):
+        rec = self.recorder
+        if not rec.active or not rec.filter.backward_out or param.grad is None:
+            return
+        decision = rec.filter.call(path, kind)
+        if not decision:
+            return
+        with _DisableTorchFunction():
+            index = rec.namer.index(path, "param_grad." + name)
+            call = rec.call("param", path, kind, index, "backward", "", decision)
+            rec.add(call, "param_grad." + name, "out", param.grad)
+
+
+def _tensor_leaves(value, slot):
+    if isinstance(value, Tensor):
+        return ((slot, value),)
+    from probe.capture.values import flatten
+
+    return [(s, leaf) for s, leaf in flatten(value, slot, []) if isinstance(leaf, Tensor)]

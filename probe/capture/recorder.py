@@ -1,0 +1,243 @@
+"""Turn observed tensors and values into schema rows for one step.
+
+The Recorder is the state of one step of capture: the per-step name counters, the stack of
+running modules, the rows made so far, and a cache that makes each distinct tensor cost one
+statistics computation (and, for task "tensor", one stored copy) per step however many
+records reference it (an op's output is the next op's input).
+
+Cache key: the hash of (data_ptr, dtype, shape, stride, _version). data_ptr includes the
+storage offset, _version changes on every in-place write, and a weak reference to the
+tensor the entry was made from must still be alive for a hit: a freed tensor's memory may
+be reused by a new tensor with the same layout, and that one must miss. The key is the
+64-bit hash rather than the tuple because every object the cache keeps alive is work for
+Python's garbage collector during the step (measured: docs/performance.md).
+
+Rows are tuples in schema.RECORD_COLUMNS order. On CPU the statistics are computed at once;
+on other devices they stay on the device (stats.device_stats) and are filled in by
+``resolve()`` with one host copy per batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from probe.capture import stats
+from probe.capture.filters import BY_KEY, CaptureFilter
+from probe.capture.naming import Namer
+from probe.capture.values import SourceLocator, encode_value, flatten
+from probe.config import Config
+from probe.dump.schema import COLUMN_NAMES
+
+Tensor = torch.Tensor
+NAN = float("nan")
+_STATS_AT = COLUMN_NAMES.index("min")  # min max mean norm nan_count inf_count
+_STATS_END = _STATS_AT + 6
+#: payload of a meta tensor's statistics: unknown (counts -1)
+_UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
+#: resolve pending device statistics after this many records (bounds device memory)
+PENDING_LIMIT = 20_000
+_ref = weakref.ref
+
+
+def _DEAD():
+    return None
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class Recorder:
+    """Rows and caches of one step.
+
+    ``open_writer``: a callable returning the step's probe.dump.writer.StepWriter, called on
+    the first tensor to store (task "tensor"); other tasks never need the writer during the
+    step, and the debugger writes their file off the training thread.
+    """
+
+    def __init__(self, config: Config, open_writer=None, *, defer_stats: bool | None = None):
+        self.config = config
+        self.task = config.task
+        self.filter = CaptureFilter(config)
+        self.writer = None
+        self._open_writer = open_writer
+        self.namer = Namer()
+        self.locate = SourceLocator()
+        self.module_stack: list[str] = []
+        self.rows: list[tuple] = []
+        self.device: str | None = None
+        #: hooks registered on activations check this: records of a finished step or of a
+        #: stopped capture are dropped.
+        self.active = False
+        self.generation = 0
+        self.calls = 0  # captured API and module calls (for the benchmark)
+        self._defer = defer_stats  # None: defer on non-CPU devices only
+        self._pending: list[tuple[int, tuple]] = []
+        self._cache: dict = {}
+        self._want_checksum = config.task == "checksum" or config.task == "tensor"
+        self._want_tensor = config.task == "tensor"
+
+    # ------------------------------------------------------------------ context
+
+    def current_module(self) -> str:
+        stack = self.module_stack
+        return stack[-1] if stack else ""
+
+    # ------------------------------------------------------------------ rows
+    #
+    # A "call" is the tuple every record of one event shares, built once per event:
+    # (kind, module, op, index, phase, seq, source, decision, key prefix "module/op#index/phase/")
+
+    def call(self, kind, module, op, index, phase, source, decision) -> tuple:
+        """A new event of (module, op, index) in phase: takes the next seq."""
+        namer = self.namer
+        seq = namer.seq
+        namer.seq = seq + 1
+        return (kind, module, op, index, phase, seq, source, decision,
+                f"{module}/{op}#{index}/{phase}/")
+
+    def add(self, call: tuple, slot: str, io: str, value) -> None:
+        """One record for a tensor or a plain value at slot; anything else is skipped."""
+        kind, module, op, index, phase, seq, source, decision, prefix = call
+        key = prefix + slot
+        if decision == BY_KEY and not self.filter.key_wanted(op, key):
+            return
+        if isinstance(value, Tensor):
+            try:
+                cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
+                                  value._version))
+            except (RuntimeError, NotImplementedError, AttributeError):
+                entry = self._describe(value, None)  # sparse, nested, inference: not cached
+            else:
+                entry = self._cache.get(cache_key)
+                if entry is None or entry[0]() is None:
+                    entry = self._describe(value, cache_key)
+            rows = self.rows
+            rows.append((key, seq, kind, module, op, index, phase, slot, io) + entry[1] + (source,))
+            if entry[2] is not None:
+                self._pending.append((len(rows) - 1, entry[2]))
+                if len(self._pending) >= PENDING_LIMIT:
+                    self._resolve_pending()
+            return
+        text = encode_value(value)
+        if text is not None:
+            self.rows.append((key, seq, kind, module, op, index, phase, slot, io, "", "", "", text,
+                              NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source))
+
+    def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
+        """Records for every leaf of a nested structure under prefix (see values.flatten)."""
+        if isinstance(obj, Tensor):
+            self.add(call, prefix, io, obj)
+            return
+        for slot, leaf in flatten(obj, prefix, []):
+            self.add(call, slot, io, leaf)
+
+    def add_output(self, call: tuple, io: str, out, name: str = "output") -> None:
+        """A call's result: one tensor or value is ``output.0``; structures are walked."""
+        if isinstance(out, Tensor) or type(out) in _PLAIN:
+            self.add(call, name + ".0", io, out)
+        else:
+            for slot, leaf in flatten(out, name, []):
+                self.add(call, slot, io, leaf)
+
+    # ------------------------------------------------------------------ tensors
+
+    def _describe(self, tensor: Tensor, cache_key: int | None) -> tuple:
+        """A cache entry (weakref, payload columns dtype..tensor_id, pending device stats)."""
+        payload, pending = self._compute(tensor)
+        try:
+            entry = (_ref(tensor), payload, pending)
+        except TypeError:  # a tensor type without weak references
+            return (_DEAD, payload, pending)
+        if cache_key is not None:
+            self._cache[cache_key] = entry
+        return entry
+
+    def _compute(self, tensor: Tensor) -> tuple[tuple, tuple | None]:
+        device = tensor.device
+        device_name = stats.device_text(device)
+        if self.device is None:
+            self.device = device_name
+        dtype = stats.dtype_name(tensor.dtype)
+        shape = stats.shape_text(tensor.shape)
+        if device.type == "meta":
+            return (dtype, shape, device_name, "", *_UNKNOWN_STATS, tensor.numel(), "", -1), None
+        values = tensor
+        if tensor.layout != torch.strided:
+            values = _stored_values(tensor)
+        numel = values.numel()
+        pending = None
+        if numel == 0:
+            numbers = stats.EMPTY_STATS
+        elif self._defer if self._defer is not None else device.type != "cpu":
+            numbers = _UNKNOWN_STATS
+            values_t, counts_t = stats.device_stats(values)
+            pending = (values_t, counts_t, numel)
+        else:
+            numbers = stats.host_stats(values)
+        digest = stats.checksum(tensor) if self._want_checksum else ""
+        tensor_id = self._store(tensor) if self._want_tensor else -1
+        return (dtype, shape, device_name, "", *numbers, numel, digest, tensor_id), pending
+
+    def _store(self, tensor: Tensor) -> int:
+        if not _storable(tensor):
+            return -1
+        if self.writer is None:
+            if self._open_writer is None:
+                return -1
+            self.writer = self._open_writer()
+        return self.writer.add_tensor(tensor.detach().clone())
+
+    # ------------------------------------------------------------------ step end
+
+    def _resolve_pending(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        # one entry per distinct device-stats tuple: a cached tensor shares its tuple
+        unique: dict[int, int] = {}
+        batch = []
+        for _, item in pending:
+            if id(item) not in unique:
+                unique[id(item)] = len(batch)
+                batch.append(item)
+        numbers = stats.resolve_device_stats(batch)
+        rows = self.rows
+        for position, item in pending:
+            row = rows[position]
+            rows[position] = row[:_STATS_AT] + numbers[unique[id(item)]] + row[_STATS_END:]
+        # cache entries keep the resolved numbers so later hits need no device work
+        resolved = {id(item): numbers[unique[id(item)]] for _, item in pending}
+        for key, (ref, payload, item) in list(self._cache.items()):
+            if item is not None and id(item) in resolved:
+                payload = payload[:4] + resolved[id(item)] + payload[10:]
+                self._cache[key] = (ref, payload, None)
+
+    def resolve(self) -> None:
+        """Fill in the statistics still on a device (one host copy per device)."""
+        self._resolve_pending()
+
+    def end_step(self) -> None:
+        """Forget everything step-local: counters, cache, module stack."""
+        self.generation += 1
+        self.namer.reset()
+        self._cache.clear()
+        self.module_stack.clear()
+
+
+def _stored_values(tensor: Tensor) -> Tensor:
+    """Sparse and other non-strided layouts: the stored values (docs/capture.md)."""
+    try:
+        if tensor.layout == torch.sparse_coo:
+            return tensor._values()
+        return tensor.values()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return tensor.new_empty(0)
+
+
+def _storable(tensor: Tensor) -> bool:
+    if tensor.device.type == "meta":
+        return False
+    from probe.dump import encode  # torch + numpy only, never h5py
+
+    return encode.is_storable(tensor.dtype)

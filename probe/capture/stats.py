@@ -1,0 +1,177 @@
+"""Per-tensor statistics and checksums, as cheap as the device allows.
+
+Statistics of one tensor: min, max, mean, L2 norm, NaN count, Inf count (and numel), always
+reported as float64 / int64 whatever the tensor's dtype:
+
+* floating point: of the values; float16/bfloat16 are accumulated in float32.
+* int and bool: of the values converted to float64 (bool as 0/1; int64 beyond 2**53 rounds).
+* complex: of the absolute values.
+* empty: numel 0, counts 0, the four statistics NaN.
+* min/max are NaN when the tensor holds a NaN (NaN propagates, as in torch.aminmax).
+
+CPU (``host_stats``): four calls that each pass over the data once, chosen by measurement
+(docs/performance.md): numpy ``min`` and ``max`` on a zero-copy view, the sum of squares as
+a BLAS dot product, and ``torch.sum`` for the sum. The sum deliberately stays with torch: a
+mean near zero is a difference of large partial sums, and torch's summation order depends
+only on the tensor's layout, while a BLAS dot may depend on memory alignment (MKL), which
+would make two identical tensors report different means.
+NaN and Inf are counted only when the sum or the norm is not finite, so a healthy tensor
+pays nothing for them.
+
+Other devices (``device_stats``): the statistics stay on the device as two small tensors per
+record and no host synchronisation happens per tensor; ``resolve_device_stats`` copies a
+whole batch to the host at once (the debugger does it at stop()/step()).
+
+``checksum``: CRC-32 (zlib) of the tensor's raw bytes in its own dtype, row-major, as
+8 hex digits. It reads the bytes on the host: for a GPU tensor that is a copy and a sync per
+tensor (checksum mode is for exactness, not speed).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import torch
+
+NAN = float("nan")
+EMPTY_STATS = (NAN, NAN, NAN, NAN, 0, 0)
+
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+_HALF_FLOATS = (torch.float16, torch.bfloat16)
+_dtype_names: dict = {}
+_shape_texts: dict = {}
+_device_texts: dict = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def shape_text(shape) -> str:
+    text = _shape_texts.get(shape)
+    if text is None:
+        text = "[" + ", ".join(str(int(size)) for size in shape) + "]"
+        if len(_shape_texts) < 100_000:
+            _shape_texts[tuple(shape)] = text
+    return text
+
+
+def device_text(device: torch.device) -> str:
+    text = _device_texts.get(device)
+    if text is None:
+        text = _device_texts[device] = str(device)
+    return text
+
+
+def _as_real(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose values the statistics describe (see the module docstring)."""
+    dtype = tensor.dtype
+    if dtype.is_floating_point:
+        return tensor
+    if dtype.is_complex:
+        return tensor.abs()
+    return tensor.to(torch.float64)
+
+
+def host_stats(tensor: torch.Tensor) -> tuple:
+    """(min, max, mean, norm, nan_count, inf_count) of a CPU tensor, as Python numbers."""
+    numel = tensor.numel()
+    if numel == 0:
+        return EMPTY_STATS
+    x = tensor.detach()
+    if x.dtype not in _NUMPY_FLOATS:
+        if x.dtype in _HALF_FLOATS:
+            return _torch_stats(x, numel, torch.float32)
+        x = _as_real(x)
+        if x.dtype not in _NUMPY_FLOATS:  # a real float type numpy lacks (float8, ...)
+            return _torch_stats(x, numel, torch.float32)
+    array = x.numpy()
+    low = float(array.min())
+    high = float(array.max())
+    if array.flags.c_contiguous:
+        flat = array.reshape(-1)
+        norm = math.sqrt(float(np.dot(flat, flat)))
+    else:
+        norm = float(torch.linalg.vector_norm(x))
+    total = float(x.sum())
+    if math.isinf(norm) and math.isfinite(low) and math.isfinite(high):
+        # a float32 sum of squares overflowed although every value is finite
+        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    nans = infs = 0
+    if not (math.isfinite(total) and math.isfinite(norm)):
+        nans, infs = _count_nonfinite(x)
+    return (low, high, total / numel, norm, nans, infs)
+
+
+def _torch_stats(x: torch.Tensor, numel: int, accumulate: torch.dtype) -> tuple:
+    low, high = torch.aminmax(x)
+    total = x.sum(dtype=accumulate)
+    norm = torch.linalg.vector_norm(x, dtype=accumulate)
+    low, high, total, norm = torch.stack(
+        (low.to(accumulate), high.to(accumulate), total, norm)
+    ).tolist()
+    nans = infs = 0
+    if not (math.isfinite(total) and math.isfinite(norm)):
+        nans, infs = _count_nonfinite(x)
+    return (low, high, total / numel, norm, nans, infs)
+
+
+def _count_nonfinite(x: torch.Tensor) -> tuple[int, int]:
+    return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+
+
+def device_stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Statistics left on the tensor's device: (float64[min, max, sum, norm], int64[nan, inf]).
+
+    No host synchronisation; the caller must guard numel() == 0 itself.
+    """
+    x = _as_real(tensor.detach())
+    accumulate = torch.float32 if x.dtype in _HALF_FLOATS else x.dtype
+    if not accumulate.is_floating_point or accumulate.itemsize < 4:
+        accumulate = torch.float32
+    low, high = torch.aminmax(x)
+    values = torch.stack(
+        (low.to(accumulate), high.to(accumulate), x.sum(dtype=accumulate),
+         torch.linalg.vector_norm(x, dtype=accumulate))
+    ).to(torch.float64)
+    counts = torch.stack((torch.isnan(x).sum(), torch.isinf(x).sum()))
+    return values, counts
+
+
+def resolve_device_stats(pending: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[tuple]:
+    """[(values, counts, numel)] from device_stats -> [(min, max, mean, norm, nan, inf)].
+
+    One stacked copy to the host per device (one synchronisation), however many records.
+    """
+    results: list[tuple | None] = [None] * len(pending)
+    by_device: dict = {}
+    for position, (values, counts, numel) in enumerate(pending):
+        by_device.setdefault(values.device, []).append(position)
+    for positions in by_device.values():
+        values = torch.stack([pending[p][0] for p in positions]).cpu().tolist()
+        counts = torch.stack([pending[p][1] for p in positions]).cpu().tolist()
+        for p, (low, high, total, norm), (nans, infs) in zip(positions, values, counts):
+            results[p] = (low, high, total / pending[p][2], norm, nans, infs)
+    return results
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """CRC-32 of the raw bytes (own dtype, row-major) as 8 hex digits; "" when not readable."""
+    x = tensor.detach()
+    if x.layout != torch.strided or x.device.type == "meta":
+        return ""
+    if x.device.type != "cpu":
+        x = x.cpu()
+    x = x.contiguous().reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    try:
+        raw = x.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # a dtype without a byte view: conj/neg bits, quantized
+        return ""
+    return format(zlib.crc32(raw), "08x")

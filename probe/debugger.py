@@ -1,0 +1,333 @@
+"""PrecisionDebugger: the lifecycle of a capture. What is recorded lives in probe/capture/.
+
+    debugger = PrecisionDebugger("config.json")   # seeds once, installs nothing
+    for batch in loader:
+        debugger.start(model)                     # hooks + API mode, if this step is selected
+        loss = train_step(model, batch)
+        debugger.stop()                           # everything removed; rows handed to the writer
+        debugger.step()                           # step file finished; step counter + 1
+
+or, for one whole step, ``with debugger.capture(model): train_step(...)``.
+
+Rules (docs/capture.md):
+* several start()/stop() pairs inside one step accumulate into that step's file;
+* start() while started, or stop() while not started, raises CaptureError: a second start
+  would hook everything twice, and a stray stop() means the script's structure is not what
+  its author thinks. step() while started stops first;
+* on a step or rank the config does not select, start() installs nothing at all;
+* step() writes ``{dump_path}/step{N}/rank{R}.h5`` (synchronously: a background thread
+  was measured to be slower, because the HDF5 work holds the GIL the training thread
+  needs); interpreter exit writes a step still open. A process killed mid-step leaves at
+  most ``rank{R}.h5.partial``, never a file that looks finished.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import warnings
+import weakref
+
+import torch
+
+from probe import config as config_module
+from probe._version import __version__
+from probe.capture.api_mode import ApiCaptureMode
+from probe.capture.module_hooks import ModuleHooks
+from probe.capture.recorder import Recorder
+from probe.dump.schema import SCHEMA_VERSION
+from probe.errors import CaptureError, DumpError, ProbeError
+from probe.seed import determinism_state, seed_all
+
+_LIVE: "weakref.WeakSet[PrecisionDebugger]" = weakref.WeakSet()
+_EXIT_HOOKED = False
+
+
+class PrecisionDebugger:
+    """Capture module and/or torch API calls of a training step into dump files.
+
+    ``config``: a path to a .json/.yaml config, a probe.config.Config, or None (then the
+    config ``probe run`` handed down in $PROBE_CONFIG, else the defaults).
+    """
+
+    def __init__(self, config=None) -> None:
+        self.config = _resolve_config(config)
+        cfg = self.config
+        self.seed_report = seed_all(cfg.seed, cfg.mode, cfg.remove_dropout)
+        self.current_step = 0
+        self._model: torch.nn.Module | None = None
+        self._started = False
+        self._recorder: Recorder | None = None  # the open step, if any
+        self._mode: ApiCaptureMode | None = None
+        self._hooks: ModuleHooks | None = None
+        self._seed_report_dict = self.seed_report.to_dict()
+        self.last_file: str | None = None  # the step file step() wrote last
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ public lifecycle
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def rank(self) -> int:
+        return _current_rank()
+
+    def start(self, model: torch.nn.Module | None = None) -> None:
+        """Begin (or resume) capturing the current step. model: the root nn.Module."""
+        if self._started:
+            raise CaptureError(
+                f"start() called while capture of step {self.current_step} is already started; "
+                "call stop() first"
+            )
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                raise CaptureError(
+                    f"start(model=...) got {type(model).__name__}, expected a torch.nn.Module or None"
+                )
+            self._model = model
+        self._started = True
+        if not self._selected():
+            return
+        try:
+            recorder = self._recorder or self._open_step()
+            recorder.active = True
+            level = self.config.level
+            if self._model is not None:
+                self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"))
+                self._hooks.install()
+            if level in ("api", "mix"):
+                self._mode = ApiCaptureMode(recorder)
+                self._mode.__enter__()
+        except BaseException:
+            self._uninstall()
+            self._started = False
+            raise
+
+    def stop(self) -> None:
+        """Remove every hook and the API mode; the records so far go to the step's writer."""
+        if not self._started:
+            raise CaptureError(
+                f"stop() called but capture of step {self.current_step} is not started; "
+                "call start() first"
+            )
+        self._started = False
+        problem = self._uninstall()
+        if self._recorder is not None:
+            self._recorder.active = False
+            self._recorder.resolve()
+        if problem is not None:
+            raise problem
+
+    def step(self) -> None:
+        """Finish the current step's file (if it was captured) and advance the step counter."""
+        if self._started:
+            self.stop()
+        try:
+            self._finish_step()
+        finally:
+            self.current_step += 1
+
+    @contextlib.contextmanager
+    def capture(self, model: torch.nn.Module | None = None, *, finish_step: bool = True):
+        """``with debugger.capture(model): ...`` = start(model) ... stop(), then step().
+
+        finish_step=False leaves the step open (for several captures in one step). On an
+        exception the hooks and the mode are removed, the step is still written, and the
+        exception propagates.
+        """
+        self.start(model)
+        try:
+            yield self
+        except BaseException:
+            with _reported("closing the capture after an exception"):
+                self.stop()
+                if finish_step:
+                    self.step()
+            raise
+        self.stop()
+        if finish_step:
+            self.step()
+
+    def close(self) -> None:
+        """Stop if started and write the open step's file (what the exit handler does)."""
+        if self._started:
+            self.stop()
+        if self._recorder is not None:
+            self._finish_step()
+
+    # ------------------------------------------------------------------ internals
+
+    def _selected(self) -> bool:
+        cfg = self.config
+        return cfg.wants_step(self.current_step) and cfg.wants_rank(_current_rank())
+
+    def _open_step(self) -> Recorder:
+        import probe.dump.writer  # noqa: F401  (h5py, once something is dumped)
+
+        _hook_exit()
+        cfg = self.config
+        _make_dump_folder(cfg.dump_path)
+        rank = _current_rank()
+        attrs = {
+            "schema_version": SCHEMA_VERSION,
+            "probe_version": __version__,
+            "torch_version": str(torch.__version__),
+            "step": self.current_step,
+            "rank": rank,
+            "world_size": _world_size(),
+            "task": cfg.task,
+            "level": cfg.level,
+            "device": "",
+            "config": cfg.to_dict(),
+            "seed_report": self._seed_report_dict,
+            "determinism": determinism_state(),
+        }
+        step = self.current_step
+
+        def open_writer():
+            from probe.dump.writer import StepWriter
+
+            return StepWriter(cfg.dump_path, step, rank, attrs, buffer_bytes=cfg.buffer_mb << 20)
+
+        self._recorder = Recorder(cfg, open_writer)
+        self._recorder.step_attrs = attrs
+        return self._recorder
+
+    def _finish_step(self) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return
+        recorder.resolve()
+        rows, recorder.rows = recorder.rows, []
+        writer = recorder.writer
+        open_writer = recorder._open_writer
+        device = recorder.device or "cpu"
+        recorder.end_step()
+
+        target = writer or open_writer()
+        try:
+            target.add_rows(rows)
+            self.last_file = target.close({"device": device})
+        except BaseException:
+            target.abort()
+            raise
+
+    def _uninstall(self) -> ProbeError | None:
+        """Remove the mode and hooks; never leaves either behind, even when one fails."""
+        problem = None
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            stack = torch.overrides._get_current_function_mode_stack()
+            if stack and stack[-1] is mode:
+                mode.__exit__(None, None, None)
+            elif any(m is mode for m in stack):
+                top = type(stack[-1]).__name__
+                problem = CaptureError(
+                    f"stop(): another TorchFunctionMode ({top}) was entered after start() and is "
+                    "still active; exit it before stop()"
+                )
+                _remove_mode(mode)
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.remove()
+        return problem
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        state = "started" if self._started else "stopped"
+        return (f"PrecisionDebugger(task={cfg.task!r}, level={cfg.level!r}, "
+                f"dump_path={cfg.dump_path!r}, step={self.current_step}, {state})")
+
+
+def _make_dump_folder(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise DumpError(f"dump_path {path}: a file is in the way, expected a folder") from None
+    except OSError as error:
+        raise DumpError(f"dump_path {path}: cannot create the folder ({error.strerror})") from None
+
+
+def _remove_mode(mode) -> None:
+    """Pop the modes above ours, pop ours, push the others back (order kept)."""
+    above = []
+    while True:
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not stack:
+            return
+        top = stack[-1]
+        torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
+def _resolve_config(config) -> config_module.Config:
+    if isinstance(config, config_module.Config):
+        return config
+    if config is None:
+        return config_module.from_env() or config_module.Config()
+    if isinstance(config, (str, os.PathLike)):
+        return config_module.load(config)
+    if isinstance(config, dict):
+        return config_module.from_dict(config)
+    raise CaptureError(
+        f"PrecisionDebugger(config=...) got {type(config).__name__}, expected a path to a "
+        ".json/.yaml file, a probe.config.Config, a dict of config keys, or None"
+    )
+
+
+def _current_rank() -> int:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _world_size() -> int:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+@contextlib.contextmanager
+def _reported(what: str):
+    """Run cleanup during an exception: a second failure is a warning, not a new exception."""
+    try:
+        yield
+    except Exception as error:
+        warnings.warn(f"probe: {what} failed: {error}", RuntimeWarning, stacklevel=3)
+
+
+def _hook_exit() -> None:
+    """Register the exit handler once, after probe.dump.writer (and h5py) are imported, so it
+    runs before theirs: atexit runs last-registered first."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        atexit.register(_close_all_at_exit)
+        _EXIT_HOOKED = True
+
+
+def _close_all_at_exit() -> None:
+    for debugger in list(_LIVE):
+        try:
+            debugger.close()
+        except Exception as error:
+            print(f"probe: error: closing step {debugger.current_step} at exit: {error}",
+                  file=sys.stderr)
+
+
+__all__ = ["PrecisionDebugger"]
