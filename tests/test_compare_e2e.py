@@ -1,0 +1,227 @@
+"""probe compare on dumps made by the real debugger from the small example models.
+
+Each test writes two one-step dumps (a seeded reference and a variant) and checks what the
+compare finds: no false alarm between correct runs, every injected fault located at its
+layer's op with origin "introduced", robust alignment when the op sequences differ.
+"""
+
+import contextlib
+import json
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.models import DeepMLP, ResidualBlock, SmallConvNet, make_batch, train_step
+from probe.cli import main
+from probe.compare.api import compare
+from probe.config import from_dict
+from probe.debugger import PrecisionDebugger
+
+WIDTH = 32
+
+
+def _deep():
+    return DeepMLP(in_features=WIDTH, width=WIDTH, depth=3, out_features=4), dict(in_features=WIDTH, out_features=4)
+
+
+def _dump(path, build=_deep, variant=None, level="mix", task="tensor", dtype=None, autocast=False,
+          threads=None, mkldnn=True, batch=8, model_name="deepmlp"):
+    """One training step of a freshly seeded model, captured to path; returns path."""
+    debugger = PrecisionDebugger(from_dict({"task": task, "level": level, "dump_path": str(path), "seed": 1}))
+    torch.manual_seed(0)
+    model, sizes = build()
+    if variant is not None:
+        variant(model)
+    x, y = make_batch(model_name, batch, generator=torch.Generator().manual_seed(0), **sizes)
+    if dtype is not None:
+        model.to(dtype)
+        x = x.to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved_threads = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with torch.backends.mkldnn.flags(enabled=mkldnn):
+            debugger.start(model)
+            if autocast:
+                optimizer.zero_grad()
+                with precision:
+                    logits = model(x)
+                F.cross_entropy(logits.float(), y).backward()
+                optimizer.step()
+            else:
+                train_step(model, optimizer, x, y)
+            debugger.stop()
+            debugger.step()
+    finally:
+        torch.set_num_threads(saved_threads)
+        debugger.close()
+    return str(path)
+
+
+def _cli_json(capsys, *argv):
+    with pytest.raises(SystemExit) as info:
+        main(["compare", *argv, "--json"])
+    return info.value.code, json.loads(capsys.readouterr().out)
+
+
+def _nothing_diverged_before(result, first):
+    """Nothing before the first divergence is flagged, except the faulty layer's own changed
+    parameter or argument records (they are the cause, reported as such)."""
+    earlier = [r for r in result.divergences if r.seq_a is not None and r.seq_a < first.seq_a]
+    causes = [r for r in earlier if r.divergence in ("param", "argument") and r.module == first.module]
+    assert earlier == causes, [r.key for r in earlier]
+
+
+@pytest.mark.parametrize("task", ["tensor", "statistics", "checksum"])
+def test_two_identical_seeded_runs_compare_clean(tmp_path, capsys, task):
+    a = _dump(tmp_path / "a", task=task)
+    b = _dump(tmp_path / "b", task=task)
+    code, data = _cli_json(capsys, a, b)
+    assert code == 0 and data["verdict"] == "pass" and data["first_divergence"] is None
+    assert data["counts"]["matched"] > 100 and data["counts"]["only_a"] == data["counts"]["only_b"] == 0
+    assert data["evidence"] == task
+
+
+def test_thread_count_difference_compares_clean(tmp_path, capsys):
+    build = lambda: (DeepMLP(in_features=64, width=128, depth=4, out_features=10), {"in_features": 64, "out_features": 10})
+    a = _dump(tmp_path / "a", build=build, threads=1, batch=32)
+    b = _dump(tmp_path / "b", build=build, threads=2, batch=32)
+    code, data = _cli_json(capsys, a, b)
+    assert code == 0 and data["verdict"] == "pass"
+
+
+def test_mkldnn_on_versus_off_compares_clean_although_values_differ(tmp_path, capsys):
+    build = lambda: (SmallConvNet(), {})
+    a = _dump(tmp_path / "a", build=build, model_name="convnet", batch=8)
+    b = _dump(tmp_path / "b", build=build, model_name="convnet", batch=8, mkldnn=False)
+    result = compare(a, b)
+    assert result.verdict == "pass", result.first_divergence and result.first_divergence.key
+    assert any(r.metrics is not None and r.metrics.max_abs > 0 for r in result.rows)  # kernels really differ
+
+
+def _noisy_weight(model):
+    with torch.no_grad():
+        fc = model.blocks[1].fc
+        fc.weight.add_(torch.randn(fc.weight.shape, generator=torch.Generator().manual_seed(3)) * 1e-3)
+
+
+def _replace_block(**options):
+    def variant(model):
+        block = ResidualBlock(WIDTH, **options)
+        block.load_state_dict(model.blocks[1].state_dict())
+        model.blocks[1] = block
+    return variant
+
+
+@pytest.mark.parametrize(
+    "variant, level, module, op",
+    [
+        (_noisy_weight, "mix", "blocks.1.fc", "functional.linear"),
+        (_replace_block(eps=1e-3), "mix", "blocks.1.norm", "functional.layer_norm"),
+        (_replace_block(approximate="tanh"), "mix", "blocks.1.act", "functional.gelu"),
+        (_replace_block(approximate="tanh"), "module", "blocks.1.act", "GELU"),
+        (_noisy_weight, "api", "blocks.1.fc", "functional.linear"),
+    ],
+    ids=["weight-noise", "layernorm-eps", "gelu-tanh", "gelu-tanh-module-level", "weight-noise-api-level"],
+)
+def test_injected_fault_is_found_at_its_layer_op_and_introduced(tmp_path, variant, level, module, op):
+    a = _dump(tmp_path / "a", level=level)
+    b = _dump(tmp_path / "b", level=level, variant=variant)
+    result = compare(a, b)
+    first = result.first_divergence
+    assert result.verdict == "diverged"
+    assert (first.module, first.op, first.phase, first.origin) == (module, op, "forward", "introduced")
+    assert result.likely_cause is first
+    _nothing_diverged_before(result, first)
+
+
+def test_a_changed_weight_is_also_reported_as_a_param_divergence(tmp_path):
+    result = compare(_dump(tmp_path / "a"), _dump(tmp_path / "b", variant=_noisy_weight))
+    params = [r for r in result.divergences if r.divergence == "param" and r.slot == "param.weight"]
+    assert [r.module for r in params] == ["blocks.1.fc"]
+    assert "parameter" in result.first_divergence.cause
+
+
+def _extra_add(model):
+    block = model.blocks[1]
+
+    def forward(self, x):
+        x = x + 0.0  # an extra Tensor.add before the block's own: shifts that stream's index
+        return x + self.act(self.fc(self.norm(x)))
+
+    block.forward = types.MethodType(forward, block)
+
+
+def test_one_extra_call_is_only_in_b_and_everything_after_still_pairs(tmp_path):
+    result = compare(_dump(tmp_path / "a"), _dump(tmp_path / "b", variant=_extra_add))
+    only_b = {r.key.rsplit("/", 1)[0] for r in result.rows if r.status == "only_b"}
+    assert only_b == {"blocks.1/Tensor.add#0/forward", "blocks.1/Tensor.add#0/backward"} or only_b == {
+        "blocks.1/Tensor.add#0/forward"}
+    assert result.counts["only_a"] == 0 and result.verdict == "pass"
+    shifted = [r for r in result.rows if r.key == "blocks.1/Tensor.add#0/forward/output.0" and r.status == "match"]
+    assert shifted and shifted[0].key_b == "blocks.1/Tensor.add#1/forward/output.0"
+
+
+def test_bf16_autocast_against_fp32_aligns_and_names_the_ops_that_add_error(tmp_path):
+    result = compare(_dump(tmp_path / "a"), _dump(tmp_path / "b", autocast=True))
+    assert result.counts["matched"] > 100
+    assert result.top_ops and all(op.introduced > 0 for op in result.top_ops)
+    model_ops = {"functional.linear", "functional.layer_norm", "functional.gelu", "Tensor.add", "Tensor.reshape",
+                 "functional.cross_entropy"}
+    assert result.top_ops[0].op in model_ops
+    assert any("bfloat16" in note for r in result.rows for note in r.notes)
+
+
+def _scaled_backward(model):
+    model.blocks[1].fc.register_full_backward_hook(lambda module, grad_in, grad_out: tuple(
+        g * 1.01 if g is not None else None for g in grad_in))
+
+
+def test_a_fault_only_in_backward_is_found_in_backward_with_the_forward_clean(tmp_path):
+    result = compare(_dump(tmp_path / "a"), _dump(tmp_path / "b", variant=_scaled_backward))
+    first = result.first_divergence
+    assert first.phase == "backward" and first.module.startswith("blocks.1") and first.origin == "introduced"
+    model_forward = [r for r in result.divergences if r.phase == "forward" and r.seq_a < first.seq_a]
+    assert model_forward == []
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.01
+
+
+def _custom_function(model):
+    act = model.blocks[1].act
+    original = act.forward
+    act.forward = lambda x: _ScaleGrad.apply(original(x))
+
+
+def test_a_custom_autograd_function_changing_gradients_is_located_in_backward(tmp_path):
+    result = compare(_dump(tmp_path / "a"), _dump(tmp_path / "b", variant=_custom_function))
+    first = result.first_divergence
+    assert first.phase == "backward" and first.module.startswith("blocks.1") and first.origin == "introduced"
+    assert [r for r in result.divergences if r.phase == "forward" and r.seq_a < first.seq_a] == []
+
+
+def test_fp32_against_fp64_raises_no_dtype_errors(tmp_path):
+    result = compare(_dump(tmp_path / "a"), _dump(tmp_path / "b", dtype=torch.float64))
+    assert result.verdict == "pass", result.first_divergence and result.first_divergence.reasons
+    dtype_notes = [r for r in result.rows if r.dtype_a == "float32" and r.dtype_b == "float64"]
+    assert dtype_notes and all(r.status == "match" and "judged as float32" in r.notes[0] for r in dtype_notes)
+
+
+def test_statistics_dumps_still_locate_a_changed_weight(tmp_path):
+    result = compare(_dump(tmp_path / "a", task="statistics"), _dump(tmp_path / "b", task="statistics", variant=_noisy_weight))
+    first = result.first_divergence
+    assert result.evidence == "statistics" and (first.module, first.origin) == ("blocks.1.fc", "introduced")
+    assert any("statistics only" in note for note in result.notes)
