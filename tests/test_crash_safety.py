@@ -141,3 +141,27 @@ def test_writers_open_at_interpreter_exit_are_finished_or_aborted_as_their_hooks
             assert list(step_file.records.column("module")) == [f"left_open{step}"]
             assert step_file.tensor(0)[5] == 1000 * step + 5
             assert step_file.attrs.get("closed_by") == ("user" if step == 2 else None)
+
+
+def test_debugger_process_killed_mid_step_keeps_finished_steps_readable(tmp_path):
+    dump_path = tmp_path / "dump"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"task": "tensor", "dump_path": str(dump_path), "level": "mix"}))
+    script = os.path.join(REPO_ROOT, "tests", "scripts_dump", "debugger_child.py")
+    kill_when_it_says([sys.executable, script, str(config), "2"], "in step 2")
+
+    dump = probe.load(dump_path)
+    assert dump.steps == [0, 1] and dump.ranks == [0]
+    assert dump.incomplete == [str(dump_path / "step2" / ("rank0" + schema.PARTIAL_SUFFIX))]
+    for step in dump.steps:
+        with dump.open(step, 0) as step_file:
+            table = step_file.records
+            assert len(table) > 0 and step_file.tensor_count > 0
+            ids = table.column("tensor_id")
+            assert set(ids[ids >= 0].tolist()) == set(range(step_file.tensor_count))
+            for tensor_id in range(step_file.tensor_count):
+                step_file.tensor(tensor_id)  # every stored tensor reads back
+    inspected = subprocess.run([sys.executable, "-m", "probe.cli", "inspect", str(dump_path)], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=60)
+    assert inspected.returncode == 0
+    assert "step 2 rank 0 is incomplete (process killed mid-step?)" in inspected.stderr

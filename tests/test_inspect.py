@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from probe.cli import main
+from probe.dump.reader import load as probe_load
 from probe.dump import schema
 from scripts_dump.bad_dumps import BAD_DUMPS
 from scripts_dump.dumpkit import make_row, write_step
@@ -149,3 +151,48 @@ def test_inspect_imports_no_torch(dump):
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == "False"
     assert json.loads(result.stdout)["files"]
+
+
+def test_tiny_model_dumped_through_the_debugger_inspects_and_reads_back_exactly(capsys, tmp_path):
+    import copy
+
+    from examples.models import MLP, make_batch, train_step
+    from probe import PrecisionDebugger
+
+    dump_path = tmp_path / "dump"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"task": "tensor", "dump_path": str(dump_path), "level": "mix", "step": [0]}))
+    debugger = PrecisionDebugger(str(config))
+    model = MLP(8, 16, 4)
+    initial = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [make_batch("mlp", 4, torch.Generator().manual_seed(i), in_features=8, out_features=4)
+               for i in range(2)]
+    for x, y in batches:
+        debugger.start(model)
+        train_step(model, optimizer, x, y)
+        debugger.stop()
+        debugger.step()
+    debugger.close()
+
+    dump = probe_load(dump_path)
+    assert dump.steps == [0] and dump.ranks == [0]
+    with dump.open(0, 0) as step_file:
+        assert step_file.attrs["task"] == "tensor" and step_file.attrs["config"]["step"] == [0]
+        table = step_file.records
+
+        def stored(key):
+            return step_file.tensor(table.row(table.index_of(key))["tensor_id"])
+
+        weight = stored("fc1/Linear#0/forward/param.weight")
+        assert np.array_equal(weight, initial.fc1.weight.detach().numpy())
+        with torch.no_grad():
+            logits = initial(batches[0][0])
+        assert np.array_equal(stored("fc2/Linear#0/forward/output.0"), logits.numpy())
+        row = table.row(table.index_of("fc2/Linear#0/forward/output.0"))
+        assert row["min"] == logits.min().item() and row["max"] == logits.max().item()
+
+    code, out, err = run_cli(capsys, dump_path, "--key", "fc2/Linear#0/forward/output.0", "--json")
+    assert code == 0
+    payload = json.loads(out)
+    assert [record["key"] for record in payload["records"]] == ["fc2/Linear#0/forward/output.0"]
