@@ -10,7 +10,9 @@ Layout of one file, ``{dump_path}/step{N}/rank{R}.h5``::
                            row i of every column together is record i
     /tensors/<tensor_id>   task "tensor" only: one dataset per distinct tensor of the step,
                            stored bit-exact in its storage dtype (see STORAGE_DTYPES) with the
-                           attributes "dtype" (torch dtype name) and "shape"
+                           attributes "dtype" (torch dtype name) and "shape", and optionally
+                           "layout" ("sparse_coo", "sparse_csr", ...): the tensor was sparse and
+                           is stored dense (absent = strided)
 
 A record is one tensor (or one non-tensor argument) seen at one slot of one call:
 
