@@ -8,6 +8,12 @@ reduce_scatter_tensor, all_to_all_single, send/recv, ...) also check for a mode 
 here as ``distributed.<name>`` (all_gather_into_tensor as ``distributed.all_gather_single``,
 reduce_scatter_tensor as ``distributed.reduce_scatter_single``).
 
+A collective writes into its tensor arguments without bumping their autograd version, so
+its output (``output.0`` = the buffer it wrote, e.g. all_reduce's ``tensor``) is always
+recomputed, never taken from the statistics cache. DDP's gradient all-reduce runs inside
+its C++ reducer and is not an API call: parameter gradients recorded at module level are
+the local gradients, before averaging.
+
 Per call: inputs are recorded before the call (so an in-place op's input is seen before it
 is overwritten), outputs after it. Only the outermost torch call is recorded: torch disables
 the mode while ``__torch_function__`` runs, so F.layer_norm's internal torch.layer_norm is
@@ -111,13 +117,15 @@ def _capture(rec: Recorder, func, name, module, decision, args, kwargs):
     edges = _grad_edges(args, kwargs) if track and filt.backward_out else None
     out = func(*args, **kwargs)
     produced = out
-    if out is None or name.startswith("distributed."):
+    written = out is None or name.startswith("distributed.")
+    if written:
         produced = _written_argument(func, name, args, kwargs, out)
     if filt.forward_out and produced is not None:
-        if isinstance(produced, Tensor):
+        if isinstance(produced, Tensor) and not written:
             add(call, "output.0", "out", produced)
         else:
-            rec.add_output(call, "out", produced)
+            # collectives write their buffers without a version bump: never trust the cache
+            rec.add_output(call, "out", produced, fresh=written)
     if track:
         _hook_backward(rec, call, produced, edges)
     return out

@@ -96,8 +96,12 @@ class Recorder:
         return (kind, module, op, index, phase, seq, source, decision,
                 f"{module}/{op}#{index}/{phase}/")
 
-    def add(self, call: tuple, slot: str, io: str, value) -> None:
-        """One record for a tensor or a plain value at slot; anything else is skipped."""
+    def add(self, call: tuple, slot: str, io: str, value, fresh: bool = False) -> None:
+        """One record for a tensor or a plain value at slot; anything else is skipped.
+
+        fresh: the tensor was written without a version bump (a collective's buffer), so
+        its cached statistics are stale: compute them again and replace the cache entry.
+        """
         kind, module, op, index, phase, seq, source, decision, prefix = call
         key = prefix + slot
         if decision == BY_KEY and not self.filter.key_wanted(op, key):
@@ -110,7 +114,7 @@ class Recorder:
                 entry = self._describe(value, None)  # sparse, nested, inference: not cached
             else:
                 entry = self._cache.get(cache_key)
-                if entry is None or entry[0]() is None:
+                if entry is None or fresh or entry[0]() is None:
                     entry = self._describe(value, cache_key)
             rows = self.rows
             rows.append((key, seq, kind, module, op, index, phase, slot, io) + entry[1] + (source,))
@@ -132,13 +136,14 @@ class Recorder:
         for slot, leaf in flatten(obj, prefix, []):
             self.add(call, slot, io, leaf)
 
-    def add_output(self, call: tuple, io: str, out, name: str = "output") -> None:
+    def add_output(self, call: tuple, io: str, out, name: str = "output",
+                   fresh: bool = False) -> None:
         """A call's result: one tensor or value is ``output.0``; structures are walked."""
         if isinstance(out, Tensor) or type(out) in _PLAIN:
-            self.add(call, name + ".0", io, out)
+            self.add(call, name + ".0", io, out, fresh)
         else:
             for slot, leaf in flatten(out, name, []):
-                self.add(call, slot, io, leaf)
+                self.add(call, slot, io, leaf, fresh)
 
     # ------------------------------------------------------------------ tensors
 

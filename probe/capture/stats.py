@@ -39,6 +39,8 @@ NAN = float("nan")
 EMPTY_STATS = (NAN, NAN, NAN, NAN, 0, 0)
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
+#: by itemsize: a sum of squares above this would overflow float32 / float64 (with headroom)
+_SQUARES_MAX = {4: 1e37, 8: 1e306}
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
 _dtype_names: dict = {}
 _shape_texts: dict = {}
@@ -93,15 +95,16 @@ def host_stats(tensor: torch.Tensor) -> tuple:
     array = x.numpy()
     low = float(array.min())
     high = float(array.max())
-    if array.flags.c_contiguous:
+    largest = max(-low, high)  # NaN when the tensor holds a NaN
+    if largest * largest * numel > _SQUARES_MAX[array.dtype.itemsize]:
+        # the sum of squares would overflow this dtype although the values are finite
+        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    elif array.flags.c_contiguous:
         flat = array.reshape(-1)
         norm = math.sqrt(float(np.dot(flat, flat)))
     else:
         norm = float(torch.linalg.vector_norm(x))
     total = float(x.sum())
-    if math.isinf(norm) and math.isfinite(low) and math.isfinite(high):
-        # a float32 sum of squares overflowed although every value is finite
-        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
     nans = infs = 0
     if not (math.isfinite(total) and math.isfinite(norm)):
         nans, infs = _count_nonfinite(x)

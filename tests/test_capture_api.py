@@ -1,0 +1,263 @@
+"""API level: what the TorchFunctionMode sees and how each call becomes records."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import relu
+
+from probe.config import Config
+from probe.debugger import PrecisionDebugger
+from probe.dump.reader import load
+
+
+def _capture(tmp_path, fn, **config):
+    """Run fn() inside one captured step; return its records as {key: row}."""
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), **config))
+    with debugger.capture(config.pop("model", None)):
+        fn()
+    rows = load(tmp_path).records(step=0)
+    by_key = {row["key"]: row for row in rows}
+    assert len(by_key) == len(rows), "record keys must be unique"
+    return by_key
+
+
+def _ops(records):
+    return {row["op"] for row in records.values()}
+
+
+def test_api_level_sees_functional_torch_tensor_methods_operators_and_imported_names(tmp_path):
+    x = torch.randn(3, 4)
+    w = torch.randn(4, 2)
+
+    def work():
+        y = F.gelu(x)
+        y = torch.tanh(y)
+        y = relu(y)  # `from torch import relu`: no attribute of torch is involved
+        y = y * 2 + x
+        y = y @ w
+        y.sum()
+
+    ops = _ops(_capture(tmp_path, work))
+    assert {"functional.gelu", "torch.tanh", "torch.relu", "Tensor.mul", "Tensor.add",
+            "Tensor.matmul", "Tensor.sum"} <= ops
+
+
+def test_metadata_and_value_reads_are_not_recorded(tmp_path):
+    x = torch.randn(3, 4)
+
+    def work():
+        x.size(), x.shape, x.dim(), x.numel(), x.stride(), x.dtype, x.is_contiguous()
+        len(x), x[0, 0].item(), x.requires_grad, x.grad, repr(x)
+
+    ops = _ops(_capture(tmp_path, work))
+    assert ops == {"Tensor.__getitem__"}  # x[0, 0] is an indexing op; nothing else is math
+
+
+def test_a_call_records_exactly_its_inputs_and_outputs_not_probes_own_statistics(tmp_path):
+    x = torch.randn(5)
+    records = _capture(tmp_path, lambda: torch.relu(x))
+    assert sorted(records) == ["/torch.relu#0/forward/input.0", "/torch.relu#0/forward/output.0"]
+
+
+def test_statistics_of_inputs_and_outputs_match_the_tensors(tmp_path):
+    x = torch.tensor([[-2.0, 1.0], [3.0, -0.5]])
+    records = _capture(tmp_path, lambda: torch.relu(x))
+    row = records["/torch.relu#0/forward/input.0"]
+    assert (row["min"], row["max"], row["mean"]) == (-2.0, 3.0, 0.375)
+    assert row["norm"] == pytest.approx(math.sqrt(4 + 1 + 9 + 0.25))
+    assert (row["numel"], row["nan_count"], row["inf_count"]) == (4, 0, 0)
+    assert (row["dtype"], row["shape"], row["device"], row["io"]) == ("float32", "[2, 2]", "cpu",
+                                                                      "in")
+    out = records["/torch.relu#0/forward/output.0"]
+    assert (out["min"], out["max"], out["io"]) == (0.0, 3.0, "out")
+
+
+def test_non_tensor_arguments_are_recorded_so_a_changed_eps_shows(tmp_path):
+    x = torch.randn(2, 8)
+    values = {}
+    for eps in (1e-5, 1e-3):
+        records = _capture(tmp_path / str(eps), lambda: F.layer_norm(x, (8,), eps=eps))
+        values[eps] = records["/functional.layer_norm#0/forward/kwarg.eps"]["value"]
+        assert records["/functional.layer_norm#0/forward/input.1"]["value"] == "[8]"
+    assert json.loads(values[1e-5]) == 1e-5 and json.loads(values[1e-3]) == 1e-3
+
+
+def test_plain_values_are_json(tmp_path):
+    x = torch.randn(2, 3)
+
+    def work():
+        x.to(torch.float64)
+        x.sum(dim=1, keepdim=True)
+        F.pad(x, (1, 1), mode="constant", value=None)
+
+    records = _capture(tmp_path, work)
+    assert records["/Tensor.to#0/forward/input.1"]["value"] == '"float64"'
+    assert records["/Tensor.sum#0/forward/kwarg.dim"]["value"] == "1"
+    assert records["/Tensor.sum#0/forward/kwarg.keepdim"]["value"] == "true"
+    assert records["/functional.pad#0/forward/kwarg.mode"]["value"] == '"constant"'
+    assert records["/functional.pad#0/forward/kwarg.value"]["value"] == "null"
+    for row in records.values():
+        if row["value"]:
+            json.loads(row["value"])
+            assert row["dtype"] == "" and row["numel"] == 0 and math.isnan(row["min"])
+
+
+def test_nested_outputs_are_flattened_into_slots(tmp_path):
+    x = torch.randn(4, 6)
+
+    def work():
+        torch.max(x, dim=1)  # torch.return_types.max(values, indices)
+        torch.split(x, 2, dim=1)  # a tuple of three views
+        torch.cat([x, x])  # a list input
+
+    records = _capture(tmp_path, work)
+    assert "/torch.max#0/forward/output.values" in records
+    assert records["/torch.max#0/forward/output.indices"]["dtype"] == "int64"
+    assert {f"/torch.split#0/forward/output.{i}" for i in range(3)} <= set(records)
+    assert {"/torch.cat#0/forward/input.0.0", "/torch.cat#0/forward/input.0.1"} <= set(records)
+
+
+def test_in_place_op_input_is_recorded_before_the_mutation(tmp_path):
+    x = torch.zeros(4)
+
+    def work():
+        x.add_(5.0)
+        x.mul_(2.0)
+
+    records = _capture(tmp_path, work)
+    assert records["/Tensor.add_#0/forward/input.0"]["max"] == 0.0
+    assert records["/Tensor.add_#0/forward/output.0"]["max"] == 5.0
+    assert records["/Tensor.mul_#0/forward/input.0"]["max"] == 5.0
+    assert records["/Tensor.mul_#0/forward/output.0"]["max"] == 10.0
+
+
+def test_setitem_records_the_written_tensor_as_output(tmp_path):
+    x = torch.zeros(3)
+
+    def work():
+        x[1] = 7.0
+
+    records = _capture(tmp_path, work)
+    assert records["/Tensor.__setitem__#0/forward/input.0"]["max"] == 0.0
+    assert records["/Tensor.__setitem__#0/forward/input.2"]["value"] == "7.0"
+    assert records["/Tensor.__setitem__#0/forward/output.0"]["max"] == 7.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_float_dtypes_are_recorded_with_float64_statistics(tmp_path, dtype):
+    x = torch.linspace(-3, 5, 17).to(dtype)
+    records = _capture(tmp_path, lambda: torch.abs(x))
+    row = records["/torch.abs#0/forward/input.0"]
+    exact = x.double()
+    assert row["dtype"] == str(dtype).removeprefix("torch.")
+    assert (row["min"], row["max"]) == (exact.min().item(), exact.max().item())
+    assert row["mean"] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-7)
+    assert row["norm"] == pytest.approx(exact.norm().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_int_and_bool_tensors_get_statistics_of_their_values(tmp_path, dtype):
+    x = torch.tensor([0, 1, 1, 0, 1]).to(dtype)
+    records = _capture(tmp_path, lambda: torch.flip(x, (0,)))
+    row = records["/torch.flip#0/forward/input.0"]
+    assert row["dtype"] == str(dtype).removeprefix("torch.")
+    assert (row["min"], row["max"], row["mean"]) == (0.0, 1.0, 0.6)
+    assert row["norm"] == pytest.approx(math.sqrt(3))
+
+
+def test_nan_and_inf_are_counted(tmp_path):
+    x = torch.tensor([1.0, float("nan"), float("inf"), float("-inf"), 2.0])
+    row = _capture(tmp_path, lambda: torch.neg(x))["/torch.neg#0/forward/input.0"]
+    assert (row["nan_count"], row["inf_count"], row["numel"]) == (1, 2, 5)
+
+
+def test_empty_tensor_has_counts_and_nan_statistics(tmp_path):
+    row = _capture(tmp_path, lambda: torch.neg(torch.ones(0, 3)))["/torch.neg#0/forward/input.0"]
+    assert (row["numel"], row["nan_count"], row["shape"]) == (0, 0, "[0, 3]")
+    assert all(math.isnan(row[name]) for name in ("min", "max", "mean", "norm"))
+
+
+def test_source_location_points_at_the_calling_line(tmp_path):
+    x = torch.randn(3)
+
+    def work():
+        torch.sigmoid(x)  # the line recorded below
+    line = work.__code__.co_firstlineno + 1
+    row = _capture(tmp_path, work)["/torch.sigmoid#0/forward/output.0"]
+    path, _, number = row["source"].rpartition(":")
+    assert os.path.abspath(path) == os.path.abspath(__file__)
+    assert int(number) == line
+
+
+def test_backward_records_grad_output_and_single_node_grad_input(tmp_path):
+    x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+
+    def work():
+        y = torch.tanh(x)
+        (y * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+
+    records = _capture(tmp_path, work)
+    grad_out = records["/torch.tanh#0/backward/grad_output.0"]
+    assert (grad_out["min"], grad_out["max"]) == (1.0, 3.0)
+    grad_in = records["/torch.tanh#0/backward/grad_input.0"]
+    expected = torch.tensor([1.0, 2.0, 3.0]) * (1 - torch.tanh(x.detach()) ** 2)
+    assert grad_in["norm"] == pytest.approx(expected.norm().item(), rel=1e-6)
+    assert grad_in["io"] == "out" and grad_out["io"] == "in"
+    assert grad_in["seq"] == grad_out["seq"] > records["/torch.tanh#0/forward/output.0"]["seq"]
+
+
+def test_composite_call_gets_grad_output_but_no_grad_input(tmp_path):
+    logits = torch.randn(4, 3, requires_grad=True)
+    target = torch.tensor([0, 2, 1, 0])
+    records = _capture(tmp_path, lambda: F.cross_entropy(logits, target).backward())
+    assert "/functional.cross_entropy#0/backward/grad_output.0" in records
+    assert not any("cross_entropy#0/backward/grad_input" in key for key in records)
+
+
+def test_in_place_ops_keep_working_with_backward_hooks(tmp_path):
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+
+    def work():
+        h = torch.matmul(x, w)
+        h.mul_(2.0)
+        h.relu_()
+        h.sum().backward()
+
+    reference_w = w.detach().clone().requires_grad_()
+    h = torch.matmul(x, reference_w)
+    h.mul_(2.0)
+    h.relu_()
+    h.sum().backward()
+    records = _capture(tmp_path, work)
+    assert torch.equal(w.grad, reference_w.grad)
+    assert "/Tensor.mul_#0/backward/grad_output.0" in records
+    assert "/Tensor.relu_#0/backward/grad_output.0" in records
+
+
+def test_collectives_are_captured_through_the_mode(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        tensor = torch.full((3,), 2.0)
+
+        def work():
+            dist.all_reduce(tensor)
+            dist.broadcast(tensor, src=0)
+            tensor.add_(1.0)
+            gathered = [torch.zeros(3)]
+            dist.all_gather(gathered, tensor)
+
+        records = _capture(tmp_path / "dump", work)
+    finally:
+        dist.destroy_process_group()
+    assert {"distributed.all_reduce", "distributed.broadcast", "distributed.all_gather"} <= \
+        _ops(records)
+    assert records["/distributed.all_reduce#0/forward/output.0"]["max"] == 2.0
+    assert records["/distributed.all_gather#0/forward/output.0"]["max"] == 3.0
