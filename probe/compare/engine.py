@@ -19,6 +19,7 @@ from probe.compare import verdict
 from probe.compare.align import CallPair, align_calls
 from probe.compare.mapping import NameMapping
 from probe.compare.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
+from probe.compare.prefetch import Prefetcher
 from probe.compare.records import Call, Records, build_calls, is_param_slot
 from probe.compare.tolerances import Tolerances, tolerance_dtype
 
@@ -141,6 +142,35 @@ def compare_step(
     judged: dict[int, R.RecordRow] = {}  # A's row -> its RecordRow (producers' status)
     effective: dict[int, str] = {}  # A's row -> the tolerance dtype it was judged with
     origins: dict[int, tuple] = {}  # A's input row -> (kind, producing row)
+    measure.start_prefetch(paired)
+    try:
+        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress)
+    finally:
+        measure.close()
+
+    rows: list[R.RecordRow] = []
+    summaries: list[R.OpSummary] = []
+    for pair, call_rows in zip(pairs, per_pair):
+        if pair.a is not None and pair.b is not None:
+            lookup = {id(row): row_a for row, row_a, _ in call_rows}
+
+            def input_kind(row, _lookup=lookup):
+                kind, producer = origins.get(_lookup[id(row)], ("external", None))
+                return kind, judged.get(producer) if producer is not None else None
+
+            verdict.judge_call([row for row, _, _ in call_rows], input_kind)
+            summary = verdict.summarize_call([row for row, _, _ in call_rows])
+            if summary is not None:
+                summaries.append(summary)
+        rows.extend(row for row, _, _ in call_rows)
+    if progress is not None and not paired:
+        progress(1, 1, measure.bytes_read)
+    rows.sort(key=lambda row: row.order)
+    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
+
+
+def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress) -> None:
+    """Judge every paired record in A's execution order, carrying the precision floors."""
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
     for done, (row, row_a, row_b, number) in enumerate(paired, 1):
@@ -163,26 +193,6 @@ def compare_step(
                 mixed = lower_precision(mixed, tolerance_dtype(row.dtype_a, row.dtype_b))
         if progress is not None and (done % 64 == 0 or done == len(paired)):
             progress(done, len(paired), measure.bytes_read)
-
-    rows: list[R.RecordRow] = []
-    summaries: list[R.OpSummary] = []
-    for pair, call_rows in zip(pairs, per_pair):
-        if pair.a is not None and pair.b is not None:
-            lookup = {id(row): row_a for row, row_a, _ in call_rows}
-
-            def input_kind(row, _lookup=lookup):
-                kind, producer = origins.get(_lookup[id(row)], ("external", None))
-                return kind, judged.get(producer) if producer is not None else None
-
-            verdict.judge_call([row for row, _, _ in call_rows], input_kind)
-            summary = verdict.summarize_call([row for row, _, _ in call_rows])
-            if summary is not None:
-                summaries.append(summary)
-        rows.extend(row for row, _, _ in call_rows)
-    if progress is not None and not paired:
-        progress(1, 1, measure.bytes_read)
-    rows.sort(key=lambda row: row.order)
-    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
 
 
 def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int, rank: int):
@@ -252,6 +262,28 @@ class _Measurer:
         self.memo: dict[tuple[int, int], Metrics] = {}
         self.evidence: set = set()
         self.bytes_read = 0
+        self.prefetcher: Prefetcher | None = None
+
+    def start_prefetch(self, paired) -> None:
+        """Read ahead the tensor pairs the judge() calls in this order will ask for."""
+        if self.fetch_a is None or self.fetch_b is None:
+            return
+        a, b = self.a, self.b
+        keys, seen = [], set()
+        for _, row_a, row_b, _ in paired:
+            if a["dtype"][row_a] == "" or b["dtype"][row_b] == "" or a["shape"][row_a] != b["shape"][row_b]:
+                continue
+            key = (a["tensor_id"][row_a], b["tensor_id"][row_b])
+            if key[0] >= 0 and key[1] >= 0 and key not in seen:
+                seen.add(key)
+                keys.append(key)
+        if len(keys) > 1:
+            self.prefetcher = Prefetcher(keys, self.fetch_a, self.fetch_b)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
 
     def judge(self, row: R.RecordRow, row_a: int, row_b: int, upstream: str | None = None) -> None:
         """Judge one paired record. upstream: the lowest-precision dtype its value was computed
@@ -287,8 +319,9 @@ class _Measurer:
             found = self.memo.get(memo_key)
             if found is not None:
                 return found
-            array_a = self.fetch_a(id_a)
-            array_b = self.fetch_b(id_b)
+            pair = self.prefetcher.take((id_a, id_b)) if self.prefetcher is not None else None
+            array_a, array_b = pair if pair is not None else (self.fetch_a(id_a), self.fetch_b(id_b))
+            del pair
             self.bytes_read += array_a.nbytes + array_b.nbytes
             found = tensor_metrics(array_a, array_b, tol, a["dtype"][row_a], b["dtype"][row_b])
             del array_a, array_b
