@@ -91,23 +91,42 @@ def test_a_changed_shape_still_pairs_by_name_and_position():
     assert ("r1", "r1", NAME) in pairs
 
 
-def test_reordered_calls_pair_by_key_when_their_stream_agrees():
+def test_calls_reordered_across_modules_still_pair():
     backward = [("m%d" % i, "Linear", [4, 4], "g%d" % i, "backward") for i in range(4)]
     swapped = [backward[0], backward[2], backward[1], backward[3]]
     pairs = _pairs(backward, swapped)
-    assert all(a == b for a, b, _ in pairs)
+    assert len(pairs) == 4 and all(a == b for a, b, _ in pairs)
+
+
+def test_calls_reordered_inside_a_module_pair_by_key_when_their_stream_agrees():
+    a = [("m", "torch.mul", [2], "x"), ("m", "torch.add", [3], "y"), ("m", "torch.sub", [3], "z")]
+    b = [("m", "torch.add", [3], "y"), ("m", "torch.mul", [2], "x"), ("m", "torch.sub", [3], "z")]
+    pairs = _pairs(a, b)
+    assert len(pairs) == 3 and all(x == y for x, y, _ in pairs)
     assert any(how == KEY for *_, how in pairs)
 
 
 def test_key_pass_never_pairs_calls_of_a_stream_that_changed():
-    a = [("blk", "Tensor.mul", [2], "x0"), ("blk", "Tensor.mul", [3], "x1"), ("o", "op", [1], "o")]
-    b = [("o", "op", [1], "o"), ("blk", "Tensor.mul", [3], "y0"), ("blk", "Tensor.mul", [2], "y1"),
+    a = [("blk", "Tensor.mul", [2], "x0"), ("blk", "Tensor.mul", [3], "x1"), ("blk", "op", [1], "o")]
+    b = [("blk", "op", [1], "o"), ("blk", "Tensor.mul", [3], "y0"), ("blk", "Tensor.mul", [2], "y1"),
          ("blk", "Tensor.mul", [3], "y2")]
     pairs = _pairs(a, b)
     assert ("o", "o", KEY) in pairs  # moved, and its stream is unchanged: recovered
     for tag_a, tag_b, how in pairs:
         if tag_a != "o":
             assert how != KEY
+
+
+def test_casts_sprinkled_through_a_whole_model_leave_every_real_call_paired():
+    spec = [("layers.%d" % (i // 10), ["linear", "add", "gelu"][i % 3], [4, 4], "c%d" % i) for i in range(6000)]
+    casts = []
+    for i, item in enumerate(spec):
+        if i % 7 == 0:
+            casts.append((item[0], "Tensor.to", [4, 4], "cast%d" % i))
+        casts.append(item)
+    pairs = _pairs(spec, casts)
+    assert sum(1 for a, b, _ in pairs if a is None) == len(casts) - len(spec)
+    assert [(a, b) for a, b, _ in pairs if a and b] == [(t, t) for *_, t in spec]
 
 
 def test_forward_and_backward_align_separately_and_keep_execution_order():

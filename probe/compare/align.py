@@ -2,16 +2,18 @@
 
 Keys alone are not enough: they are stable outside a changed module, but inside it one
 extra call shifts the index of every later call of the same op. So calls are aligned by
-execution order, per phase (forward, backward), in three passes:
+execution order, per phase (forward, backward) and per module path (after the mapping
+file's renames; a call can only pair with a call of the same module), in three passes:
 
-1. Sequence pass. Each call becomes a token (module, op, tensor shapes), names after the
-   mapping file's renames. Common leading and trailing runs pair directly; the middle is
-   aligned with difflib.SequenceMatcher (no autojunk), so extra calls in one run (autocast's
-   casts, a debug print's copy, an op that a fused kernel replaces) fall out as unmatched
-   while everything around them still pairs.
+1. Sequence pass. Each call of a module becomes a token (op, tensor shapes). Common
+   leading and trailing runs pair directly; the middle is aligned with
+   difflib.SequenceMatcher (no autojunk), so extra calls in one run (autocast's casts, a
+   debug print's copy, an op that a fused kernel replaces) fall out as unmatched while
+   everything around them still pairs. Aligning module by module keeps each sequence
+   short, so even casts sprinkled through a whole model align in linear-ish time.
 2. Name pass. Inside each region SequenceMatcher marks as replaced, calls are aligned again
-   on (module, op) alone: same op, same place, different shapes -> paired, reported as a
-   shape change.
+   on the op alone: same op, same place, different shapes -> paired, reported as a shape
+   change.
 3. Key pass. Calls still unmatched pair by key (module, op, index) only when that
    (module, op, phase) stream is identical in both runs (same number of calls, same shapes
    in the same order); this recovers calls whose order differs (e.g. backward hooks firing
@@ -54,16 +56,29 @@ def align_calls(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
         seq_a = [c for c in calls_a if c.phase == phase]
         seq_b = [c for c in calls_b if c.phase == phase]
         if seq_a or seq_b:
-            result.extend(_order(_align_phase(seq_a, seq_b)))
+            result.extend(_order(_align_phase(seq_a, seq_b), seq_b))
     result.sort(key=lambda pair: pair.order)
     return result
 
 
 def _token(call: Call) -> tuple:
-    return (call.name, call.shapes)
+    return (call.name[1], call.shapes)
 
 
 def _align_phase(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
+    streams_a: dict[str, list[Call]] = defaultdict(list)
+    streams_b: dict[str, list[Call]] = defaultdict(list)
+    for call in calls_a:
+        streams_a[call.name[0]].append(call)
+    for call in calls_b:
+        streams_b[call.name[0]].append(call)
+    pairs: list[CallPair] = []
+    for module in list(streams_a) + [m for m in streams_b if m not in streams_a]:
+        pairs += _align_module(streams_a.get(module, []), streams_b.get(module, []))
+    return _pair_by_key(pairs, calls_a, calls_b)
+
+
+def _align_module(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
     tokens_a = [_token(c) for c in calls_a]
     tokens_b = [_token(c) for c in calls_b]
     n_a, n_b = len(tokens_a), len(tokens_b)
@@ -75,9 +90,9 @@ def _align_phase(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
         tail += 1
     pairs = [CallPair(calls_a[i], calls_b[i], SEQUENCE) for i in range(head)]
     middle_a, middle_b = calls_a[head : n_a - tail], calls_b[head : n_b - tail]
-    pairs += _match(middle_a, middle_b, [_token(c) for c in middle_a], [_token(c) for c in middle_b], SEQUENCE)
+    pairs += _match(middle_a, middle_b, tokens_a[head : n_a - tail], tokens_b[head : n_b - tail], SEQUENCE)
     pairs += [CallPair(calls_a[n_a - tail + i], calls_b[n_b - tail + i], SEQUENCE) for i in range(tail)]
-    return _pair_by_key(pairs, calls_a, calls_b)
+    return pairs
 
 
 def _match(calls_a, calls_b, tokens_a, tokens_b, how) -> list[CallPair]:
@@ -90,7 +105,7 @@ def _match(calls_a, calls_b, tokens_a, tokens_b, how) -> list[CallPair]:
             pairs += [CallPair(calls_a[a0 + k], calls_b[b0 + k], how) for k in range(a1 - a0)]
         elif tag == "replace" and how == SEQUENCE:
             sub_a, sub_b = calls_a[a0:a1], calls_b[b0:b1]
-            pairs += _match(sub_a, sub_b, [c.name for c in sub_a], [c.name for c in sub_b], NAME)
+            pairs += _match(sub_a, sub_b, [c.name[1] for c in sub_a], [c.name[1] for c in sub_b], NAME)
         else:
             pairs += [CallPair(c, None) for c in calls_a[a0:a1]]
             pairs += [CallPair(None, c) for c in calls_b[b0:b1]]
@@ -131,17 +146,21 @@ def _streams(calls: list[Call]) -> dict:
     return streams
 
 
-def _order(pairs: list[CallPair]) -> list[CallPair]:
-    """Sort keys: A's (seq, row); a B-only call sorts right after the A call before it."""
-    anchor = None
-    following = 0
+def _order(pairs: list[CallPair], calls_b: list[Call]) -> list[CallPair]:
+    """Sort keys: A's (seq, row); a B-only call sorts right after the A partner of the
+    paired call that precedes it in B's execution order."""
     for pair in pairs:
         if pair.a is not None:
-            anchor = pair.a.order()
+            pair.order = (*pair.a.order(), 0, 0)
+    lonely = {id(pair.b): pair for pair in pairs if pair.a is None}
+    partner = {id(pair.b): pair.a for pair in pairs if pair.a is not None and pair.b is not None}
+    anchor: tuple = (-1, -1)
+    following = 0
+    for call in calls_b:
+        if id(call) in partner:
+            anchor = partner[id(call)].order()
             following = 0
-            pair.order = (*anchor, 0, 0)
-        else:
+        elif id(call) in lonely:
             following += 1
-            base = anchor if anchor is not None else pair.b.order()
-            pair.order = (*base, 1, following)
+            lonely[id(call)].order = (*anchor, 1, following)
     return pairs

@@ -71,8 +71,10 @@ class _Provenance:
     def __init__(self, records: Records, calls: list[Call]):
         cols = records.columns
         self._cols = cols
-        self.produced: dict = {}
+        self._prints: dict[int, list] = {}
+        self.produced: dict = {}  # fingerprint -> (order, row) of its earliest output record
         self.params: set = set()
+        seqs = cols["seq"]
         for call in calls:
             for slot, row in call.slots.items():
                 if cols["dtype"][row] == "":
@@ -81,17 +83,25 @@ class _Provenance:
                 if is_param_slot(slot):
                     self.params.update(prints)
                 elif cols["io"][row] == "out":
+                    made = ((int(seqs[row]), row), row)
                     for mark in prints:
-                        self.produced.setdefault(mark, ((int(cols["seq"][row]), row), row))
+                        known = self.produced.get(mark)
+                        if known is None or made[0] < known[0]:
+                            self.produced[mark] = made
 
     def fingerprints(self, row: int) -> list:
+        """The tensor's identity: its tensor_id when stored, else its checksum and statistics."""
+        found = self._prints.get(row)
+        if found is not None:
+            return found
         cols = self._cols
-        marks = []
         if cols["tensor_id"][row] >= 0:
-            marks.append(("id", cols["tensor_id"][row]))
-        stats = tuple(repr(cols[name][row]) for name in _STAT_COLUMNS) + (cols["shape"][row],)
-        if not all(math.isnan(cols[name][row]) for name in ("min", "max", "mean", "norm")):
-            marks.append(("stats", stats))
+            marks = [("id", cols["tensor_id"][row])]
+        elif all(math.isnan(cols[name][row]) for name in ("min", "max", "mean", "norm")):
+            marks = []
+        else:
+            marks = [("stats", tuple(repr(cols[name][row]) for name in _STAT_COLUMNS) + (cols["shape"][row],))]
+        self._prints[row] = marks
         return marks
 
     def kind(self, row: int, order: tuple) -> tuple[str, int | None]:
@@ -271,7 +281,7 @@ class _Measurer:
         a, b = self.a, self.b
         keys, seen = [], set()
         for _, row_a, row_b, _ in paired:
-            if a["dtype"][row_a] == "" or b["dtype"][row_b] == "" or a["shape"][row_a] != b["shape"][row_b]:
+            if a["dtype"][row_a] == "" or b["dtype"][row_b] == "" or not _same_shape(a["shape"][row_a], b["shape"][row_b]):
                 continue
             key = (a["tensor_id"][row_a], b["tensor_id"][row_b])
             if key[0] >= 0 and key[1] >= 0 and key not in seen:
@@ -305,7 +315,7 @@ class _Measurer:
             row.notes.append(f"dtype {row.dtype_a} in A, {row.dtype_b} in B (judged as {row.tol_dtype})")
         elif row.tol_dtype != own:
             row.notes.append(f"computed from {row.tol_dtype} values upstream (judged as {row.tol_dtype})")
-        if _shape(row.shape_a) != _shape(row.shape_b):
+        if not _same_shape(row.shape_a, row.shape_b):
             verdict.judge_shape(row)
             return
         verdict.judge_tensor(row, self.metrics(row_a, row_b, tol), tol)
@@ -331,6 +341,10 @@ class _Measurer:
         stats_b = {name: b[name][row_b] for name in _STAT_COLUMNS}
         evidence = "checksum" if stats_a["checksum"] and stats_b["checksum"] else "statistics"
         return statistics_metrics(stats_a, stats_b, evidence)
+
+
+def _same_shape(text_a: str, text_b: str) -> bool:
+    return text_a == text_b or _shape(text_a) == _shape(text_b)
 
 
 def _shape(text: str):
