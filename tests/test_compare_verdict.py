@@ -142,3 +142,15 @@ def test_top_ops_rank_the_error_each_op_adds():
     assert top[0].module == "fc1" and top[0].op == "functional.linear"
     assert all(op.kind == "api" for op in top)
     assert [op.introduced for op in top] == sorted((op.introduced for op in top), reverse=True)
+
+
+def test_a_changed_dtype_argument_is_named_as_the_cause_when_the_output_diverges():
+    a, b = SyntheticRun(), SyntheticRun()
+    x = np.linspace(1, 2, 64).astype(np.float32)
+    a.call("m", "Tensor.to", {"input.0": x, "input.1": "float32", "output.0": x})
+    b.call("m", "Tensor.to", {"input.0": x, "input.1": "float8_e5m2", "output.0": (x * 1.01).astype(np.float32)})
+    outcome, first = _compare(a, b)
+    assert first.slot == "output.0" and first.origin == R.INTRODUCED
+    assert "argument input.1 changed" in first.cause
+    argument = _row(outcome, "m/Tensor.to#0/forward/input.1")
+    assert argument.status == R.MATCH and argument.notes

@@ -102,7 +102,7 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
     "param" or "external"; producer is the RecordRow of the earlier output that made the
     tensor (None when unknown).
     """
-    inputs, changed_args, params, external, between = [], [], [], [], []
+    inputs, changed_args, dtype_args, params, external, between = [], [], [], [], [], []
     kinds = {}
     for row in rows:
         if row.io != "in" or row.status not in (R.MATCH, R.DIVERGED):
@@ -112,6 +112,8 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
                 row.divergence = R.ARGUMENT
                 row.origin = R.INTRODUCED
                 changed_args.append(row)
+            elif not row.metrics.bit_equal:
+                dtype_args.append(row)  # a dtype choice: named as a cause, never an error alone
             continue
         kind, producer = ("param", None) if is_param_slot(row.slot) else input_kind(row)
         if kind == "produced" and row.status == R.DIVERGED and producer is not None and producer.status == R.MATCH:
@@ -147,7 +149,7 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
         amplified = bool(inherited) and out_rel > AMPLIFICATION * input_rel
         if not inherited or amplified or changed_args:
             row.origin = R.INTRODUCED
-            row.cause = _cause(changed_args, params, external, between, amplified, out_rel, input_rel)
+            row.cause = _cause(changed_args + dtype_args, params, external, between, amplified, out_rel, input_rel)
         else:
             row.origin = R.INHERITED
             worst = max(inherited, key=_rel)

@@ -30,7 +30,7 @@ th{background:#f6f8fa;cursor:pointer;position:sticky;top:0;user-select:none}
 th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
 tr.status-diverged td{background:#fdecea} tr.status-only_a td,tr.status-only_b td{background:#f3f3f3;color:#555}
 tr.first td{outline:2px solid #c62828}
-td.num{text-align:right;font-variant-numeric:tabular-nums}
+td.num{text-align:right;font-variant-numeric:tabular-nums} #records td:last-child{min-width:280px}
 .controls{margin:8px 0;font-size:13px} .controls input{width:240px}
 .legend span{margin-right:14px;font-size:12px} .dot{display:inline-block;width:9px;height:9px;border-radius:50%}
 dl{display:grid;grid-template-columns:max-content auto;gap:2px 12px;font-size:13px} dt{color:#555}
