@@ -64,6 +64,7 @@ class PrecisionDebugger:
         self._hooks: ModuleHooks | None = None
         self._seed_report_dict = self.seed_report.to_dict()
         self.last_file: str | None = None  # the step file step() wrote last
+        self.last_step_calls = 0  # API and module calls captured in that step
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ public lifecycle
@@ -206,6 +207,7 @@ class PrecisionDebugger:
         writer = recorder.writer
         open_writer = recorder._open_writer
         device = recorder.device or "cpu"
+        self.last_step_calls = recorder.calls
         recorder.end_step()
 
         target = writer or open_writer()

@@ -85,7 +85,11 @@ def test_capture_leaves_losses_outputs_and_gradients_bit_identical(tmp_path, lev
 
 
 def _hook_state(model):
-    state = []
+    import torch.nn.modules.module as module_globals
+
+    state = [len(module_globals._global_forward_pre_hooks),
+             len(module_globals._global_forward_hooks),
+             len(module_globals._global_forward_hooks_always_called)]
     for module in model.modules():
         state.append((len(module._forward_hooks), len(module._forward_pre_hooks),
                       len(module._backward_hooks), len(module._backward_pre_hooks),
@@ -112,11 +116,14 @@ def test_stop_restores_every_hook_mode_and_torch_function(tmp_path, level):
     hooks_before, torch_before = _hook_state(model), _torch_state()
     debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), level=level))
     debugger.start(model)
-    if level in ("api", "mix"):
-        assert len(torch.overrides._get_current_function_mode_stack()) == len(torch_before[0]) + 1
-    assert _hook_state(model) != hooks_before  # something was installed
-    model(torch.randn(2, 2, 4, 4)).sum().backward()
-    debugger.stop()
+    try:
+        if level in ("api", "mix"):
+            assert len(torch.overrides._get_current_function_mode_stack()) == \
+                len(torch_before[0]) + 1
+        assert _hook_state(model) != hooks_before  # something was installed
+        model(torch.randn(2, 2, 4, 4)).sum().backward()
+    finally:
+        debugger.stop()
     assert _hook_state(model) == hooks_before
     _assert_same_torch_state(torch_before)
     debugger.step()
@@ -215,16 +222,20 @@ def test_unselected_step_installs_nothing_and_writes_nothing(tmp_path):
     stack_before = len(torch.overrides._get_current_function_mode_stack())
     debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), level="mix", step=[1]))
     debugger.start(model)
-    assert _hook_state(model) == hooks_before
-    assert len(torch.overrides._get_current_function_mode_stack()) == stack_before
-    model(torch.randn(2, 2, 4, 4))
-    debugger.stop()
+    try:
+        assert _hook_state(model) == hooks_before
+        assert len(torch.overrides._get_current_function_mode_stack()) == stack_before
+        model(torch.randn(2, 2, 4, 4))
+    finally:
+        debugger.stop()
     debugger.step()
     assert not os.path.exists(tmp_path / "step0")
     debugger.start(model)
-    assert _hook_state(model) != hooks_before
-    model(torch.randn(2, 2, 4, 4))
-    debugger.stop()
+    try:
+        assert _hook_state(model) != hooks_before
+        model(torch.randn(2, 2, 4, 4))
+    finally:
+        debugger.stop()
     debugger.step()
     assert sorted(os.listdir(tmp_path)) == ["step1"]
 

@@ -1,6 +1,11 @@
 """Module level: per-module hooks, registered with handles at start() and removed at stop().
 
-Every submodule of the model, the root included (path ""), gets
+At level api, only the path of the running module is needed: two global module hooks
+(torch.nn.modules.module.register_module_forward_pre_hook / register_module_forward_hook,
+handles removed at stop()) keep a stack of paths, looked up by module identity in a table
+built from ``model.named_modules()`` at start(); modules outside the model are ignored.
+
+At level module/mix, every submodule of the model, the root included (path ""), gets
 
 * a forward pre-hook: pushes the module path (so API records know their innermost module),
   and at level module/mix records the inputs (``input.N``, ``kwarg.name``) before the
@@ -33,6 +38,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.modules.module as _module_hooks
 
 from probe.capture.recorder import Recorder
 
@@ -55,27 +61,48 @@ class ModuleHooks:
 
     def install(self) -> None:
         try:
+            if not self.record:
+                self._install_tracking()
+                return
             seen_params: set[int] = set()
             for path, module in self.model.named_modules(remove_duplicate=True):
                 kind = type(module).__name__
-                if self.record:
-                    pre = functools.partial(self._pre_record, path, kind)
-                    self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                else:
-                    pre = functools.partial(self._pre_track, path)
-                    self._handles.append(module.register_forward_pre_hook(pre))
+                pre = functools.partial(self._pre_record, path, kind)
+                self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 post = functools.partial(self._post, path, kind)
                 self._handles.append(module.register_forward_hook(post, always_call=True))
-                if self.record:
-                    for name, param in module.named_parameters(recurse=False):
-                        if id(param) in seen_params or not param.requires_grad:
-                            continue
-                        seen_params.add(id(param))
-                        hook = functools.partial(self._param_grad, path, kind, name)
-                        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+                for name, param in module.named_parameters(recurse=False):
+                    if id(param) in seen_params or not param.requires_grad:
+                        continue
+                    seen_params.add(id(param))
+                    hook = functools.partial(self._param_grad, path, kind, name)
+                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
         except BaseException:
             self.remove()
             raise
+
+    def _install_tracking(self) -> None:
+        """API level only needs the module path: two global hooks instead of two per module.
+
+        Registering and removing ~400 per-module hooks every step was measured at ~4 ms for a
+        200-module model; a global hook is one registration, and modules outside the model
+        (not in the path table) are ignored.
+        """
+        paths = {id(module): path for path, module in self.model.named_modules()}
+        stack = self.recorder.module_stack
+
+        def pre(module, args):
+            path = paths.get(id(module))
+            if path is not None:
+                stack.append(path)
+
+        def post(module, args, output):
+            path = paths.get(id(module))
+            if path is not None and stack and stack[-1] == path:
+                stack.pop()
+
+        self._handles.append(_module_hooks.register_module_forward_pre_hook(pre))
+        self._handles.append(_module_hooks.register_module_forward_hook(post, always_call=True))
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []
@@ -84,9 +111,6 @@ class ModuleHooks:
         self._open_calls.clear()
 
     # ------------------------------------------------------------------ forward
-
-    def _pre_track(self, path, module, args):
-        self.recorder.module_stack.append(path)
 
     def _pre_record(self, path, kind, module, args, kwargs):
         rec = self.recorder
@@ -120,8 +144,6 @@ class ModuleHooks:
         stack = rec.module_stack
         if stack and stack[-1] == path:
             stack.pop()
-        if not self.record:
-            return None
         calls = self._open_calls.get(path)
         forward_call = calls.pop() if calls else None
         if forward_call is None:

@@ -39,6 +39,8 @@ NAN = float("nan")
 EMPTY_STATS = (NAN, NAN, NAN, NAN, 0, 0)
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
+_minimum = np.minimum.reduce  # the ufuncs themselves: ndarray.min() adds a Python wrapper
+_maximum = np.maximum.reduce
 #: by itemsize: a sum of squares above this would overflow float32 / float64 (with headroom)
 _SQUARES_MAX = {4: 1e37, 8: 1e306}
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
@@ -85,7 +87,7 @@ def host_stats(tensor: torch.Tensor) -> tuple:
     numel = tensor.numel()
     if numel == 0:
         return EMPTY_STATS
-    x = tensor.detach()
+    x = tensor.detach() if tensor.requires_grad else tensor
     if x.dtype not in _NUMPY_FLOATS:
         if x.dtype in _HALF_FLOATS:
             return _torch_stats(x, numel, torch.float32)
@@ -93,11 +95,12 @@ def host_stats(tensor: torch.Tensor) -> tuple:
         if x.dtype not in _NUMPY_FLOATS:  # a real float type numpy lacks (float8, ...)
             return _torch_stats(x, numel, torch.float32)
     array = x.numpy()
-    low = float(array.min())
-    high = float(array.max())
-    largest = max(-low, high)  # NaN when the tensor holds a NaN
-    if largest * largest * numel > _SQUARES_MAX[array.dtype.itemsize]:
-        # the sum of squares would overflow this dtype although the values are finite
+    low = float(_minimum(array, axis=None))
+    high = float(_maximum(array, axis=None))
+    largest = max(-low, high)
+    if not largest * largest * numel <= _SQUARES_MAX[array.dtype.itemsize]:
+        # the sum of squares could overflow this dtype, or there is a NaN/Inf: float64, and
+        # no numpy overflow warning
         norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
     elif array.flags.c_contiguous:
         flat = array.reshape(-1)

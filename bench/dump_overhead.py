@@ -1,0 +1,246 @@
+"""What capturing costs a training step: the table docs/performance.md quotes.
+
+    python bench/dump_overhead.py                       # all four models, 15 repeats
+    python bench/dump_overhead.py --models mlp,convnet --repeats 20
+    python bench/dump_overhead.py --quick               # smoke run: 2 small models, 5 repeats
+
+One training step = forward + cross-entropy + backward + SGD step (lr 0.01, torch's default
+per-parameter loop on CPU), examples.models.train_step. A captured step also includes
+start(), stop() and step(), i.e. writing the step's HDF5 file.
+
+Every variant runs in this one process with torch.set_num_threads(1). Variants are
+interleaved in short blocks of consecutive steps (4 for steps under 50 ms, else 2; the order
+rotates every round) so drift and other processes' load hit all variants alike; the first
+step of each block is not timed, because it pays for what the previous variant left behind
+(cold caches, freed memory). Each number is the median of at least --repeats timed steps
+after two warm-up steps per variant. Ratios are variant / baseline.
+
+Columns:
+  baseline ms        median step time without probe
+  not started        a PrecisionDebugger was constructed (seed_all ran) and never started
+  unselected         start()/stop()/step() on steps the config's step list excludes
+  stats api/module/mix   task statistics at each level
+  tensor api         task tensor at level api (every distinct tensor stored once)
+  calls/step         API calls captured per step (statistics, api)
+  us/call            (stats api - baseline) / calls
+  dump/distinct      tensor-mode step file size / bytes of the distinct tensors it stores
+
+Targets (DESIGN.md, the issue): stats api <= 1.5x on convnet, deepmlp, gpt and <= 3x on mlp;
+<= 30 us per captured call; not started <= 1.02x; tensor api <= 3x on convnet with
+dump/distinct <= 1.0x (plus the records). Prints the table; --json prints one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+MODELS = {
+    # name: (constructor name, batch size, label)
+    "mlp": ("MLP", 32, "MLP 256-512-10 (batch 32)"),
+    "convnet": ("SmallConvNet", 32, "SmallConvNet (batch 32)"),
+    "deepmlp": ("DeepMLP", 32, "DeepMLP 48 blocks (batch 32)"),
+    "gpt": ("TinyGPT", 8, "GPT-small (TinyGPT, batch 8)"),
+}
+TENSOR_MODELS = ("mlp", "convnet")
+
+
+class Variant:
+    """One way of running a step: baseline, or with a debugger in some configuration."""
+
+    def __init__(self, name, model, optimizer, batch, dump_root, config=None, construct=False,
+                 select=True):
+        from examples.models import train_step
+        from probe.config import Config
+        from probe.debugger import PrecisionDebugger
+
+        self.name = name
+        self._train = lambda: train_step(model, optimizer, *batch)
+        self.model = model
+        self.debugger = None
+        self.calls = 0
+        self.dump_ratio = None
+        self._dump = None
+        if construct or config is not None:
+            path = os.path.join(dump_root, name.replace(" ", "_"))
+            values = dict(config or {}, dump_path=path)
+            if not select:
+                values["step"] = [10 ** 9]
+            self._dump = path
+            self.debugger = PrecisionDebugger(Config(**values))
+        self._captures = config is not None
+
+    def run(self) -> float:
+        """One step; returns seconds."""
+        debugger = self.debugger
+        start = time.perf_counter()
+        if self._captures:
+            debugger.start(self.model)
+            self._train()
+            debugger.stop()
+            debugger.step()
+        else:
+            self._train()
+        elapsed = time.perf_counter() - start
+        if self._captures and debugger.last_file:
+            self.calls = debugger.last_step_calls
+            if debugger.config.task == "tensor" and self.dump_ratio is None:
+                self.dump_ratio = _dump_ratio(debugger.last_file)
+            os.remove(debugger.last_file)  # keep the disk small; not timed
+            debugger.last_file = None
+        return elapsed
+
+
+def _dump_ratio(path: str) -> float:
+    from probe.dump.reader import open_step_file
+
+    with open_step_file(path) as step:
+        distinct = 0
+        for tensor_id in range(step.tensor_count):
+            array, _ = step.stored_tensor(tensor_id)
+            distinct += array.nbytes
+    return os.path.getsize(path) / max(distinct, 1)
+
+
+def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> dict:
+    import torch
+
+    import examples.models as models
+
+    constructor, batch_size, label = MODELS[key]
+    torch.manual_seed(0)
+    model = getattr(models, constructor)()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = models.make_batch(key, batch_size, generator=torch.Generator().manual_seed(0))
+    make = lambda name, **kw: Variant(name, model, optimizer, batch, dump_root, **kw)  # noqa: E731
+    variants = [
+        make("baseline"),
+        make("not started", construct=True),
+        make("unselected", config={"level": "api"}, select=False),
+        make("stats api", config={"level": "api"}),
+        make("stats module", config={"level": "module"}),
+        make("stats mix", config={"level": "mix"}),
+    ]
+    if with_tensor:
+        variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
+    times = {variant.name: [] for variant in variants}
+    for _ in range(2):  # warm-up
+        for variant in variants:
+            variant.run()
+    first = variants[0].run()
+    # Steps run in blocks of `block` per variant; the first step of a block is not timed:
+    # it pays for what the previous variant left behind (cold caches, freed memory), which
+    # is noise, not the cost of this variant. Small models need more steps per block.
+    block = 4 if first < 0.05 else 2
+    timed = 0
+    round_number = 0
+    while timed < repeats:
+        shift = round_number % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            variant.run()
+            for _ in range(block - 1):
+                times[variant.name].append(variant.run())
+        timed += block - 1
+        round_number += 1
+    base = statistics.median(times["baseline"])
+    by_name = {variant.name: variant for variant in variants}
+    result = {"model": key, "label": label, "baseline_ms": base * 1e3, "repeats": repeats}
+    for variant in variants[1:]:
+        result[variant.name] = statistics.median(times[variant.name]) / base
+    calls = by_name["stats api"].calls
+    result["calls_per_step"] = calls
+    extra = (statistics.median(times["stats api"]) - base) * 1e6
+    result["us_per_call"] = extra / calls if calls else float("nan")
+    result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if with_tensor else None
+    return result
+
+
+COLUMNS = [
+    ("model", "{}", "label"),
+    ("baseline ms", "{:.2f}", "baseline_ms"),
+    ("not started", "{:.3f}x", "not started"),
+    ("unselected", "{:.3f}x", "unselected"),
+    ("stats api", "{:.2f}x", "stats api"),
+    ("stats module", "{:.2f}x", "stats module"),
+    ("stats mix", "{:.2f}x", "stats mix"),
+    ("tensor api", "{:.2f}x", "tensor api"),
+    ("calls/step", "{}", "calls_per_step"),
+    ("us/call", "{:.1f}", "us_per_call"),
+    ("dump/distinct", "{:.3f}x", "dump_over_distinct"),
+]
+
+
+def format_table(results: list[dict]) -> str:
+    header = [name for name, _, _ in COLUMNS]
+    lines = []
+    for result in results:
+        cells = []
+        for _, fmt, key in COLUMNS:
+            value = result.get(key)
+            cells.append("-" if value is None else fmt.format(value))
+        lines.append(cells)
+    widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(header)]
+    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+           "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in lines]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps per variant (>= 10)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: mlp and convnet, 5 repeats (numbers are rough)")
+    parser.add_argument("--tensor-models", default=",".join(TENSOR_MODELS),
+                        help="models that also run the tensor-mode variant")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    repeats = args.repeats
+    if args.quick:
+        models = [m for m in models if m in ("mlp", "convnet")] or ["mlp"]
+        repeats = 5
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    import torch
+
+    torch.set_num_threads(1)
+    tensor_models = set(args.tensor_models.split(","))
+    dump_root = tempfile.mkdtemp(prefix="probe-bench-")
+    results = []
+    try:
+        for key in models:
+            print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
+            results.append(bench_model(key, repeats, key in tensor_models, dump_root))
+    finally:
+        shutil.rmtree(dump_root, ignore_errors=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if args.json:
+        print(json.dumps({"torch": torch.__version__, "threads": 1, "load_average": load,
+                          "optimizer": "SGD(lr=0.01)", "results": results}, indent=2))
+    else:
+        print(format_table(results))
+        print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), median of {repeats} "
+              f"interleaved steps, 1-minute load average at the end {load:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
