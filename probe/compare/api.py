@@ -158,7 +158,7 @@ def _describe(keys, side) -> str:
 
 def _attr_notes(attrs_a: dict, attrs_b: dict) -> list[str]:
     notes = []
-    for name in ("task", "level"):
+    for name in ("task", "level", "device"):
         if attrs_a.get(name) != attrs_b.get(name):
             notes.append(f"{name} differs: {attrs_a.get(name)!r} in A, {attrs_b.get(name)!r} in B")
     return notes
