@@ -11,7 +11,6 @@ import types
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from examples.models import DeepMLP, ResidualBlock, SmallConvNet, make_batch, train_step

@@ -8,7 +8,6 @@ import math
 import os
 from html.parser import HTMLParser
 
-import numpy as np
 import pytest
 
 from probe.compare import result as R
@@ -18,7 +17,7 @@ from probe.compare.tolerances import Tolerances
 from probe.errors import CompareError
 from probe.report import csv_report, html_report, json_report, output, terminal
 from probe.report.progress import Progress
-from test_compare_support import SyntheticRun, mlp_run
+from test_compare_support import mlp_run
 
 
 def _result(run_a, run_b, strict=False):
