@@ -35,13 +35,8 @@ def torchrun(dump_dir, steps, bug_rank):
     # One thread per rank: the ranks share the machine's cores.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print("$ torchrun --standalone --nproc_per_node 2 examples/distributed/train_ddp.py "
-          + " ".join(command[7:]), file=sys.stderr)
+          + " ".join(command[7:]), flush=True)
     return subprocess.call(command, env=env)
-
-
-def rank_files(dump_dir, step):
-    folder = os.path.join(dump_dir, f"step{step}")
-    return sorted(name for name in os.listdir(folder) if name.endswith(".h5"))
 
 
 def main():
@@ -67,20 +62,18 @@ def main():
     print(f"two torchrun jobs of {NPROC} ranks, {args.steps} step(s) each: "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
 
-    last = args.steps - 1
-    files = rank_files(reference, last)
-    print(f"\nreference: {reference}/step*/{{{','.join(f[:-3] for f in files)}}}.h5")
-    print(f"candidate: {candidate}/step*/ ({'no change' if args.same else 'rank 1 computes blocks.1 GELU with tanh'})")
-    print(f"\nper-rank compare of step {last}:")
-    for name in files:
-        result = compare(os.path.join(reference, f"step{last}", name),
-                               os.path.join(candidate, f"step{last}", name))
-        line = f"  {name[:-3]}: {result.verdict}"
+    overall = compare(reference, candidate)
+    print(f"\nreference: {reference}/step{{0..{args.steps - 1}}}/rank{{0,1}}.h5")
+    print(f"candidate: {candidate} "
+          f"({'no change' if args.same else 'rank 1 computes blocks.1 GELU with tanh'})")
+    print("\nper-rank compare (all steps):")
+    for rank in sorted({pair["rank"] for pair in overall.steps}):
+        result = compare(reference, candidate, ranks=[rank])
+        line = f"  rank {rank}: {result.verdict}"
         first = result.first_divergence
         if first is not None:
-            line += f"; first divergence {first.key} ({first.origin})"
+            line += f"; first divergence at step {first.step}: {first.key} ({first.origin})"
         print(line)
-    overall = compare(reference, candidate)
     print(f"\nwhole runs (all steps and ranks): verdict {overall.verdict}")
     if overall.first_divergence is not None:
         first = overall.first_divergence

@@ -103,10 +103,12 @@ def main():
     first = result.first_divergence
     if first is not None:
         print(f"first divergence: {first.key} ({first.origin})")
-    print(f"top {args.top} ops by the error they add on top of their inputs' error:")
+    print(f"top {args.top} ops by the error they add to what their inputs carried "
+          f"(1.0 x tolerance = the limit):")
     for number, op in enumerate(result.top_ops[:args.top], 1):
-        print(f"  {number}. {op.module or '<root>'} {op.op}#{op.index} ({op.phase}): "
-              f"output rel L2 {op.output_rel_l2:.2e}, inputs {op.input_rel_l2:.2e}")
+        print(f"  {number}. {op.module or '<root>'} {op.op}#{op.index} ({op.phase}): adds "
+              f"{op.introduced:.2f} x tolerance; output rel L2 {op.output_rel_l2:.2e}, "
+              f"inputs {op.input_rel_l2:.2e}")
     print(f"report: {html}")
     return 0
 

@@ -108,6 +108,11 @@ def compare_update_step(args):
     if result.first_divergence is not None:
         first = result.first_divergence
         print(f"   first divergence: {first.key} ({first.origin})")
+    if result.top_ops:
+        worst = result.top_ops[0]
+        print(f"   op adding the most error: {worst.module or '<root>'} {worst.op}#{worst.index} "
+              f"({worst.phase}): {worst.introduced:.2g} x tolerance, output rel L2 "
+              f"{worst.output_rel_l2:.2e}")
     print(f"   dumps: {dumps[0]}  {dumps[1]}")
     print(f"   report: {html}")
 

@@ -1,0 +1,112 @@
+"""Every example runs end to end in its CI size and prints what its README promises.
+
+Each example is started the way a user starts it (``python examples/<name>/run.py``, here
+from a temporary working directory so no example depends on being run from the repo root),
+and the test reads the printed verdicts and names, not only the exit code.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
+NAMES = ("quickstart", "reproducibility", "cpu_vs_gpu", "mixed_precision", "find_the_bug",
+         "reinforcement_learning", "distributed")
+
+
+def run_example(name, tmp_path, *extra, expect_code=0):
+    out = tmp_path / "out"
+    command = [sys.executable, os.path.join(EXAMPLES, name, "run.py"), "--out", str(out),
+               "--smoke", *extra]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == expect_code, (
+        f"{name} exited {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    return done.stdout, out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_example_has_a_readme_with_its_command_and_output(name):
+    with open(os.path.join(EXAMPLES, name, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    assert f"python examples/{name}/run.py" in readme
+    assert "```" in readme  # the pasted output block
+
+
+def test_quickstart_names_the_changed_gelu_and_writes_the_html_report(tmp_path):
+    stdout, out = run_example("quickstart", tmp_path)
+    assert "DIVERGED at step 0 rank 0: blocks.2.act functional.gelu (forward, output.0) -- introduced" in stdout
+    assert re.search(r"^verdict: diverged \(probe compare exit code 1\)", stdout, re.M)
+    report = out / "report.html"
+    assert f"HTML report: {report}" in stdout
+    assert report.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+def test_reproducibility_seeded_runs_are_bit_identical_and_unseeded_differ(tmp_path):
+    stdout, _ = run_example("reproducibility", tmp_path)
+    seeded = re.search(r"^with seed_all   : run 1 vs run 2: (.*)$", stdout, re.M).group(1)
+    unseeded = re.search(r"^without seed_all: run 1 vs run 2: (.*)$", stdout, re.M).group(1)
+    assert seeded.startswith("bit-identical (3 losses")
+    assert seeded.endswith("probe compare of the last step's checksums: pass")
+    assert unseeded.startswith("differ (first at step")
+    assert "RESULT: seed_all made the runs repeat exactly" in stdout
+
+
+def test_cpu_vs_gpu_reports_forward_difference_fits_and_compare_verdict(tmp_path):
+    stdout, out = run_example("cpu_vs_gpu", tmp_path, "--device", "cpu")
+    assert "candidate: CPU float64, the high-precision bench" in stdout
+    diff = float(re.search(r"ValueNet forward on 100 inputs: max \|diff\| (\S+),", stdout).group(1))
+    assert 0 < diff < 1e-5  # float32 rounding: present, and small
+    for epochs in (100, 1000):
+        assert re.search(rf"^\s+{epochs}\s+\d+\.\d+\s+\d+\.\d+\s+\S+\s+\S+$", stdout, re.M)
+    # float32 rounding is within float32 tolerance: a dtype change alone is no divergence.
+    assert re.search(r"^   verdict: pass$", stdout, re.M), stdout
+    assert (out / "cpu_fp32" / "step0" / "rank0.h5").is_file()
+    assert (out / "cpu_fp64" / "step0" / "rank0.h5").is_file()
+
+
+def test_cpu_vs_gpu_thread_candidate_is_named(tmp_path):
+    stdout, _ = run_example("cpu_vs_gpu", tmp_path, "--device", "cpu", "--candidate", "threads")
+    assert re.search(r"^candidate: CPU float32, \d thread\(s\) instead of \d", stdout, re.M)
+
+
+def test_mixed_precision_lists_the_ops_that_add_the_most_bf16_error(tmp_path):
+    stdout, _ = run_example("mixed_precision", tmp_path)
+    assert re.search(r"^verdict: (pass|diverged)$", stdout, re.M)
+    ranked = re.findall(r"^  \d\. (\S+) (\S+)#\d+ \((forward|backward)\): adds \S+ x tolerance; "
+                        r"output rel L2 ([^,\s]+)", stdout, re.M)
+    assert len(ranked) == 5
+    # bf16 autocast runs linear layers in bf16: their outputs carry bf16-sized error.
+    assert any(op == "functional.linear" for _, op, _, _ in ranked), ranked
+    assert all(1e-5 < float(error) < 1e-1 for _, _, _, error in ranked), ranked
+
+
+def test_find_the_bug_points_at_each_changed_layer(tmp_path):
+    stdout, _ = run_example("find_the_bug", tmp_path)
+    found = dict(re.findall(r"probe points at layer: (\S+) -- expected (\S+): CORRECT", stdout))
+    assert found == {"blocks.3.norm": "blocks.3.norm", "blocks.3.act": "blocks.3.act",
+                     "blocks.3.fc": "blocks.3.fc"}, stdout
+    assert "RESULT: probe located 3 of 3 injected bug(s)" in stdout
+
+
+def test_reinforcement_learning_returns_repeat_and_update_step_is_compared(tmp_path):
+    stdout, out = run_example("reinforcement_learning", tmp_path)
+    assert "episode returns repeat exactly: yes" in stdout
+    assert "float32 vs float64 high-precision bench" in stdout
+    # float32 rounding is within float32 tolerance: a dtype change alone is no divergence.
+    assert re.search(r"^   verdict: pass$", stdout, re.M), stdout
+    assert (out / "update_fp64" / "step0" / "rank0.h5").is_file()
+
+
+def test_distributed_compares_each_rank_and_blames_rank_1(tmp_path):
+    stdout, out = run_example("distributed", tmp_path)
+    for rank in (0, 1):
+        assert (out / "reference" / "step0" / f"rank{rank}.h5").is_file()
+    assert re.search(r"^  rank 0: pass$", stdout, re.M), stdout
+    assert re.search(r"^  rank 1: diverged; first divergence at step 0: "
+                     r"module\.blocks\.1\.act/functional\.gelu#0/forward/output\.0 \(introduced\)$",
+                     stdout, re.M), stdout
+    assert "first divergence: step 0, rank 1" in stdout
