@@ -261,3 +261,11 @@ def test_collectives_are_captured_through_the_mode(tmp_path):
         _ops(records)
     assert records["/distributed.all_reduce#0/forward/output.0"]["max"] == 2.0
     assert records["/distributed.all_gather#0/forward/output.0"]["max"] == 3.0
+
+
+def test_foreach_in_place_ops_record_the_updated_list_as_output(tmp_path):
+    params = [torch.zeros(2), torch.ones(3)]
+    records = _capture(tmp_path, lambda: torch._foreach_add_(params, 1.0))
+    assert records["/torch._foreach_add_#0/forward/input.0.1"]["max"] == 1.0
+    assert records["/torch._foreach_add_#0/forward/output.0"]["max"] == 1.0
+    assert records["/torch._foreach_add_#0/forward/output.1"]["max"] == 2.0

@@ -132,7 +132,9 @@ def _capture(rec: Recorder, func, name, module, decision, args, kwargs):
 
 
 def _written_argument(func, name, args, kwargs, out):
-    if name in _WRITES_ARG:
+    if name in _WRITES_ARG or (name.endswith("_") and out is None):
+        # Tensor.__setitem__, torch._foreach_add_ and friends return None: their first
+        # argument, after the call, is what they produced
         return args[0] if args else None
     if not name.startswith("distributed."):
         return out
