@@ -83,19 +83,25 @@ class ApiCaptureMode(TorchFunctionMode):
         rec = self.recorder
         stack = rec.module_stack
         module = stack[-1] if stack else ""
-        decision = rec.filter.call(module, name)
+        counter = (module, name)
+        decision = rec.decisions.get(counter)
+        if decision is None:
+            decision = rec.filter.call(module, name)
         if not decision:
             return func(*args, **kwargs)
-        return _capture(rec, func, name, module, decision, args, kwargs)
+        return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
 
-def _capture(rec: Recorder, func, name, module, decision, args, kwargs):
+def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs):
     filt = rec.filter
-    counts = rec.namer.counts
-    counter = (module, name)
+    namer = rec.namer
+    counts = namer.counts
     index = counts.get(counter, 0)
     counts[counter] = index + 1
-    call = rec.call("api", module, name, index, "forward", rec.locate(1), decision)
+    seq = namer.seq
+    namer.seq = seq + 1
+    call = ("api", module, name, index, "forward", seq, rec.locate(1), decision,
+            f"{module}/{name}#{index}/forward/")
     rec.calls += 1
     add = rec.add
     if filt.forward_in:

@@ -22,12 +22,12 @@ BY_KEY = 2  # test each record's key against the list
 
 
 class CaptureFilter:
-    __slots__ = ("config", "_calls", "_has_list", "forward_in", "forward_out", "backward_in",
+    __slots__ = ("config", "decisions", "_has_list", "forward_in", "forward_out", "backward_in",
                  "backward_out", "forward", "backward")
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._calls: dict[tuple[str, str], int] = {}
+        self.decisions: dict[tuple[str, str], int] = {}
         self._has_list = bool(config.list)
         self.forward_in = config.wants_data("forward", "in")
         self.forward_out = config.wants_data("forward", "out")
@@ -39,9 +39,9 @@ class CaptureFilter:
     def call(self, module: str, op: str) -> int:
         """SKIP, ALL or BY_KEY for a call of op inside module (cached)."""
         key = (module, op)
-        decision = self._calls.get(key)
+        decision = self.decisions.get(key)
         if decision is None:
-            decision = self._calls[key] = self._decide(module, op)
+            decision = self.decisions[key] = self._decide(module, op)
         return decision
 
     def _decide(self, module: str, op: str) -> int:

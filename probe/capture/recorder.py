@@ -59,6 +59,7 @@ class Recorder:
         self.config = config
         self.task = config.task
         self.filter = CaptureFilter(config)
+        self.decisions = self.filter.decisions  # (module, op) -> decision, for the hot path
         self.writer = None
         self._open_writer = open_writer
         self.namer = Namer()
