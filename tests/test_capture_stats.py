@@ -139,3 +139,20 @@ def test_sparse_tensors_get_statistics_of_their_stored_values():
     recorder = Recorder(Config())
     (row,) = _rows(recorder, [dense.to_sparse()])
     assert (row[13], row[14], row[15], row[19]) == (-3.0, 2.0, -0.5, 2)
+
+
+class Opaque(torch.Tensor):
+    """A tensor subclass whose data cannot be read as numpy or by torch reductions."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.numpy, torch.aminmax, torch.Tensor.sum):
+            raise RuntimeError("opaque tensor")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_tensor_whose_values_cannot_be_read_gets_unknown_statistics_not_an_error():
+    recorder = Recorder(Config())
+    (row,) = _rows(recorder, [torch.randn(3).as_subclass(Opaque)])
+    assert (row[9], row[10]) == ("float32", "[3]")
+    assert math.isnan(row[13]) and row[17] == -1

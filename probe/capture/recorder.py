@@ -29,6 +29,7 @@ from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, encode_value, flatten
 from probe.config import Config
 from probe.dump.schema import COLUMN_NAMES
+from probe.errors import ProbeError
 
 Tensor = torch.Tensor
 NAN = float("nan")
@@ -150,7 +151,12 @@ class Recorder:
 
     def _describe(self, tensor: Tensor, cache_key: int | None) -> tuple:
         """A cache entry (weakref, payload columns dtype..tensor_id, pending device stats)."""
-        payload, pending = self._compute(tensor)
+        try:
+            payload, pending = self._compute(tensor)
+        except ProbeError:
+            raise  # the writer failed (disk full, ...): the user must hear about it
+        except Exception:  # a tensor type the statistics cannot read: never break training
+            payload, pending = _opaque_payload(tensor), None
         try:
             entry = (_ref(tensor), payload, pending)
         except TypeError:  # a tensor type without weak references
@@ -229,6 +235,15 @@ class Recorder:
         self.namer.reset()
         self._cache.clear()
         self.module_stack.clear()
+
+
+def _opaque_payload(tensor: Tensor) -> tuple:
+    """What can be said about a tensor whose values could not be read (a custom subclass)."""
+    try:
+        dtype, shape = stats.dtype_name(tensor.dtype), stats.shape_text(tensor.shape)
+    except Exception:
+        dtype, shape = "unknown", "[]"
+    return (dtype, shape, "", "", *_UNKNOWN_STATS, 0, "", -1)
 
 
 def _stored_values(tensor: Tensor) -> Tensor:
