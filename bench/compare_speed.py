@@ -82,7 +82,7 @@ _CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, {repo!r})
 start = time.perf_counter()
-from probe.compare.api import compare
+from probe.comparison.api import compare
 result = compare({a!r}, {b!r})
 elapsed = time.perf_counter() - start
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec from the (big) parent

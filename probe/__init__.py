@@ -47,7 +47,7 @@ _LAZY = {
     "load_config": ("probe.config", "load"),
     "Config": ("probe.config", "Config"),
     "load": ("probe.dump.reader", "load"),
-    "compare": ("probe.compare.api", "compare"),
+    "compare": ("probe.comparison.api", "compare"),
 }
 
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from probe.compare.align import KEY, NAME, SEQUENCE, align_calls
-from probe.compare.mapping import load_mapping, mapping_from_dict
-from probe.compare.records import Records, build_calls
+from probe.comparison.align import KEY, NAME, SEQUENCE, align_calls
+from probe.comparison.mapping import load_mapping, mapping_from_dict
+from probe.comparison.records import Records, build_calls
 from probe.errors import CompareError
 
 

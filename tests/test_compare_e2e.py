@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from examples.models import DeepMLP, ResidualBlock, SmallConvNet, make_batch, train_step
 from probe.cli import main
-from probe.compare.api import compare
+from probe.comparison.api import compare
 from probe.config import from_dict
 from probe.debugger import PrecisionDebugger
 

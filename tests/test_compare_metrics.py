@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from probe.compare.metrics import statistics_metrics, tensor_metrics, value_metrics
-from probe.compare.tolerances import Tolerance
+from probe.comparison.metrics import statistics_metrics, tensor_metrics, value_metrics
+from probe.comparison.tolerances import Tolerance
 from test_compare_support import _stats
 
 TOL = Tolerance(rtol=1e-3, atol=1e-6)

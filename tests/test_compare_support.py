@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from probe.compare.records import Records, slot_io
+from probe.comparison.records import Records, slot_io
 from probe.dump import schema
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from probe.compare.tolerances import DEFAULTS, Tolerance, Tolerances, parse_tol_option, tolerance_dtype
+from probe.comparison.tolerances import DEFAULTS, Tolerance, Tolerances, parse_tol_option, tolerance_dtype
 from probe.errors import ConfigError
 
 

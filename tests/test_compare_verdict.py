@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from probe.compare import result as R
-from probe.compare import verdict
-from probe.compare.engine import compare_step
-from probe.compare.tolerances import Tolerances
+from probe.comparison import result as R
+from probe.comparison import verdict
+from probe.comparison.engine import compare_step
+from probe.comparison.tolerances import Tolerances
 from test_compare_support import SyntheticRun, mlp_run
 
 

@@ -10,10 +10,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from probe.compare import result as R
-from probe.compare.api import _assemble
-from probe.compare.engine import compare_step
-from probe.compare.tolerances import Tolerances
+from probe.comparison import result as R
+from probe.comparison.api import _assemble
+from probe.comparison.engine import compare_step
+from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 from probe.report import csv_report, html_report, json_report, output, terminal
 from probe.report.progress import Progress

@@ -10,7 +10,7 @@ import csv
 import io
 import math
 
-from probe.compare import result as R
+from probe.comparison import result as R
 
 COLUMNS = (
     "step", "rank", "status", "key", "key_b", "module", "op", "index", "phase", "slot", "io", "kind",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 
-from probe.compare import result as R
+from probe.comparison import result as R
 from probe.report import terminal
 
 MAX_POINTS = 4000  # chart points; more rows are bucketed (the worst of each bucket is kept)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from probe.compare import result as R
+from probe.comparison import result as R
 
 MAX_DIVERGENCES = 50
 

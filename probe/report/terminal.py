@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from probe.compare import result as R
+from probe.comparison import result as R
 
 
 def _num(value, digits: int = 3) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from probe.compare.metrics import Metrics
+from probe.comparison.metrics import Metrics
 
 # row status
 MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"

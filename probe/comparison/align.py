@@ -28,7 +28,7 @@ import difflib
 from collections import defaultdict
 from dataclasses import dataclass
 
-from probe.compare.records import Call
+from probe.comparison.records import Call
 from probe.dump import schema
 
 #: how a pair was made: see the module docstring

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import math
 
-from probe.compare import result as R
-from probe.compare.metrics import Metrics, parse_value
-from probe.compare.records import is_param_slot
-from probe.compare.tolerances import MANTISSA_BITS, Tolerance
+from probe.comparison import result as R
+from probe.comparison.metrics import Metrics, parse_value
+from probe.comparison.records import is_param_slot
+from probe.comparison.tolerances import MANTISSA_BITS, Tolerance
 
 #: an output whose rel L2 error is this many times its inputs' is called introduced
 AMPLIFICATION = 10.0

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from probe.compare.tolerances import Tolerance
+from probe.comparison.tolerances import Tolerance
 
 #: elements per chunk: four 512 KB float64 buffers stay in the CPU cache between passes.
 CHUNK = 1 << 16

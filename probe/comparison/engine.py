@@ -14,14 +14,14 @@ from typing import Callable
 
 import numpy as np
 
-from probe.compare import result as R
-from probe.compare import verdict
-from probe.compare.align import CallPair, align_calls
-from probe.compare.mapping import NameMapping
-from probe.compare.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
-from probe.compare.prefetch import Prefetcher
-from probe.compare.records import Call, Records, build_calls, is_param_slot
-from probe.compare.tolerances import Tolerances, tolerance_dtype
+from probe.comparison import result as R
+from probe.comparison import verdict
+from probe.comparison.align import CallPair, align_calls
+from probe.comparison.mapping import NameMapping
+from probe.comparison.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
+from probe.comparison.prefetch import Prefetcher
+from probe.comparison.records import Call, Records, build_calls, is_param_slot
+from probe.comparison.tolerances import Tolerances, tolerance_dtype
 
 
 def lower_precision(first: str | None, second: str) -> str:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable
 
-from probe.compare import result as R
-from probe.compare import verdict
-from probe.compare.engine import StepOutcome, compare_step, count_rows
-from probe.compare.mapping import NameMapping, load_mapping, mapping_from_dict
-from probe.compare.records import Records
-from probe.compare.tolerances import Tolerances
+from probe.comparison import result as R
+from probe.comparison import verdict
+from probe.comparison.engine import StepOutcome, compare_step, count_rows
+from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
+from probe.comparison.records import Records
+from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
 DEFAULT_TOP = 10
