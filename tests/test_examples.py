@@ -92,13 +92,24 @@ def test_find_the_bug_points_at_each_changed_layer(tmp_path):
     assert "RESULT: probe located 3 of 3 injected bug(s)" in stdout
 
 
-def test_reinforcement_learning_returns_repeat_and_update_step_is_compared(tmp_path):
-    stdout, out = run_example("reinforcement_learning", tmp_path)
+@pytest.fixture(scope="module")
+def reinforcement_learning_run(tmp_path_factory):
+    return run_example("reinforcement_learning", tmp_path_factory.mktemp("rl"))
+
+
+def test_reinforcement_learning_seeded_episode_returns_repeat(reinforcement_learning_run):
+    stdout, out = reinforcement_learning_run
     assert "episode returns repeat exactly: yes" in stdout
+    episodes = re.search(r"episodes: (\d+) and (\d+);", stdout)
+    assert episodes and episodes.group(1) == episodes.group(2) and int(episodes.group(1)) > 0
+
+
+def test_reinforcement_learning_fp32_update_is_within_tolerance_of_fp64(reinforcement_learning_run):
+    stdout, out = reinforcement_learning_run
     assert "float32 vs float64 high-precision bench" in stdout
+    assert (out / "update_fp64" / "step0" / "rank0.h5").is_file()
     # float32 rounding is within float32 tolerance: a dtype change alone is no divergence.
     assert re.search(r"^   verdict: pass$", stdout, re.M), stdout
-    assert (out / "update_fp64" / "step0" / "rank0.h5").is_file()
 
 
 def test_distributed_compares_each_rank_and_blames_rank_1(tmp_path):

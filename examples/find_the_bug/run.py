@@ -57,13 +57,13 @@ def build(bug, reference_state):
     return model
 
 
-def dump_one_step(model, dump_dir, device):
+def dump_one_step(model, dump_dir, device, task):
     model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = make_batch("deepmlp", 16, generator=torch.Generator().manual_seed(SEED),
                       device=device, in_features=SIZES["in_features"])
     debugger = PrecisionDebugger(
-        Config(task="statistics", level="mix", dump_path=dump_dir, seed=SEED))
+        Config(task=task, level="mix", dump_path=dump_dir, seed=SEED))
     debugger.start(model)
     train_step(model, optimizer, x, y)
     debugger.stop()
@@ -71,14 +71,14 @@ def dump_one_step(model, dump_dir, device):
     debugger.close()  # returns once the step file is on disk
 
 
-def hunt(bug, out, device):
+def hunt(bug, out, device, task):
     """Dump reference and buggy step, compare; returns True when probe names the right layer."""
     seed_all(SEED)
     reference_state = DeepMLP(**SIZES).state_dict()
     expected, change = BUGS[bug]
     dumps = [os.path.join(out, bug, side) for side in ("reference", "candidate")]
-    dump_one_step(build(None, reference_state), dumps[0], device)
-    dump_one_step(build(bug, reference_state), dumps[1], device)
+    dump_one_step(build(None, reference_state), dumps[0], device, task)
+    dump_one_step(build(bug, reference_state), dumps[1], device, task)
     result = compare(*dumps)
     html = os.path.join(out, bug, "report.html")
     write_html(result, html)
@@ -107,12 +107,14 @@ def write_html(result, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bug", choices=[*BUGS, "all"], default="all")
+    parser.add_argument("--task", choices=["statistics", "checksum", "tensor"], default="statistics",
+                        help="what the dumps record per tensor (tensor: full values)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=os.path.join("out", "find_the_bug"))
     parser.add_argument("--smoke", action="store_true", help="CI size (already tiny: same run)")
     args = parser.parse_args()
     bugs = list(BUGS) if args.bug == "all" else [args.bug]
-    located = [hunt(bug, args.out, args.device) for bug in bugs]
+    located = [hunt(bug, args.out, args.device, args.task) for bug in bugs]
     print(f"RESULT: probe located {sum(located)} of {len(bugs)} injected bug(s)")
     return 0 if all(located) else 1
 
