@@ -55,7 +55,8 @@ def _torchrun(tmp_path, name, **config):
     dump = tmp_path / name
     config_path = tmp_path / f"{name}.json"
     config_path.write_text(json.dumps({"dump_path": str(dump), "level": "mix", **config}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
+    # One thread per rank: the two ranks share the machine's cores.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(WORLD_SIZE), os.path.abspath(__file__), str(config_path)]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,

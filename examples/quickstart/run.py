@@ -24,7 +24,7 @@ sys.path.insert(0, REPO_ROOT)
 import torch
 import torch.nn as nn
 
-from probe import Config, PrecisionDebugger, seed_all
+from probe import Config, PrecisionDebugger
 from examples.models import DeepMLP, make_batch, train_step
 
 SEED = 1234
@@ -33,9 +33,10 @@ CHANGED_LAYER = "blocks.2.act"
 
 def train_and_dump(dump_dir, refactored, steps, device):
     """Seeded training run; every step is dumped to dump_dir/step{N}/rank0.h5."""
+    # Building the debugger calls seed_all(config.seed): both runs start from the same
+    # weights. level "mix" records module calls and torch API calls.
     debugger = PrecisionDebugger(
         Config(task="statistics", level="mix", dump_path=dump_dir, seed=SEED))
-    seed_all(SEED)  # same weights and data in both runs
     model = DeepMLP(in_features=32, width=64, depth=4, out_features=10)
     if refactored:
         model.blocks[2].act = nn.GELU(approximate="tanh")
@@ -77,7 +78,8 @@ def main():
     print(f"3/3 comparing: probe compare {reference} {candidate} --html {html}\n")
     # The same command a user types; its report goes straight to this terminal.
     sys.stdout.flush()
-    code = subprocess.call(command, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    search_path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    code = subprocess.call(command, env=dict(os.environ, PYTHONPATH=search_path))
     if code not in (0, 1):
         print(f"probe compare failed (exit code {code})", file=sys.stderr)
         return 2
