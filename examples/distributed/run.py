@@ -26,10 +26,11 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_ddp.py"
 NPROC = 2
 
 
-def torchrun(dump_dir, steps, bug_rank):
+def torchrun(dump_dir, steps, bug_rank, device):
     """Run one DDP job; returns torchrun's exit code."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(NPROC), WORKER, "--dump", dump_dir, "--steps", str(steps)]
+               "--nproc_per_node", str(NPROC), WORKER, "--dump", dump_dir, "--steps", str(steps),
+               "--device", device]
     if bug_rank is not None:
         command += ["--bug-rank", str(bug_rank)]
     # One thread per rank: the ranks share the machine's cores.
@@ -44,6 +45,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="training steps per job")
     parser.add_argument("--same", action="store_true",
                         help="candidate has no bug: shows that two DDP runs compare clean")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where each rank computes (auto: cuda when available); gloo either way")
     parser.add_argument("--out", default=os.path.join("out", "distributed"))
     parser.add_argument("--smoke", action="store_true", help="CI size: 1 step")
     args = parser.parse_args()
@@ -55,7 +58,7 @@ def main():
 
     started = time.perf_counter()
     for dump_dir, bug in ((reference, None), (candidate, bug_rank)):
-        code = torchrun(dump_dir, args.steps, bug)
+        code = torchrun(dump_dir, args.steps, bug, args.device)
         if code != 0:
             print(f"torchrun failed with exit code {code}", file=sys.stderr)
             return 2

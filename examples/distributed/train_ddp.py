@@ -34,22 +34,31 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bug-rank", type=int, default=None,
                         help="this rank computes blocks.1's GELU with the tanh approximation")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: cuda when available; on cuda rank R uses GPU R mod count")
     args = parser.parse_args()
 
+    # gloo runs the collectives on CPU tensors and, for all_reduce/broadcast, on CUDA tensors
+    # too, so the same job runs with 2 ranks on a machine with one GPU (NCCL would need two).
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     seed_all(SEED)
     model = DeepMLP(in_features=32, width=64, depth=3, out_features=10)
     if rank == args.bug_rank:
         model.blocks[1].act = nn.GELU(approximate="tanh")
-    ddp_model = DistributedDataParallel(model)
+    model = model.to(device)
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(SEED + rank)  # each rank reads its own shard
 
     debugger = PrecisionDebugger(
         Config(task="statistics", level="mix", dump_path=args.dump, seed=SEED))
     for step in range(args.steps):
-        x, y = make_batch("mlp", 16, generator=data, in_features=32, out_features=10)
+        x, y = make_batch("mlp", 16, generator=data, device=device, in_features=32, out_features=10)
         debugger.start(ddp_model)
         loss = train_step(ddp_model, optimizer, x, y)
         mean_loss = loss.clone()
