@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison import verdict
+from probe.comparison import groups, verdict
 from probe.comparison.engine import compare_step
 from probe.comparison.tolerances import Tolerances
 from test_compare_support import SyntheticRun, mlp_run
@@ -138,7 +138,7 @@ def test_tiny_norm_tensors_are_judged_against_the_absolute_floor():
 
 def test_top_ops_rank_the_error_each_op_adds():
     outcome, _ = _compare(mlp_run(), mlp_run(weight_noise=1e-3))
-    top = verdict.rank_top_ops(outcome.summaries, 10)
+    top = groups.rank_top_ops(outcome.summaries, 10)
     assert top[0].module == "fc1" and top[0].op == "functional.linear"
     assert all(op.kind == "api" for op in top)
     assert [op.introduced for op in top] == sorted((op.introduced for op in top), reverse=True)

@@ -13,7 +13,7 @@ import os
 from typing import Callable, Iterable
 
 from probe.comparison import result as R
-from probe.comparison import verdict
+from probe.comparison import groups, verdict
 from probe.comparison.engine import StepOutcome, compare_step, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.records import Records
@@ -204,13 +204,14 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']}); they are not compared")
     diverged = counts["diverged"] > 0 or bool(failing)
     tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
+    summaries = [s for outcome in outcomes for s in outcome.summaries]
     return R.CompareResult(
         verdict="diverged" if diverged else "pass",
         first_divergence=first,
         likely_cause=cause,
         counts=counts,
         rows=rows,
-        top_ops=verdict.rank_top_ops([s for outcome in outcomes for s in outcome.summaries], top),
+        top_ops=groups.rank_top_ops(summaries, top),
         tolerances=tolerances,
         evidence=evidence,
         steps=steps_info,
@@ -218,4 +219,6 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
         path_b=path_b,
         missing=missing,
         notes=notes,
+        changes=groups.group_changes(rows),
+        op_summaries=summaries,
     )

@@ -117,9 +117,18 @@ class OpSummary:
     diverged: bool
     origin: str
     source: str = ""
+    where: list = field(default_factory=list)  # every (step, rank) where this op adds error
+    diverged_in: int = 0  # in how many of those its output is beyond tolerance
 
     def to_dict(self) -> dict:
-        return json_safe(dict(self.__dict__))
+        from probe.comparison.groups import where_text
+
+        data = dict(self.__dict__)
+        where = data.pop("where") or [(self.step, self.rank)]
+        data["occurrences"] = len(where)
+        data["where"] = [{"step": step, "rank": rank} for step, rank in where]
+        data["where_text"] = where_text(where)
+        return json_safe(data)
 
 
 @dataclass
@@ -137,6 +146,8 @@ class CompareResult:
     path_b: str = ""
     missing: list[str] = field(default_factory=list)  # steps/ranks on one side only
     notes: list[str] = field(default_factory=list)
+    changes: list = field(default_factory=list)  # groups.Change: changed params/arguments, each once
+    op_summaries: list[OpSummary] = field(default_factory=list)  # every call pair, before grouping
 
     @property
     def diverged(self) -> bool:
@@ -158,6 +169,7 @@ class CompareResult:
             "evidence": self.evidence,
             "tolerances": self.tolerances,
             "top_ops": [op.to_dict() for op in self.top_ops],
+            "changes": [change.to_dict() for change in self.changes],
             "steps": list(self.steps),
             "missing": list(self.missing),
             "notes": list(self.notes),

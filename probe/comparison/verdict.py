@@ -252,16 +252,3 @@ def _number(value) -> float:
     if isinstance(value, (int, float)):
         return float(value)
     return {"inf": math.inf, "-inf": -math.inf}.get(value, 0.0)
-
-
-def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
-    """The calls that introduce the most error; API calls when any were captured.
-
-    Ranked by the error they add (in tolerance units); calls whose divergence is inherited
-    come after every call that introduces error or stays within tolerance."""
-    api = [s for s in summaries if s.kind == "api"]
-    pool = api or summaries
-    pool = [s for s in pool if s.introduced > 0]
-    # ops that only pass on an error they inherited go after those that add their own
-    pool.sort(key=lambda s: (s.diverged and s.origin == R.INHERITED, -s.introduced, s.step, s.rank))
-    return pool[:top]

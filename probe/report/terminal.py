@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
+from probe.comparison.groups import where_text
 
 
 def _num(value, digits: int = 3) -> str:
@@ -108,17 +109,36 @@ def _describe(row: R.RecordRow, indent: str = "  ") -> list[str]:
     return lines
 
 
+def changes_lines(result: R.CompareResult, limit: int = 5) -> list[str]:
+    """Changed parameters and arguments, each once with the step files where it differs."""
+    if not result.changes:
+        return []
+    lines = ["changed parameters and arguments:"]
+    for change in result.changes[:limit]:
+        if change.kind == R.ARGUMENT:
+            what = f"{change.value_a} in A, {change.value_b} in B"
+        else:
+            what = f"rel L2 {_num(change.rel_l2)}, score {_num(change.score)}"
+            if len(change.where) > 1:
+                what = f"worst {what} at {where_text([change.worst])}"
+        lines.append(f"  {change.kind:<8} {change.key}: {what} (in {where_text(change.where)})")
+    if len(result.changes) > limit:
+        lines.append(f"  ... and {len(result.changes) - limit} more (see --json or --csv)")
+    return lines
+
+
 def top_ops_lines(result: R.CompareResult) -> list[str]:
     if not result.top_ops:
         return []
+    many = len(result.steps) > 1
     lines = ["top ops by the error they introduce (output score minus input score; score 1 = tolerance):"]
     lines.append(f"  {'#':>3}  {'introduced':>10}  {'out relL2':>10}  {'in relL2':>10}  {'ratio':>8}  op")
     for number, op in enumerate(result.top_ops, 1):
         flag = f" [{op.origin}]" if op.diverged and op.origin else (" [beyond tol]" if op.diverged else "")
-        where = f"step {op.step} rank {op.rank} " if len(result.steps) > 1 else ""
+        where = f" (worst at {where_text([(op.step, op.rank)])}; in {where_text(op.where)})" if many else ""
         lines.append(
             f"  {number:>3}  {_num(op.introduced):>10}  {_num(op.output_rel_l2):>10}  {_num(op.input_rel_l2):>10}  "
-            f"{_num(op.ratio):>8}  {where}{op.module or '<root>'} {op.op}#{op.index} ({op.phase}){flag}"
+            f"{_num(op.ratio):>8}  {op.module or '<root>'} {op.op}#{op.index} ({op.phase}){flag}{where}"
         )
     return lines
 
@@ -136,17 +156,7 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
                 f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
-        # parameters by their own records (an API input holding the same weight repeats them)
-        others = [
-            row for row in result.divergences
-            if row is not first and (row.divergence == R.ARGUMENT or (row.divergence == R.PARAM and row.slot.startswith("param.")))
-        ]
-        if others:
-            lines.append("changed parameters and arguments:")
-            for row in others[:max_divergences]:
-                lines.append(f"  {row.divergence:<8} {row.key}: {'; '.join(row.reasons)}")
-            if len(others) > max_divergences:
-                lines.append(f"  ... and {len(others) - max_divergences} more (see --csv)")
+    lines += changes_lines(result, max_divergences)
     lines += top_ops_lines(result)
     c = result.counts
     files = ", ".join(f"step {s['step']} rank {s['rank']}: {s['verdict']}" for s in result.steps[:8])

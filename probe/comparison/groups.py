@@ -1,0 +1,146 @@
+"""Fold what repeats over step files into one entry with the steps and ranks where it occurs.
+
+A changed argument (GELU's ``approximate``) or parameter differs in every step of a run,
+and the op that adds the most error usually does so in every step: listing them once per
+step file buries the answer. ``group_changes`` and ``rank_top_ops`` report each once, with
+its worst occurrence and ``where`` (every (step, rank) it occurs in); ``where_text`` says
+that compactly ("steps 0-4, rank 0").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from probe.comparison import result as R
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    parts, start, previous = [], None, None
+    for number in sorted(set(numbers)):
+        if start is None:
+            start = previous = number
+        elif number == previous + 1:
+            previous = number
+        else:
+            parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+            start = previous = number
+    if start is not None:
+        parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+    return ", ".join(parts)
+
+
+def _counted(word: str, numbers: list[int]) -> str:
+    return f"{word}{'s' if len(set(numbers)) > 1 else ''} {_ranges(numbers)}"
+
+
+def where_text(pairs) -> str:
+    """(step, rank) pairs -> "steps 0-4, rank 0"; "steps 0-1, ranks 0-1; step 3, rank 0"."""
+    by_step: dict[int, list[int]] = {}
+    for step, rank in pairs:
+        by_step.setdefault(step, []).append(rank)
+    by_ranks: dict[tuple, list[int]] = {}
+    for step in sorted(by_step):
+        by_ranks.setdefault(tuple(sorted(set(by_step[step]))), []).append(step)
+    segments = sorted(by_ranks.items(), key=lambda item: item[1][0])
+    return "; ".join(f"{_counted('step', steps)}, {_counted('rank', list(ranks))}" for ranks, steps in segments)
+
+
+def _where_dicts(pairs) -> list[dict]:
+    return [{"step": step, "rank": rank} for step, rank in pairs]
+
+
+@dataclass
+class Change:
+    """One changed parameter or argument, over every step file where it differs."""
+
+    kind: str  # R.PARAM | R.ARGUMENT
+    key: str
+    module: str
+    op: str
+    index: int
+    phase: str
+    slot: str
+    source: str
+    reason: str  # why its worst occurrence diverged
+    value_a: str | None = None  # arguments: the values
+    value_b: str | None = None
+    rel_l2: float | None = None  # parameters: the worst rel L2
+    score: float | None = None
+    worst: tuple[int, int] = (0, 0)  # (step, rank) of the worst occurrence
+    where: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return R.json_safe({
+            "kind": self.kind, "key": self.key, "module": self.module, "op": self.op, "index": self.index,
+            "phase": self.phase, "slot": self.slot, "source": self.source, "reason": self.reason,
+            "value_a": self.value_a, "value_b": self.value_b, "rel_l2": self.rel_l2, "score": self.score,
+            "worst": {"step": self.worst[0], "rank": self.worst[1]}, "occurrences": len(self.where),
+            "where": _where_dicts(self.where), "where_text": where_text(self.where),
+        })
+
+
+def is_change(row: R.RecordRow) -> bool:
+    """A changed argument, or a parameter by its own record (an API input holding the same
+    weight would repeat it)."""
+    if row.status != R.DIVERGED:
+        return False
+    return row.divergence == R.ARGUMENT or (row.divergence == R.PARAM and row.slot.startswith("param."))
+
+
+def group_changes(rows) -> list[Change]:
+    """Changed parameters and arguments, each once, in order of first occurrence."""
+    found: dict[tuple, Change] = {}
+    for row in sorted((r for r in rows if is_change(r)), key=lambda r: (r.step, r.rank, r.order)):
+        m = row.metrics
+        if row.divergence == R.ARGUMENT:
+            group = (row.divergence, row.key, m.value_a if m else None, m.value_b if m else None)
+        else:
+            group = (row.divergence, row.key)
+        change = found.get(group)
+        where = (row.step, row.rank)
+        if change is None:
+            change = found[group] = Change(
+                kind=row.divergence, key=row.key, module=row.module, op=row.op, index=row.index,
+                phase=row.phase, slot=row.slot, source=row.source, reason="; ".join(row.reasons),
+                value_a=m.value_a if m else None, value_b=m.value_b if m else None,
+                rel_l2=m.rel_l2 if m and m.evidence != "value" else None, score=row.score, worst=where,
+            )
+        elif change.rel_l2 is not None and m is not None and _bigger(m.rel_l2, change.rel_l2):
+            change.rel_l2, change.score, change.worst = m.rel_l2, row.score, where
+            change.reason = "; ".join(row.reasons)
+        if where not in change.where:
+            change.where.append(where)
+    return list(found.values())
+
+
+def _bigger(x: float, y: float) -> bool:
+    return (not math.isnan(x)) and (math.isnan(y) or x > y)
+
+
+def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
+    """The ops that introduce the most error, each op once: API calls when any were captured.
+
+    Calls are grouped by (module, op, index, phase) over steps and ranks; a group is shown by
+    its worst call (the one adding the most error), with ``where`` = every step file in which
+    the op adds error. Ranked by that worst error in tolerance units; ops whose divergence is
+    only inherited come after every op that introduces error or stays within tolerance."""
+    api = [s for s in summaries if s.kind == "api"]
+    pool = [s for s in (api or summaries) if s.introduced > 0]
+    groups: dict[tuple, list[R.OpSummary]] = {}
+    for summary in pool:
+        groups.setdefault((summary.module, summary.op, summary.index, summary.phase), []).append(summary)
+    ranked = []
+    for calls in groups.values():
+        worst = max(calls, key=lambda s: (not _only_inherited(s), s.introduced, -s.step, -s.rank))
+        worst.where = sorted({(s.step, s.rank) for s in calls})
+        worst.diverged_in = sum(1 for s in calls if s.diverged)
+        ranked.append(worst)
+    ranked.sort(key=lambda s: (_only_inherited(s), -s.introduced, s.step, s.rank, s.key))
+    return ranked[:top]
+
+
+def _only_inherited(summary: R.OpSummary) -> bool:
+    # an op that only passes on an error it inherited goes after those that add their own
+    return summary.diverged and summary.origin == R.INHERITED
