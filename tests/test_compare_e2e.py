@@ -224,3 +224,39 @@ def test_statistics_dumps_still_locate_a_changed_weight(tmp_path):
     first = result.first_divergence
     assert result.evidence == "statistics" and (first.module, first.origin) == ("blocks.1.fc", "introduced")
     assert any("statistics only" in note for note in result.notes)
+
+
+def _adamw_dump(path, task, tanh=False, steps=2):
+    """A few AdamW steps of a small residual MLP (optimizer state carried between steps)."""
+    debugger = PrecisionDebugger(from_dict({"task": task, "level": "mix", "dump_path": str(path), "seed": 1}))
+    torch.manual_seed(0)
+    model, sizes = _deep()
+    if tanh:
+        model.blocks[1].act = torch.nn.GELU(approximate="tanh")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(steps):
+            x, y = make_batch("deepmlp", 8, generator=data, **sizes)
+            debugger.start(model)
+            train_step(model, optimizer, x, y)
+            debugger.stop()
+            debugger.step()
+    finally:
+        debugger.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_optimizer_ops_over_several_steps_inherit_the_error_they_are_given(tmp_path, task):
+    result = compare(_adamw_dump(tmp_path / "a", task), _adamw_dump(tmp_path / "b", task, tanh=True))
+    first = result.first_divergence
+    assert (first.step, first.module, first.op, first.origin) == (0, "blocks.1.act", "functional.gelu", "introduced")
+    optimizer = [r for r in result.divergences if r.module == "" and r.kind == "api" and r.divergence == "output"]
+    assert [r.key for r in optimizer if r.origin == "introduced"] == []
+    in_place = [e for r in result.rows if r.step == 1 and r.op in ("Tensor.lerp_", "Tensor.mul_") and r.io == "out"
+                for e in r.input_errors if e["slot"] == "input.0"]
+    assert in_place and {e["source"] for e in in_place} <= {"carried", "param", "produced"}
+    ops = [(op.module, op.op, op.index, op.phase) for op in result.top_ops]
+    assert ops[0] == ("blocks.1.act", "functional.gelu", 0, "forward") and len(set(ops)) == len(ops)
+    assert [op.key for op in result.top_ops if op.module == "" and op.diverged and op.origin == "introduced"] == []

@@ -7,7 +7,8 @@ from probe.comparison import result as R
 from probe.comparison import groups, verdict
 from probe.comparison.engine import compare_step
 from probe.comparison.tolerances import Tolerances
-from test_compare_support import SyntheticRun, mlp_run
+from probe.comparison.api import compare
+from test_compare_support import SyntheticRun, mlp_run, write_step
 
 
 def _compare(run_a, run_b, **tolerances):
@@ -154,3 +155,116 @@ def test_a_changed_dtype_argument_is_named_as_the_cause_when_the_output_diverges
     assert "argument input.1 changed" in first.cause
     argument = _row(outcome, "m/Tensor.to#0/forward/input.1")
     assert argument.status == R.MATCH and argument.notes
+
+
+def _scaled_chain(rel=1.8e-4, scale=1e-3):
+    """sqrt -> div by a small constant: the div only scales an error it was given."""
+    rng = np.random.default_rng(4)
+    small = (np.abs(rng.standard_normal(64)) * 1e-4).astype(np.float32)
+    runs = []
+    for factor in (1.0, 1.0 + rel):
+        run = SyntheticRun()
+        value = (small * factor).astype(np.float32)
+        run.call("", "Tensor.sqrt", {"output.0": value})
+        run.call("", "Tensor.div", {"input.0": value, "input.1": scale, "output.0": (value / scale).astype(np.float32)})
+        runs.append(run)
+    return runs
+
+
+def test_an_op_that_only_scales_an_error_within_tolerance_inherits_it():
+    outcome, first = _compare(*_scaled_chain())
+    given = _row(outcome, "/Tensor.div#0/forward/input.0")
+    div = _row(outcome, "/Tensor.div#0/forward/output.0")
+    # the same relative error: within tolerance before the division (the absolute floor covers
+    # it), beyond it after (the values are 1000x larger)
+    assert given.status == R.MATCH and div.status == R.DIVERGED
+    assert div.metrics.rel_l2 == pytest.approx(given.metrics.rel_l2, rel=1e-3)
+    assert div.origin == R.INHERITED and "input.0 already carries the error" in div.cause
+    assert first is div and "Tensor.sqrt" in div.cause  # named as the op that made the input
+    top = groups.rank_top_ops(outcome.summaries, 10)
+    assert [op.op for op in top if op.op == "Tensor.div"] == []
+
+
+def _param_and_input(param_noise, input_noise):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(32).astype(np.float32)
+    w = rng.standard_normal(32).astype(np.float32)
+    runs = []
+    for px, pw in ((0.0, 0.0), (input_noise, param_noise)):
+        run = SyntheticRun()
+        xx = (x * (1 + px)).astype(np.float32)
+        ww = (w * (1 + pw)).astype(np.float32)
+        run.call("m", "torch.exp", {"output.0": xx})
+        run.call("m", "torch.mul", {"input.0": xx, "input.1": ww, "output.0": (xx * ww).astype(np.float32)})
+        run.call("m", "Scale", {"input.0": xx, "param.weight": ww}, kind="module")
+        runs.append(run)
+    return runs
+
+
+def test_a_changed_parameter_is_the_cause_only_when_its_error_is_at_least_the_inputs():
+    outcome, _ = _compare(*_param_and_input(param_noise=1e-2, input_noise=1e-3))
+    mul = _row(outcome, "m/torch.mul#0/forward/output.0")
+    assert mul.origin == R.INTRODUCED and "parameter" in mul.cause
+    outcome, _ = _compare(*_param_and_input(param_noise=1e-4, input_noise=1e-2))
+    mul = _row(outcome, "m/torch.mul#0/forward/output.0")
+    assert mul.origin == R.INHERITED and "input.0 already carries" in mul.cause
+
+
+def _optimizer_steps(tmp_path, noise=1e-3):
+    """Two step files per run: step 0 makes the optimizer state s from a gradient (B's differs),
+    step 1 updates s in place (Tensor.lerp_) with a gradient both runs agree on."""
+    rng = np.random.default_rng(6)
+    grads = [rng.standard_normal(32).astype(np.float32) for _ in range(2)]
+    paths = []
+    for name, factor in (("a", 1.0), ("b", 1.0 + noise)):
+        zeros = np.zeros(32, np.float32)
+        g0 = (grads[0] * factor).astype(np.float32)
+        state = (0.1 * g0).astype(np.float32)
+        step0 = SyntheticRun()
+        step0.call("", "torch.zeros_like", {"output.0": zeros})
+        step0.call("", "Tensor.lerp_", {"input.0": zeros, "input.1": g0, "input.2": 0.1, "output.0": state})
+        step1 = SyntheticRun()
+        step1.call("", "Tensor.lerp_", {"input.0": state, "input.1": grads[1], "input.2": 0.1,
+                                        "output.0": (0.9 * state + 0.1 * grads[1]).astype(np.float32)})
+        write_step(step0, tmp_path / name, step=0)
+        write_step(step1, tmp_path / name, step=1)
+        paths.append(str(tmp_path / name))
+    return paths
+
+
+def test_optimizer_state_carried_over_from_the_previous_step_is_inherited_not_introduced(tmp_path):
+    a, b = _optimizer_steps(tmp_path)
+    result = compare(a, b)
+    step1 = [r for r in result.rows if r.step == 1]
+    state = next(r for r in step1 if r.slot == "input.0")
+    update = next(r for r in step1 if r.slot == "output.0")
+    assert state.status == update.status == R.DIVERGED
+    assert update.origin == R.INHERITED and "carried over from the previous step" in update.cause
+    assert result.first_divergence.step == 0 and result.first_divergence.origin == R.INTRODUCED
+    # compared alone, step 1 has no evidence of where the state came from: it enters there
+    alone = compare(a, b, steps=[1])
+    assert alone.first_divergence.origin == R.INTRODUCED and "no recorded op produced it" in alone.first_divergence.cause
+
+
+def test_a_module_grad_output_recorded_before_its_producer_is_still_produced():
+    """Module backward hooks record a module's grad_output before the downstream module's
+    grad_input (the same tensor): that late record is its producer, not an external input."""
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal(16).astype(np.float32)
+    runs = []
+    for factor in (1.0, 1.01):
+        run = SyntheticRun()
+        made = (g * factor).astype(np.float32)
+        run.call("fc", "Linear", {"grad_output.0": g}, phase="backward", kind="module")
+        run.call("norm", "LayerNorm", {"grad_output.0": made}, phase="backward", kind="module")
+        run.call("fc", "Linear", {"grad_input.0": made}, phase="backward", kind="module")
+        run.call("norm", "LayerNorm", {"grad_input.0": (made * 2).astype(np.float32)}, phase="backward", kind="module")
+        for row in run.rows:  # one call per module firing: its records share the index, not the seq
+            if row["index"] == 1:
+                row["index"], row["key"] = 0, row["key"].replace("#1/", "#0/")
+        runs.append(run)
+    a, b = runs
+    outcome, first = _compare(a, b)
+    norm_out = _row(outcome, "norm/LayerNorm#0/backward/grad_input.0")
+    assert norm_out.origin == R.INHERITED and "made by fc/Linear#0/backward/grad_input.0" in norm_out.cause
+    assert first.key == "fc/Linear#0/backward/grad_input.0" and first.origin == R.INTRODUCED

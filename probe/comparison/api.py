@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 from probe.comparison import result as R
 from probe.comparison import groups, verdict
-from probe.comparison.engine import StepOutcome, compare_step, count_rows
+from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.records import Records
 from probe.comparison.tolerances import Tolerances
@@ -64,6 +64,7 @@ def compare(
     outcomes: list[StepOutcome] = []
     steps_info = []
     total_bytes = 0
+    previous: dict[int, set] = {}  # rank -> content keys of A's last compared step file
     for position, (key_a, key_b) in enumerate(pairs):
         def report(done, total, read, _position=position):
             if progress is not None:
@@ -72,8 +73,9 @@ def compare(
         with dump_a.open(*key_a) as file_a, dump_b.open(*key_b) as file_b:
             if position == 0:
                 notes += _attr_notes(file_a.attrs, file_b.attrs)
+            records_a = Records.from_table(file_a.records, file_a.path)
             outcome = compare_step(
-                Records.from_table(file_a.records, file_a.path),
+                records_a,
                 Records.from_table(file_b.records, file_b.path),
                 file_a.tensor if file_a.tensor_count else None,
                 file_b.tensor if file_b.tensor_count else None,
@@ -82,7 +84,9 @@ def compare(
                 step=key_a[0],
                 rank=key_a[1],
                 progress=report,
+                previous=previous.get(key_a[1]),
             )
+            previous[key_a[1]] = content_keys(records_a)
         total_bytes += outcome.tensor_bytes
         outcomes.append(outcome)
         counts = outcome.counts()

@@ -65,18 +65,44 @@ def count_rows(rows) -> dict:
     return counts
 
 
-class _Provenance:
-    """Where an input tensor of run A came from: produced by an earlier record, a param, or neither."""
+def content_key(cols: dict, row: int) -> int | None:
+    """A tensor's values, comparable across step files: its checksum when recorded, else its
+    statistics (None when neither is known)."""
+    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
+    if cols["checksum"][row]:
+        return hash(head + (cols["checksum"][row],))
+    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
+    if all(math.isnan(value) for value in numbers):
+        return None
+    # NaN hashes by identity: spell it out so equal statistics give equal keys
+    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
+    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
 
-    def __init__(self, records: Records, calls: list[Call]):
+
+def content_keys(records: Records) -> set:
+    """content_key of every tensor record of a step file (what the next step may carry over)."""
+    cols = records.columns
+    keys = {content_key(cols, row) for row in range(len(records)) if cols["dtype"][row] != ""}
+    keys.discard(None)
+    return keys
+
+
+class _Provenance:
+    """Where an input tensor of run A came from: produced by an earlier record of the step, a
+    parameter, state carried over from the previous step file, or none of these (external)."""
+
+    def __init__(self, records: Records, calls: list[Call], previous: set | None = None):
         cols = records.columns
         self._cols = cols
         self._prints: dict[int, list] = {}
         self.produced: dict = {}  # fingerprint -> (order, row) of its earliest output record
         self.params: set = set()
+        self.previous = previous or set()  # content keys of the previous step file's records
         seqs = cols["seq"]
-        for call in calls:
+        self._call_of: dict[int, int] = {}
+        for number, call in enumerate(calls):
             for slot, row in call.slots.items():
+                self._call_of[row] = number
                 if cols["dtype"][row] == "":
                     continue
                 prints = self.fingerprints(row)
@@ -104,15 +130,36 @@ class _Provenance:
         self._prints[row] = marks
         return marks
 
+    def _late_producer_ok(self, row: int, producer: int) -> bool:
+        """A gradient flowing into a module (grad_output) is recorded by its module hook before
+        the downstream module's hook records the grad_input that is the same tensor: the
+        producer of a backward grad_output may come later in seq (never from its own call)."""
+        cols = self._cols
+        return (
+            cols["phase"][row] == "backward"
+            and cols["slot"][row].startswith("grad_output")
+            and self._call_of.get(producer) != self._call_of.get(row)
+        )
+
     def kind(self, row: int, order: tuple) -> tuple[str, int | None]:
-        """("produced", producing row) | ("param", None) | ("external", None)."""
+        """("produced", producing row) | ("param", None) | ("carried", None) | ("external", None).
+
+        "carried": no record of this step made it, but the previous step file holds the same
+        values (optimizer state, a parameter updated in place, a buffer): its error, if any,
+        was made in an earlier step."""
         prints = self.fingerprints(row)
         for mark in prints:
             made = self.produced.get(mark)
-            if made is not None and made[0] < order:
+            if made is None:
+                continue
+            if made[0] < order:
+                return "produced", made[1]
+            if self._late_producer_ok(row, made[1]):
                 return "produced", made[1]
         if any(mark in self.params for mark in prints):
             return "param", None
+        if self.previous and content_key(self._cols, row) in self.previous:
+            return "carried", None
         return "external", None
 
 
@@ -126,16 +173,19 @@ def compare_step(
     step: int = 0,
     rank: int = 0,
     progress: Callable[[int, int, int], None] | None = None,
+    previous: set | None = None,
 ) -> StepOutcome:
     """Align, measure and judge one pair of step files.
 
     progress(done_calls, total_calls, tensor_bytes_read) is called after each call pair.
+    previous: content_keys() of A's previous step file of the same rank, so that state
+    carried over from it (optimizer state, parameters) is told from new external inputs.
     """
     rename = mapping.rename if mapping else None
     calls_a = build_calls(records_a, rename)
     calls_b = build_calls(records_b, rename)
     pairs = align_calls(calls_a, calls_b)
-    provenance = _Provenance(records_a, calls_a)
+    provenance = _Provenance(records_a, calls_a, previous)
     measure = _Measurer(records_a, records_b, fetch_a, fetch_b, tolerances)
     seqs = records_a.columns["seq"]
 

@@ -11,14 +11,19 @@ Rules (docs/compare.md explains them for users):
   and introduced there. Dtype-valued arguments (``x.to(torch.bfloat16)``) are notes.
 * A parameter record (slot ``param.*``) beyond tolerance is a divergence of kind "param".
 * The inputs of a call are classified through the step's records: *produced* when an
-  earlier record outputs the same tensor (same tensor_id, or same checksum/statistics),
-  *param* when it is a parameter, else *external* (data, buffers, constants). A produced
-  input that differs although its producer agreed was changed by something unrecorded in
-  between (a custom autograd Function, a hook): it counts as a source, like a parameter.
-* A divergent output is ``introduced`` when no produced input is beyond tolerance (a
-  changed parameter, argument or external input enters the computation here), or when its
-  relative L2 error exceeds AMPLIFICATION times the largest relative L2 error of its
-  produced inputs; otherwise ``inherited``.
+  earlier record outputs the same tensor (same tensor_id, or same checksum/statistics; a
+  backward grad_output may be recorded before the grad_input that made it), *param* when it
+  is a parameter, *carried* when the previous step file of the rank holds the same values
+  (optimizer state, a parameter updated in place), else *external* (data, buffers,
+  constants, weights of an api-level dump). A produced input that differs although its
+  producer agreed was changed by something unrecorded in between: *changed*.
+* Carriers pass on error made upstream: produced and carried inputs, and any input still
+  within tolerance (its error counts even when its scaled output crosses the absolute
+  floor). Sources are where error enters: changed arguments, and divergent params, changed
+  and external inputs.
+* A divergent output is ``introduced`` when an argument changed, when a source's rel L2 is
+  at least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
+  largest carrier's; otherwise ``inherited``.
 * The first divergence is the earliest divergent output record in A's execution order
   (seq; forward and backward as they ran). Records that exist on one side only are never
   a pass and never a divergence: they are counted as only_a / only_b.
@@ -95,15 +100,36 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
         row.reasons.append(f"value {metrics.value_a} in A, {metrics.value_b} in B")
 
 
+#: input kinds (engine._Provenance): where the tensor an input slot holds came from
+PRODUCED, PARAM_INPUT, CARRIED, EXTERNAL, CHANGED = "produced", "param", "carried", "external", "changed"
+#: inputs that pass on an error made upstream, divergent or not; parameters and external
+#: inputs carry their error too while within tolerance, and are sources once beyond it
+CARRIERS = (PRODUCED, CARRIED)
+
+
+def is_carrier(kind: str, status: str) -> bool:
+    return kind in CARRIERS or status != R.DIVERGED
+
+
 def judge_call(rows: list[R.RecordRow], input_kind) -> None:
     """Classify the divergent rows of one call pair and give its outputs an origin.
 
     input_kind(row) -> (kind, producer) for an input-side tensor row: kind is "produced",
-    "param" or "external"; producer is the RecordRow of the earlier output that made the
-    tensor (None when unknown).
+    "param", "carried" or "external"; producer is the RecordRow of the earlier output that
+    made the tensor (None when unknown).
+
+    Carriers pass on error made upstream, whatever their own judgement (a within-tolerance
+    input can hand an op an error that its scaled output no longer fits under the absolute
+    floor): produced and carried inputs, and every input still within tolerance. Sources are
+    where error enters: changed arguments, divergent parameters, produced inputs that differ
+    although their producer agreed (changed in between), and divergent external inputs
+    (data, a weight of an api-level dump). A
+    divergent output is introduced when an argument changed, when a source's rel L2 is at
+    least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
+    largest carrier's; otherwise it inherits the error it was given.
     """
-    inputs, changed_args, dtype_args, params, external, between = [], [], [], [], [], []
-    kinds = {}
+    carriers, changed_args, dtype_args, sources = [], [], [], []
+    kinds, producers = {}, {}
     for row in rows:
         if row.io != "in" or row.status not in (R.MATCH, R.DIVERGED):
             continue
@@ -115,26 +141,22 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
             elif not row.metrics.bit_equal:
                 dtype_args.append(row)  # a dtype choice: named as a cause, never an error alone
             continue
-        kind, producer = ("param", None) if is_param_slot(row.slot) else input_kind(row)
-        if kind == "produced" and row.status == R.DIVERGED and producer is not None and producer.status == R.MATCH:
+        kind, producer = (PARAM_INPUT, None) if is_param_slot(row.slot) else input_kind(row)
+        if (kind == PRODUCED and row.status == R.DIVERGED and producer is not None and producer.status == R.MATCH
+                and producer.order < row.order):
             # the op that made this tensor agreed, yet it differs here: something that was
             # not recorded changed it in between (a custom autograd Function, a hook, ...)
-            kind = "changed"
-            between.append((row, producer))
+            kind = CHANGED
         kinds[id(row)] = kind
+        if producer is not None:
+            producers[id(row)] = producer
+        (carriers if is_carrier(kind, row.status) else sources).append(row)
         if row.status == R.DIVERGED:
-            row.divergence = R.PARAM if kind == "param" else R.INPUT
-            row.origin = R.INHERITED if kind == "produced" else R.INTRODUCED
-        if kind == "param":
-            if row.status == R.DIVERGED:
-                params.append(row)
-        elif kind == "produced":
-            inputs.append(row)
-        elif kind == "external" and row.status == R.DIVERGED:
-            external.append(row)
-    input_rel = max((_rel(r) for r in inputs), default=0.0)
-    inherited = [r for r in inputs if r.status == R.DIVERGED]
-    summary = [_input_summary(r, kinds.get(id(r), "external")) for r in rows if id(r) in kinds]
+            row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
+            row.origin = R.INHERITED if kind in CARRIERS else R.INTRODUCED
+    carried_rel = max((_rel(r) for r in carriers), default=0.0)
+    source_rel = max((_rel(r) for r in sources), default=0.0)
+    summary = [_input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     for row in rows:
         if row.io != "out" or row.status not in (R.MATCH, R.DIVERGED):
             continue
@@ -146,24 +168,34 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
             continue
         row.divergence = R.OUTPUT
         out_rel = _rel(row)
-        amplified = bool(inherited) and out_rel > AMPLIFICATION * input_rel
-        if not inherited or amplified or changed_args:
+        from_source = bool(sources) and not source_rel < carried_rel
+        amplified = not carriers or not out_rel <= AMPLIFICATION * carried_rel
+        if changed_args or from_source or amplified:
             row.origin = R.INTRODUCED
-            row.cause = _cause(changed_args + dtype_args, params, external, between, amplified, out_rel, input_rel)
+            row.cause = _cause(changed_args + dtype_args, sources if from_source else [], kinds, producers,
+                               amplified and not from_source, carriers, out_rel, carried_rel)
+            if row.kind != "api" and not (changed_args or from_source):
+                row.cause += ": the error arises inside this module"
         else:
             row.origin = R.INHERITED
-            worst = max(inherited, key=_rel)
-            row.cause = f"input {worst.slot} already differs (rel L2 {_rel(worst):.3g})"
+            worst = max(carriers, key=_rel)
+            row.cause = _inherited_cause(worst, kinds[id(worst)], producers.get(id(worst)), out_rel)
 
 
 def _rel(row: R.RecordRow) -> float:
-    return row.metrics.rel_l2 if row.metrics is not None else 0.0
+    """The rel L2 error of a row; inf when it diverged without one (NaN/Inf on one side,
+    shapes differ, a tensor against a plain value)."""
+    m = row.metrics
+    if m is None or m.nan_mismatch or m.inf_mismatch:
+        return math.inf if row.status == R.DIVERGED else 0.0
+    return m.rel_l2
 
 
-def _input_summary(row: R.RecordRow, kind: str) -> dict:
+def _input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
     return R.json_safe({
         "slot": row.slot,
         "source": kind,
+        "producer": producer.key if producer is not None else None,
         "status": row.status,
         "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
         "max_abs": row.metrics.max_abs if row.metrics is not None else None,
@@ -171,28 +203,50 @@ def _input_summary(row: R.RecordRow, kind: str) -> dict:
     })
 
 
-def _cause(changed_args, params, external, between, amplified, out_rel, input_rel) -> str:
+_ENTERS = {
+    EXTERNAL: "differs and no recorded op produced it in this step (data, a buffer, a weight not recorded as a "
+              "parameter)",
+    CHANGED: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
+             "(a custom autograd Function, a hook, ...)",
+}
+
+
+def _cause(changed_args, sources, kinds, producers, amplified, carriers, out_rel, carried_rel) -> str:
     if changed_args:
         arg = changed_args[0]
         return f"argument {arg.slot} changed: {arg.metrics.value_a} in A, {arg.metrics.value_b} in B"
     parts = []
+    params = [r for r in sources if kinds[id(r)] == PARAM_INPUT]
     if params:
         names = ", ".join(r.slot.removeprefix("param.") for r in params)
         parts.append(f"parameter {names} differs (rel L2 {max(_rel(r) for r in params):.3g})")
-    if external:
-        names = ", ".join(r.slot for r in external)
-        parts.append(f"input {names} differs and no recorded op produced it")
-    for row, producer in between:
-        parts.append(
-            f"input {row.slot} differs (rel L2 {_rel(row):.3g}) although {producer.key}, which produced it, "
-            "agreed: something not recorded changed it in between (a custom autograd Function, a hook, ...)"
-        )
-    if amplified:
-        ratio = out_rel / input_rel if input_rel > 0 else math.inf
-        parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {input_rel:.3g} -> {out_rel:.3g})")
-    if not parts:
-        parts.append(f"its inputs agree within tolerance (largest input rel L2 {input_rel:.3g})")
+    for row in sources:
+        kind = kinds[id(row)]
+        if kind in _ENTERS:
+            producer = producers.get(id(row))
+            text = _ENTERS[kind].format(producer=producer.key if producer is not None else "the op")
+            parts.append(f"input {row.slot} (rel L2 {_rel(row):.3g}) {text}")
+    if amplified and not carriers:
+        parts.append("it has no recorded tensor input: the op itself computes differently")
+    elif amplified:
+        if any(r.status == R.DIVERGED for r in carriers):
+            ratio = out_rel / carried_rel if carried_rel > 0 else math.inf
+            parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {carried_rel:.3g} -> {out_rel:.3g})")
+        else:
+            parts.append(f"its inputs agree within tolerance (largest input rel L2 {carried_rel:.3g}, "
+                         f"output {out_rel:.3g})")
     return "; ".join(parts)
+
+
+def _inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None, out_rel: float) -> str:
+    if kind == CARRIED:
+        origin = "state carried over from the previous step (optimizer state, a parameter or buffer updated in place)"
+    elif producer is not None:
+        origin = f"made by {producer.key}"
+    else:
+        origin = "made upstream"
+    return (f"input {worst.slot} already carries the error (rel L2 {_rel(worst):.3g}, output {out_rel:.3g}); "
+            f"it was {origin}")
 
 
 def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
@@ -204,23 +258,47 @@ def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
 
 
 def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.RecordRow | None:
-    """The first divergent output that introduced its error (the first divergence if none)."""
-    for row in sorted(rows, key=lambda row: row.order):
-        if row.status == R.DIVERGED and row.divergence == R.OUTPUT and row.origin == R.INTRODUCED:
+    """The first divergent output that introduced its error; failing that, the first record
+    where error entered (a changed parameter or argument, a divergent external input); else
+    the first divergence."""
+    ordered = sorted((row for row in rows if row.status == R.DIVERGED), key=lambda row: row.order)
+    for row in ordered:
+        if row.divergence == R.OUTPUT and row.origin == R.INTRODUCED:
+            return row
+    for row in ordered:
+        if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT) and row.origin == R.INTRODUCED:
             return row
     return first
 
 
+def added_score(score: float, out_rel: float, carried_rel: float) -> float:
+    """The part of an output's score its inputs do not explain, in tolerance units: the
+    share ``1 - carried/out`` of its relative error that is new here. Scale-free: an op that
+    only scales what it was given (x / 0.03) adds nothing, even when the scaled output no
+    longer fits under the absolute floor ``atol`` and its score crosses 1."""
+    if not score or not out_rel:
+        return 0.0
+    if math.isinf(carried_rel):
+        return 0.0
+    if carried_rel <= 0:
+        return score
+    if math.isinf(out_rel):
+        return score
+    return score * max(0.0, 1.0 - carried_rel / out_rel)
+
+
 def summarize_call(rows: list[R.RecordRow]) -> R.OpSummary | None:
-    """Error this call pair introduces, in tolerance units: its worst output's score minus
-    the largest score of its produced inputs (parameters and other sources count as 0)."""
+    """Error this call pair introduces, in tolerance units: the largest added_score of its
+    outputs against the largest rel L2 error of its carried inputs (produced ones and state
+    carried over); parameters, changed arguments and external inputs are error entering
+    here, so they count as nothing carried."""
     outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"]
     if not outputs:
         return None
-    worst = max(outputs, key=_score)
-    produced = [e for e in worst.input_errors if e["source"] == "produced"]
-    input_score = max((_number(e["score"]) for e in produced), default=0.0)
-    input_rel = max((_number(e["rel_l2"]) for e in produced), default=0.0)
+    carried = {e["slot"] for e in outputs[0].input_errors if is_carrier(e["source"], e["status"])}
+    input_rel = max((_rel(r) for r in rows if r.io == "in" and r.slot in carried), default=0.0)
+    added = [(added_score(_score(r), _rel(r), input_rel), _score(r), r) for r in outputs]
+    introduced, _, worst = max(added, key=lambda item: (item[0], item[1]))
     out_rel = _rel(worst)
     head = rows[0]
     return R.OpSummary(
@@ -232,7 +310,7 @@ def summarize_call(rows: list[R.RecordRow]) -> R.OpSummary | None:
         phase=head.phase,
         key=worst.key.rsplit("/", 1)[0],
         kind=head.kind,
-        introduced=_score(worst) - input_score,
+        introduced=introduced,
         output_rel_l2=out_rel,
         input_rel_l2=input_rel,
         ratio=(out_rel / input_rel) if input_rel > 0 else None,
