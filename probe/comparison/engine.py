@@ -89,7 +89,8 @@ def content_keys(records: Records) -> set:
 
 class _Provenance:
     """Where an input tensor of run A came from: produced by an earlier record of the step, a
-    parameter, state carried over from the previous step file, or none of these (external)."""
+    parameter, state carried over from the previous step file, made after the backward began
+    by something unrecorded, or none of these (external)."""
 
     def __init__(self, records: Records, calls: list[Call], previous: set | None = None):
         cols = records.columns
@@ -99,6 +100,11 @@ class _Provenance:
         self.params: set = set()
         self.previous = previous or set()  # content keys of the previous step file's records
         seqs = cols["seq"]
+        backward = [seq for seq, phase in zip(seqs, cols["phase"]) if phase == "backward"]
+        # what enters a step from outside (data, weights, buffers) is read by the forward;
+        # a tensor no record made that first shows up once the backward has begun was made
+        # by something unrecorded from the step's own values (autograd's .grad accumulation)
+        self.backward_from = min(backward) if backward else math.inf
         self._call_of: dict[int, int] = {}
         for number, call in enumerate(calls):
             for slot, row in call.slots.items():
@@ -142,11 +148,15 @@ class _Provenance:
         )
 
     def kind(self, row: int, order: tuple) -> tuple[str, int | None]:
-        """("produced", producing row) | ("param", None) | ("carried", None) | ("external", None).
+        """("produced", producing row) | ("param" | "carried" | "unrecorded" | "external", None).
 
         "carried": no record of this step made it, but the previous step file holds the same
         values (optimizer state, a parameter updated in place, a buffer): its error, if any,
-        was made in an earlier step."""
+        was made in an earlier step. "unrecorded": no record made it and it first shows up
+        after the backward began (a parameter gradient accumulated by autograd, optimizer
+        state): made from the step's own values by something not recorded. "external": read
+        before the backward and made by no record (data, buffers, weights of an api-level
+        dump): what enters the step from outside."""
         prints = self.fingerprints(row)
         for mark in prints:
             made = self.produced.get(mark)
@@ -158,8 +168,11 @@ class _Provenance:
                 return "produced", made[1]
         if any(mark in self.params for mark in prints):
             return "param", None
-        if self.previous and content_key(self._cols, row) in self.previous:
+        forward = self._cols["phase"][row] == "forward"
+        if forward and self.previous and content_key(self._cols, row) in self.previous:
             return "carried", None
+        if order[0] > self.backward_from:
+            return "unrecorded", None
         return "external", None
 
 

@@ -14,10 +14,12 @@ Rules (docs/compare.md explains them for users):
   earlier record outputs the same tensor (same tensor_id, or same checksum/statistics; a
   backward grad_output may be recorded before the grad_input that made it), *param* when it
   is a parameter, *carried* when the previous step file of the rank holds the same values
-  (optimizer state, a parameter updated in place), else *external* (data, buffers,
-  constants, weights of an api-level dump). A produced input that differs although its
-  producer agreed was changed by something unrecorded in between: *changed*.
-* Carriers pass on error made upstream: produced and carried inputs, and any input still
+  (optimizer state, a parameter updated in place), *unrecorded* when no record made it and
+  it first shows up after the backward began (a .grad autograd accumulated), else
+  *external* (data, buffers, constants, weights of an api-level dump, read by the forward).
+  A produced input that differs although its producer agreed was changed by something
+  unrecorded in between: *changed*.
+* Carriers pass on error made upstream: produced, carried and unrecorded inputs, and any input still
   within tolerance (its error counts even when its scaled output crosses the absolute
   floor). Sources are where error enters: changed arguments, and divergent params, changed
   and external inputs.
@@ -101,10 +103,11 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
 
 
 #: input kinds (engine._Provenance): where the tensor an input slot holds came from
-PRODUCED, PARAM_INPUT, CARRIED, EXTERNAL, CHANGED = "produced", "param", "carried", "external", "changed"
+PRODUCED, PARAM_INPUT, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
+    "produced", "param", "carried", "unrecorded", "external", "changed")
 #: inputs that pass on an error made upstream, divergent or not; parameters and external
 #: inputs carry their error too while within tolerance, and are sources once beyond it
-CARRIERS = (PRODUCED, CARRIED)
+CARRIERS = (PRODUCED, CARRIED, UNRECORDED)
 
 
 def is_carrier(kind: str, status: str) -> bool:
@@ -241,6 +244,9 @@ def _cause(changed_args, sources, kinds, producers, amplified, carriers, out_rel
 def _inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None, out_rel: float) -> str:
     if kind == CARRIED:
         origin = "state carried over from the previous step (optimizer state, a parameter or buffer updated in place)"
+    elif kind == UNRECORDED:
+        origin = ("made after the backward began by something not recorded (a parameter gradient accumulated by "
+                  "autograd, optimizer state)")
     elif producer is not None:
         origin = f"made by {producer.key}"
     else:
