@@ -260,7 +260,7 @@ def test_optimizer_ops_over_several_steps_inherit_the_error_they_are_given(tmp_p
     # what the optimizer's in-place updates read is never "external" (an entry point of error)
     updates = ("Tensor.lerp_", "Tensor.mul_", "Tensor.addcmul_", "Tensor.addcdiv_", "Tensor.add_")
     in_place = {e["source"] for r in result.rows if r.op in updates and r.io == "out" for e in r.input_errors}
-    assert "carried" in in_place and in_place <= {"carried", "param", "produced", "unrecorded"}
+    assert "carried" in in_place and in_place <= {"carried", "param", "param_update", "produced", "unrecorded"}
     ops = [(op.module, op.op, op.index, op.phase) for op in result.top_ops]
     assert ops[0] == ("blocks.1.act", "functional.gelu", 0, "forward") and len(set(ops)) == len(ops)
     assert [op.key for op in result.top_ops if op.module == "" and op.diverged and op.origin == "introduced"] == []

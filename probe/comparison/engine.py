@@ -97,7 +97,7 @@ class _Provenance:
         self._cols = cols
         self._prints: dict[int, list] = {}
         self.produced: dict = {}  # fingerprint -> (order, row) of its earliest output record
-        self.params: set = set()
+        self.params: dict = {}  # fingerprint -> row of a param.* record holding that tensor
         self.previous = previous or set()  # content keys of the previous step file's records
         seqs = cols["seq"]
         backward = [seq for seq, phase in zip(seqs, cols["phase"]) if phase == "backward"]
@@ -113,7 +113,8 @@ class _Provenance:
                     continue
                 prints = self.fingerprints(row)
                 if is_param_slot(slot):
-                    self.params.update(prints)
+                    for mark in prints:
+                        self.params.setdefault(mark, row)
                 elif cols["io"][row] == "out":
                     made = ((int(seqs[row]), row), row)
                     for mark in prints:
@@ -148,7 +149,8 @@ class _Provenance:
         )
 
     def kind(self, row: int, order: tuple) -> tuple[str, int | None]:
-        """("produced", producing row) | ("param" | "carried" | "unrecorded" | "external", None).
+        """(kind, row): ("produced", producing row) | ("param" | "param_update", param record) |
+        ("carried" | "unrecorded" | "external", None).
 
         "carried": no record of this step made it, but the previous step file holds the same
         values (optimizer state, a parameter updated in place, a buffer): its error, if any,
@@ -166,8 +168,11 @@ class _Provenance:
                 return "produced", made[1]
             if self._late_producer_ok(row, made[1]):
                 return "produced", made[1]
-        if any(mark in self.params for mark in prints):
-            return "param", None
+        param = next((self.params[mark] for mark in prints if mark in self.params), None)
+        if param is not None:
+            # read once the backward began: the optimizer updating it; its difference, if
+            # any, entered the step where the forward read it
+            return ("param_update" if order[0] > self.backward_from else "param"), param
         forward = self._cols["phase"][row] == "forward"
         if forward and self.previous and content_key(self._cols, row) in self.previous:
             return "carried", None
@@ -251,7 +256,7 @@ def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origin
         if row.io == "in":
             origins[row_a] = (kind, producer)
         upstream = mixed
-        if producer is not None and producer in effective:
+        if kind == "produced" and producer in effective:
             upstream = lower_precision(upstream, effective[producer])
         if row.io == "out" and number in call_floor:
             upstream = lower_precision(upstream, call_floor[number])

@@ -119,6 +119,11 @@ def _bigger(x: float, y: float) -> bool:
     return (not math.isnan(x)) and (math.isnan(y) or x > y)
 
 
+#: an op adding less than this share of the tolerance adds nothing worth listing (rounding
+#: of the ratio of two nearly equal errors leaves ~1e-5)
+NEGLIGIBLE = 1e-3
+
+
 def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
     """The ops that introduce the most error, each op once: API calls when any were captured.
 
@@ -127,7 +132,7 @@ def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
     the op adds error. Ranked by that worst error in tolerance units; ops whose divergence is
     only inherited come after every op that introduces error or stays within tolerance."""
     api = [s for s in summaries if s.kind == "api"]
-    pool = [s for s in (api or summaries) if s.introduced > 0]
+    pool = [s for s in (api or summaries) if s.introduced > NEGLIGIBLE]
     groups: dict[tuple, list[R.OpSummary]] = {}
     for summary in pool:
         groups.setdefault((summary.module, summary.op, summary.index, summary.phase), []).append(summary)

@@ -19,9 +19,9 @@ Rules (docs/compare.md explains them for users):
   *external* (data, buffers, constants, weights of an api-level dump, read by the forward).
   A produced input that differs although its producer agreed was changed by something
   unrecorded in between: *changed*.
-* Carriers pass on error made upstream: produced, carried and unrecorded inputs, and any input still
-  within tolerance (its error counts even when its scaled output crosses the absolute
-  floor). Sources are where error enters: changed arguments, and divergent params, changed
+* Carriers pass on error made upstream: produced, carried and unrecorded inputs, and any
+  input still within tolerance (its error counts even when its scaled output crosses the
+  absolute floor). Sources are where error enters: changed arguments, and divergent params, changed
   and external inputs.
 * A divergent output is ``introduced`` when an argument changed, when a source's rel L2 is
   at least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
@@ -47,6 +47,11 @@ _DTYPE_WORDS = set(MANTISSA_BITS) | {
     "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "half",
     "float", "double", "long", "int", "short",
 }
+
+
+def sci(value: float) -> str:
+    """An error in scientific notation, as every report writes them: 1.15e-04 (0 stays 0)."""
+    return "0" if value == 0 else f"{value:.2e}"
 
 
 def is_dtype_value(text: str) -> bool:
@@ -77,7 +82,7 @@ def judge_tensor(row: R.RecordRow, metrics: Metrics, tol: Tolerance) -> None:
         reasons.append(f"Inf on one side only ({metrics.inf_mismatch} {what})")
     if row.score > 1:
         reasons.append(
-            f"rel L2 {metrics.rel_l2:.3g} beyond {row.tol_dtype} tolerance "
+            f"rel L2 {sci(metrics.rel_l2)} beyond {row.tol_dtype} tolerance "
             f"(score {row.score:.3g}, rtol {tol.rtol:g}, atol {tol.atol:g})"
         )
     row.reasons.extend(reasons)
@@ -103,11 +108,11 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
 
 
 #: input kinds (engine._Provenance): where the tensor an input slot holds came from
-PRODUCED, PARAM_INPUT, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
-    "produced", "param", "carried", "unrecorded", "external", "changed")
+PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
+    "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
 #: inputs that pass on an error made upstream, divergent or not; parameters and external
 #: inputs carry their error too while within tolerance, and are sources once beyond it
-CARRIERS = (PRODUCED, CARRIED, UNRECORDED)
+CARRIERS = (PRODUCED, PARAM_UPDATE, CARRIED, UNRECORDED)
 
 
 def is_carrier(kind: str, status: str) -> bool:
@@ -221,37 +226,53 @@ def _cause(changed_args, sources, kinds, producers, amplified, carriers, out_rel
     parts = []
     params = [r for r in sources if kinds[id(r)] == PARAM_INPUT]
     if params:
-        names = ", ".join(r.slot.removeprefix("param.") for r in params)
-        parts.append(f"parameter {names} differs (rel L2 {max(_rel(r) for r in params):.3g})")
+        names = ", ".join(param_name(r, producers.get(id(r))) for r in params)
+        parts.append(f"parameter {names} differs (rel L2 {sci(max(_rel(r) for r in params))})")
     for row in sources:
         kind = kinds[id(row)]
         if kind in _ENTERS:
             producer = producers.get(id(row))
             text = _ENTERS[kind].format(producer=producer.key if producer is not None else "the op")
-            parts.append(f"input {row.slot} (rel L2 {_rel(row):.3g}) {text}")
+            parts.append(f"input {row.slot} (rel L2 {sci(_rel(row))}) {text}")
     if amplified and not carriers:
         parts.append("it has no recorded tensor input: the op itself computes differently")
     elif amplified:
         if any(r.status == R.DIVERGED for r in carriers):
             ratio = out_rel / carried_rel if carried_rel > 0 else math.inf
-            parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {carried_rel:.3g} -> {out_rel:.3g})")
+            parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {sci(carried_rel)} -> {sci(out_rel)})")
         else:
-            parts.append(f"its inputs agree within tolerance (largest input rel L2 {carried_rel:.3g}, "
-                         f"output {out_rel:.3g})")
+            parts.append(f"its inputs agree within tolerance (largest input rel L2 {sci(carried_rel)}, "
+                         f"output {sci(out_rel)})")
     return "; ".join(parts)
+
+
+def param_name(row: R.RecordRow, record: R.RecordRow | None) -> str:
+    """blocks.1.fc.weight: from the param.* record (its own, or the one holding the same tensor)."""
+    record = record if record is not None else row
+    if not record.slot.startswith("param."):
+        return row.slot
+    name = record.slot.removeprefix("param.")
+    return f"{record.module}.{name}" if record.module else name
 
 
 def _inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None, out_rel: float) -> str:
     if kind == CARRIED:
         origin = "state carried over from the previous step (optimizer state, a parameter or buffer updated in place)"
+    elif kind == PARAM_UPDATE:
+        origin = (f"parameter {param_name(worst, producer)}, read after the backward began (an optimizer update); "
+                  "its difference entered where the forward read it")
+    elif kind == PARAM_INPUT:
+        origin = f"parameter {param_name(worst, producer)}, within tolerance"
     elif kind == UNRECORDED:
         origin = ("made after the backward began by something not recorded (a parameter gradient accumulated by "
                   "autograd, optimizer state)")
+    elif kind == EXTERNAL:
+        origin = "read from outside the recorded ops (data, a buffer), within tolerance"
     elif producer is not None:
         origin = f"made by {producer.key}"
     else:
         origin = "made upstream"
-    return (f"input {worst.slot} already carries the error (rel L2 {_rel(worst):.3g}, output {out_rel:.3g}); "
+    return (f"input {worst.slot} already carries the error (rel L2 {sci(_rel(worst))}, output {sci(out_rel)}); "
             f"it was {origin}")
 
 
