@@ -75,7 +75,9 @@ def test_step_option_limits_the_compare(dumps, capsys):
 def test_reports_are_written_and_csv_has_one_row_per_record(dumps, capsys, tmp_path):
     a, _, bad = dumps
     csv_path, html_path = tmp_path / "rows.csv", tmp_path / "report.html"
-    code, _, _ = _run(["compare", str(a), str(bad), "--csv", str(csv_path), "--html", str(html_path)], capsys)
+    code, _, err = _run(["compare", str(a), str(bad), "--csv", str(csv_path), "--html", str(html_path)], capsys)
+    # where the reports went goes to stderr (stdout stays the report itself)
+    assert f"wrote the HTML report to {html_path}" in err and f"CSV rows to {csv_path}" in err
     assert code == 1
     lines = csv_path.read_text().splitlines()
     assert len(lines) == 1 + 2 * len(mlp_run().rows)

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 from html.parser import HTMLParser
 
 import pytest
@@ -40,8 +41,13 @@ def passed():
 def test_terminal_report_starts_with_the_verdict_line(diverged, passed):
     text = terminal.render(diverged)
     assert text.splitlines()[0] == "DIVERGED at step 0 rank 0: fc1 functional.linear (forward, output.0) -- introduced"
-    for fragment in ("where    step 0, rank 0, module fc1", "source   model.py:10", "rel L2", "inputs of this call:",
-                     "input.1", "top ops by the error", "counts:"):
+    lines = text.splitlines()
+    # the answer first: what caused it and which line of user code made the call
+    assert lines[1] == "  cause    parameter fc1.weight differs (rel L2 3.78e-03)"
+    assert lines[2] == "  source   model.py:10"
+    for fragment in ("key      fc1/functional.linear#0/forward/output.0", "rel L2", "inputs of this call:",
+                     "input.1", "a parameter (fc1/Linear#0/forward/param.weight)", "top ops by the error", "counts:",
+                     "compared: A = a/ (the reference"):
         assert fragment in text
     assert terminal.render(passed).startswith("PASS: ")
 
@@ -167,3 +173,34 @@ def test_strict_mode_turns_unmatched_records_into_a_divergence():
     result = _result(mlp_run(), mlp_run(extra_call=True), strict=True)
     assert result.verdict == "diverged" and result.first_divergence.status == R.ONLY_B
     assert _result(mlp_run(), mlp_run(extra_call=True)).verdict == "pass"
+
+
+def test_terminal_errors_are_in_scientific_notation_and_inputs_name_their_producer(diverged):
+    text = terminal.render(diverged)
+    assert re.search(r"rel L2 \d\.\d\de-0\d", text)
+    assert not re.search(r"rel L2 0\.0", text), text  # never 0.000115 next to 9.26e-05
+    assert "made by fc1/functional.linear#0/forward/output.0" in terminal.render(
+        _result(mlp_run(), mlp_run(gelu_tanh=True)))
+
+
+def test_terminal_counts_say_paired_within_and_diverged(diverged):
+    c = diverged.counts
+    line = next(line for line in terminal.render(diverged).splitlines() if line.startswith("counts:"))
+    assert f"{c['matched']} records paired in 1 step file: {c['matched'] - c['diverged']} within tolerance" in line
+
+
+def test_json_headline_is_the_terminal_verdict_line(diverged):
+    data = json.loads(json_report.render(diverged))
+    assert list(data)[:2] == ["verdict", "headline"]
+    assert data["headline"] == terminal.render(diverged).splitlines()[0]
+
+
+def test_html_lists_changes_and_top_ops_with_where_and_source_and_opens_on_divergences(diverged):
+    page = html_report.render(diverged)
+    parser = _Collector()
+    parser.feed(page)
+    assert "changes" in parser.ids
+    top = page[page.index('id="top-ops"'):page.index("</table>", page.index('id="top-ops"'))]
+    assert "<th>where</th>" in top and "<th>source</th>" in top and "model.py:10" in top
+    assert '<option value="diverged" selected>' in page
+    assert '<option value="diverged" selected>' not in html_report.render(_result(mlp_run(), mlp_run()))

@@ -78,10 +78,12 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
         from probe.report import csv_report
 
         output.write_atomic(destinations["csv"], csv_report.render(result), "--csv")
+        click.echo(f"probe: wrote {len(result.rows)} CSV rows to {csv_path}", err=True)
     if "html" in destinations:
         from probe.report import html_report
 
         output.write_atomic(destinations["html"], html_report.render(result), "--html")
+        click.echo(f"probe: wrote the HTML report to {html_path}", err=True)
     if as_json:
         from probe.report import json_report
 

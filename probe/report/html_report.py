@@ -12,7 +12,9 @@ import html
 import math
 
 from probe.comparison import result as R
+from probe.comparison.groups import where_text
 from probe.report import terminal
+from probe.report.fmt import err, num
 
 MAX_POINTS = 4000  # chart points; more rows are bucketed (the worst of each bucket is kept)
 MAX_TABLE_ROWS = 3000  # table rows: divergent and unmatched first, then the rest in order
@@ -30,7 +32,7 @@ th{background:#f6f8fa;cursor:pointer;position:sticky;top:0;user-select:none}
 th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
 tr.status-diverged td{background:#fdecea} tr.status-only_a td,tr.status-only_b td{background:#f3f3f3;color:#555}
 tr.first td{outline:2px solid #c62828}
-td.num{text-align:right;font-variant-numeric:tabular-nums} #records td:last-child{min-width:280px}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} #records td:nth-last-child(2){min-width:280px}
 .controls{margin:8px 0;font-size:13px} .controls input{width:240px}
 .legend span{margin-right:14px;font-size:12px} .dot{display:inline-block;width:9px;height:9px;border-radius:50%}
 dl{display:grid;grid-template-columns:max-content auto;gap:2px 12px;font-size:13px} dt{color:#555}
@@ -68,7 +70,7 @@ def _e(value) -> str:
 
 
 def _fmt(value) -> str:
-    return terminal._num(value)
+    return num(value)
 
 
 def _chart_rows(result: R.CompareResult) -> list[R.RecordRow]:
@@ -176,14 +178,19 @@ _HEAD = (
     ("#", "num"), ("step", "num"), ("rank", "num"), ("status", "text"), ("module", "text"), ("op", "text"),
     ("phase", "text"), ("slot", "text"), ("dtype A/B", "text"), ("score", "num"), ("rel L2", "num"),
     ("max abs", "num"), ("cosine", "num"), ("within", "num"), ("origin", "text"), ("why", "text"),
+    ("source", "text"),
 )
 
 
-def _num_cell(value) -> str:
+def _num_cell(value, text=None) -> str:
     if value is None:
         return '<td class="num" data-v="">-</td>'
     raw = value if not (isinstance(value, float) and math.isinf(value)) else (1e308 if value > 0 else -1e308)
-    return f'<td class="num" data-v="{_e(raw)}">{_e(_fmt(value))}</td>'
+    return f'<td class="num" data-v="{_e(raw)}">{_e(text if text is not None else _fmt(value))}</td>'
+
+
+def _err_cell(value) -> str:
+    return _num_cell(value, err(value) if value is not None else None)
 
 
 def table_html(result: R.CompareResult) -> str:
@@ -200,15 +207,18 @@ def table_html(result: R.CompareResult) -> str:
             f'<td class="num">{number}</td>', f'<td class="num">{row.step}</td>', f'<td class="num">{row.rank}</td>',
             f"<td>{_e(row.status)}</td>", f"<td>{_e(row.module or '<root>')}</td>", f"<td>{_e(row.op)}#{row.index}</td>",
             f"<td>{_e(row.phase)}</td>", f"<td>{_e(row.slot)}</td>", f"<td>{_e(dtype)}</td>",
-            _num_cell(row.score), _num_cell(m.rel_l2 if m else None), _num_cell(m.max_abs if m else None),
+            _num_cell(row.score), _err_cell(m.rel_l2 if m else None), _err_cell(m.max_abs if m else None),
             _num_cell(m.cosine if m else None), _num_cell(m.within if m else None),
-            f"<td>{_e(row.origin)}</td>", f"<td>{_e(why)}</td>",
+            f"<td>{_e(row.origin)}</td>", f"<td>{_e(why)}</td>", f"<td>{_e(row.source or '-')}</td>",
         ]
         body.append(f'<tr class="{classes}" data-status="{_e(row.status)}">{"".join(cells)}</tr>')
     note = f'<p class="muted">{dropped} matching records not shown; probe compare --csv lists every record.</p>' if dropped else ""
+    # a diverged compare opens on its divergent records; "all records" is one click away
+    selected = " selected" if any(row.status == R.DIVERGED for _, row in chosen) else ""
     return (
         '<div class="controls">filter <input id="filter-text" type="search" placeholder="module, op, slot...">'
-        ' <select id="filter-status"><option value="">all records</option><option value="diverged">diverged</option>'
+        ' <select id="filter-status"><option value="">all records</option>'
+        f'<option value="diverged"{selected}>diverged</option>'
         '<option value="unmatched">no partner</option><option value="match">match</option></select>'
         ' <span class="muted"><span id="shown"></span> shown; click a column to sort</span></div>'
         f'<table id="records"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>{note}'
@@ -217,35 +227,64 @@ def table_html(result: R.CompareResult) -> str:
 
 def _top_ops_html(result: R.CompareResult) -> str:
     if not result.top_ops:
-        return "<p class=\"muted\">No op introduces error.</p>"
+        return "<p class=\"muted\">No op adds error.</p>"
     rows = []
     for number, op in enumerate(result.top_ops, 1):
+        judged = op.origin if op.diverged and op.origin else ("beyond tolerance" if op.diverged else "within tolerance")
         rows.append(
             f"<tr><td class=\"num\">{number}</td><td>{_e(op.module or '<root>')}</td><td>{_e(op.op)}#{op.index}</td>"
-            f"<td>{_e(op.phase)}</td><td class=\"num\">{_e(_fmt(op.introduced))}</td>"
-            f"<td class=\"num\">{_e(_fmt(op.output_rel_l2))}</td><td class=\"num\">{_e(_fmt(op.input_rel_l2))}</td>"
-            f"<td>{'beyond tolerance' if op.diverged else 'within'}</td><td>{_e(op.origin)}</td></tr>"
+            f"<td>{_e(op.phase)}</td>{_num_cell(op.introduced)}{_err_cell(op.output_rel_l2)}{_err_cell(op.input_rel_l2)}"
+            f"{_num_cell(op.ratio)}<td>{_e(judged)}</td><td>{_e(where_text(op.where or [(op.step, op.rank)]))}</td>"
+            f"<td>{_e(where_text([(op.step, op.rank)]))}</td><td>{_e(op.source or '-')}</td></tr>"
         )
     return (
-        '<table id="top-ops"><thead><tr><th>#</th><th>module</th><th>op</th><th>phase</th><th>introduced (score)</th>'
-        f'<th>output rel L2</th><th>input rel L2</th><th>judged</th><th>origin</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
+        '<p class="muted">added: the part of an op\'s output error that its inputs do not explain, in units of the '
+        "tolerance (1 = the whole tolerance). Each op once, with the step files where it adds error and its worst.</p>"
+        '<table id="top-ops"><thead><tr><th>#</th><th>module</th><th>op</th><th>phase</th><th>added (x tolerance)</th>'
+        "<th>output rel L2</th><th>input rel L2</th><th>ratio</th><th>judged</th><th>where</th><th>worst at</th>"
+        f'<th>source</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    )
+
+
+def _changes_html(result: R.CompareResult) -> str:
+    if not result.changes:
+        return ""
+    rows = []
+    for change in result.changes:
+        if change.kind == R.ARGUMENT:
+            what = f"{change.value_a} in A, {change.value_b} in B"
+        else:
+            what = f"worst rel L2 {err(change.rel_l2)} (score {num(change.score)}) at {where_text([change.worst])}"
+        rows.append(f"<tr><td>{_e(change.kind)}</td><td>{_e(change.key)}</td><td>{_e(what)}</td>"
+                    f"<td>{_e(where_text(change.where))}</td><td>{_e(change.source or '-')}</td></tr>")
+    return (
+        "<h2>Changed parameters and arguments</h2>"
+        '<table id="changes"><thead><tr><th>kind</th><th>key</th><th>change</th><th>where</th><th>source</th></tr>'
+        f'</thead><tbody>{"".join(rows)}</tbody></table>'
     )
 
 
 def _summary_html(result: R.CompareResult) -> str:
     c = result.counts
-    items = [
-        ("A (reference)", result.path_a), ("B", result.path_b), ("evidence", result.evidence),
-        ("counts", f"{c['matched']} matched, {c['diverged']} diverged, {c['only_a']} only in A, {c['only_b']} only in B"),
-        ("step files", ", ".join(f"step {s['step']} rank {s['rank']}: {s['verdict']}" for s in result.steps)),
-    ]
+    items = []
     first, cause = result.first_divergence, result.likely_cause
     if first is not None:
+        if first.cause:
+            items.append(("cause", first.cause))
+        items.append(("source", first.source or "unknown"))
         items.append(("first divergence", f"{first.key} ({first.origin or first.status}); {terminal.metrics_line(first)}"))
-        if first.source:
-            items.append(("source", first.source))
-    if cause is not None:
+    if cause is not None and cause is not first:
         items.append(("likely cause", f"{cause.key}: {cause.cause or '; '.join(cause.reasons)}"))
+    diverged = [(s["step"], s["rank"]) for s in result.steps if s["verdict"] != "pass"]
+    passed = [(s["step"], s["rank"]) for s in result.steps if s["verdict"] == "pass"]
+    files = "; ".join(([f"diverged in {where_text(diverged)}"] if diverged else [])
+                      + ([f"pass in {where_text(passed)}"] if passed else []))
+    items += [
+        ("A (reference)", result.path_a), ("B", result.path_b), ("evidence", result.evidence),
+        ("counts", f"{c['matched']} records paired: {c['matched'] - c['diverged']} within tolerance, "
+                   f"{c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B"),
+        ("step files", files),
+    ]
     items += [("missing", item) for item in result.missing] + [("note", note) for note in result.notes]
     return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in items) + "</dl>"
 
@@ -264,7 +303,8 @@ def render(result: R.CompareResult) -> str:
         '<span><i class="dot" style="background:#999"></i> no partner</span>'
         '<span style="color:#c62828">--- tolerance / first divergence</span></div>'
         f"{chart_svg(result)}"
-        f"<h2>Ops that introduce the most error</h2>{_top_ops_html(result)}"
+        f"{_changes_html(result)}"
+        f"<h2>Ops that add the most error</h2>{_top_ops_html(result)}"
         f"<h2>Records</h2>{table_html(result)}"
         f"<script>{_JS}</script></body></html>\n"
     )

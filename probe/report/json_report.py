@@ -1,7 +1,7 @@
 """``probe compare --json``: one JSON object on stdout (strict JSON: no NaN/Infinity).
 
-Fields (docs/compare.md lists them all): verdict, first_divergence, likely_cause, counts,
-evidence, tolerances, top_ops, steps, missing, notes, divergences (the first
+Fields (docs/compare.md lists them all): verdict, headline, first_divergence, likely_cause,
+counts, evidence, tolerances, top_ops, changes, steps, missing, notes, divergences (the first
 MAX_DIVERGENCES divergent records in execution order), and with rows=True every aligned
 record under "rows".
 """
@@ -16,7 +16,11 @@ MAX_DIVERGENCES = 50
 
 
 def to_dict(result: R.CompareResult, rows: bool = False) -> dict:
+    from probe.report.terminal import verdict_line
+
     data = result.to_dict(rows=rows)
+    # the terminal's first line, for logs and CI summaries
+    data = {"verdict": data.pop("verdict"), "headline": verdict_line(result), **data}
     divergent = [row for row in result.rows if row.status == R.DIVERGED]
     data["divergences"] = [R.divergence_dict(row) for row in divergent[:MAX_DIVERGENCES]]
     data["divergences_total"] = len(divergent)

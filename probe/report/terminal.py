@@ -1,38 +1,26 @@
-"""The human report ``probe compare`` prints: the verdict line first, then the evidence.
+"""The human report ``probe compare`` prints: the answer first, then the evidence.
 
-    DIVERGED at step 0 rank 0: blocks.1.fc functional.linear (forward, output.0) -- introduced
-      where    ...
-      metrics  ...
-      inputs   ...
-    likely cause ...
-    top ops introducing error ...
-    counts ...
+    DIVERGED at step 0 rank 0: blocks.2.act functional.gelu (forward, output.0) -- introduced
+      cause    argument kwarg.approximate changed: "none" in A, "tanh" in B
+      source   examples/models.py:57
+      key      blocks.2.act/functional.gelu#0/forward/output.0
+      error    rel L2 1.98e-04  max abs 2.73e-04 ...
+      judged   score 8.68: the error is 8.68x the float32 tolerance (rtol 2e-05, atol 1e-06)
+      inputs of this call: ...
+    likely cause (when the first divergence only inherited its error) ...
+    changed parameters and arguments (each once, with the step files where it differs) ...
+    top ops by the error they add ...
+    counts ... / compared ... / notes
 """
 
 from __future__ import annotations
 
-import math
-
 from probe.comparison import result as R
 from probe.comparison.groups import where_text
+from probe.report.fmt import err, num
 
-
-def _num(value, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return value
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if value == 0:
-        return "0"
-    return f"{value:.{digits}g}"
+# kept for callers of the old name
+_num = num
 
 
 def verdict_line(result: R.CompareResult) -> str:
@@ -57,13 +45,14 @@ def metrics_line(row: R.RecordRow) -> str:
         return "; ".join(row.reasons) or "-"
     if m.evidence == "value":
         return f"value {m.value_a} in A, {m.value_b} in B"
-    parts = [f"rel L2 {_num(m.rel_l2)}", f"max abs {_num(m.max_abs)}"]
+    bound = ">= " if m.evidence == "statistics" or (m.evidence == "checksum" and not m.bit_equal) else ""
+    parts = [f"rel L2 {bound}{err(m.rel_l2)}", f"max abs {bound}{err(m.max_abs)}"]
     if m.max_rel is not None:
-        parts.append(f"max rel {_num(m.max_rel)}")
+        parts.append(f"max rel {err(m.max_rel)}")
     if m.cosine is not None:
-        parts.append(f"cosine {_num(m.cosine, 8)}")
+        parts.append(f"cosine {num(m.cosine, 8)}")
     if m.within is not None:
-        parts.append(f"within tol {m.within * 100:.1f}%")
+        parts.append(f"within tol {m.within * 100:.1f}% of elements")
     if m.ulp_max is not None:
         parts.append(f"max ULP {m.ulp_max}")
     if m.nan_mismatch:
@@ -73,99 +62,157 @@ def metrics_line(row: R.RecordRow) -> str:
     if m.bit_equal is not None and m.evidence == "checksum":
         parts.append("bit-equal" if m.bit_equal else "not bit-equal")
     if m.stat_rel:
-        parts.append("stat rel diff " + " ".join(f"{k} {_num(v)}" for k, v in m.stat_rel.items()))
+        changes = ", ".join(f"{name} {err(value)}" for name, value in m.stat_rel.items())
+        parts.append(f"(lower bounds from the statistics; relative change of {changes})")
     return "  ".join(parts)
 
 
-def _tolerance(row: R.RecordRow) -> str:
+def _judged(row: R.RecordRow) -> str:
     if not row.tol_dtype:
-        return "exact"
-    return f"score {_num(row.score)} ({row.tol_dtype}: rtol {row.rtol:g}, atol {row.atol:g}; > 1 fails)"
+        return "exact comparison"
+    return (f"score {num(row.score)}: the error is {num(row.score)}x the {row.tol_dtype} tolerance "
+            f"(rtol {row.rtol:g}, atol {row.atol:g}); above 1 fails")
+
+
+def _came_from(item: dict) -> str:
+    producer = item.get("producer")
+    return {
+        "produced": f"made by {producer}" if producer else "made by an earlier op",
+        "param": f"a parameter ({producer})" if producer else "a parameter",
+        "param_update": "a parameter, read after the backward began (an optimizer update)",
+        "carried": "state carried over from the previous step",
+        "unrecorded": "made after the backward began by something not recorded (a .grad)",
+        "external": "external: no recorded op made it (data, a buffer, a weight)",
+        "changed": f"changed after {producer or 'the op that made it'} made it",
+    }.get(item["source"], item["source"])
+
+
+def _shown_reasons(row: R.RecordRow) -> list[str]:
+    # the tolerance judgement already has its own line
+    return [r for r in row.reasons if not (r.startswith("rel L2 ") and " tolerance (score " in r)]
 
 
 def _describe(row: R.RecordRow, indent: str = "  ") -> list[str]:
-    lines = [
-        f"{indent}where    step {row.step}, rank {row.rank}, module {row.module or '<root>'}, op {row.op} "
-        f"#{row.index}, {row.phase}, slot {row.slot}",
-        f"{indent}key      {row.key}" + (f"  (B: {row.key_b})" if row.key_b and row.key_b != row.key_a else ""),
-        f"{indent}source   {row.source or 'unknown'}",
-        f"{indent}dtype    {row.dtype_a or '-'} in A, {row.dtype_b or '-'} in B; shape {row.shape_a or row.shape_b or '-'}",
-        f"{indent}metrics  {metrics_line(row)}  (evidence: {row.metrics.evidence if row.metrics else '-'})",
-        f"{indent}judged   {_tolerance(row)}",
-    ]
+    lines = []
     if row.cause:
         lines.append(f"{indent}cause    {row.cause}")
-    for reason in row.reasons:
+    lines.append(f"{indent}source   {row.source or 'unknown (no user code line was recorded)'}")
+    lines.append(f"{indent}key      {row.key}" + (f"  (B: {row.key_b})" if row.key_b and row.key_b != row.key_a else ""))
+    evidence = f" (evidence: {row.metrics.evidence})" if row.metrics else ""
+    lines.append(f"{indent}error    {metrics_line(row)}{evidence}")
+    lines.append(f"{indent}judged   {_judged(row)}")
+    shape = row.shape_a or row.shape_b or "-"
+    if row.dtype_a == row.dtype_b:
+        lines.append(f"{indent}tensor   {row.dtype_a or 'value'} {shape} in both runs")
+    else:
+        lines.append(f"{indent}tensor   {row.dtype_a or '-'} in A, {row.dtype_b or '-'} in B; shape {shape}")
+    for reason in _shown_reasons(row):
         lines.append(f"{indent}why      {reason}")
     for note in row.notes:
         lines.append(f"{indent}note     {note}")
     if row.input_errors:
+        width = max(len("slot"), *(len(item["slot"]) for item in row.input_errors))
         lines.append(f"{indent}inputs of this call:")
+        lines.append(f"{indent}  {'slot':<{width}}  {'status':<8}  {'rel L2':>9}  {'max abs':>9}  where it came from")
         for item in row.input_errors:
             lines.append(
-                f"{indent}  {item['slot']:<16} {item['status']:<9} rel L2 {_num(item['rel_l2']):<10} "
-                f"max abs {_num(item['max_abs']):<10} ({item['source']})"
+                f"{indent}  {item['slot']:<{width}}  {item['status']:<8}  {err(item['rel_l2']):>9}  "
+                f"{err(item['max_abs']):>9}  {_came_from(item)}"
             )
     return lines
+
+
+def _where(result: R.CompareResult, pairs) -> str:
+    return where_text(pairs)
 
 
 def changes_lines(result: R.CompareResult, limit: int = 5) -> list[str]:
     """Changed parameters and arguments, each once with the step files where it differs."""
     if not result.changes:
         return []
-    lines = ["changed parameters and arguments:"]
+    many = len(result.steps) > 1
+    title = " (each once, with the step files where it differs)" if many else ""
+    lines = [f"changed parameters and arguments{title}:"]
     for change in result.changes[:limit]:
         if change.kind == R.ARGUMENT:
             what = f"{change.value_a} in A, {change.value_b} in B"
         else:
-            what = f"rel L2 {_num(change.rel_l2)}, score {_num(change.score)}"
+            what = f"rel L2 {err(change.rel_l2)}, score {num(change.score)}"
             if len(change.where) > 1:
-                what = f"worst {what} at {where_text([change.worst])}"
-        lines.append(f"  {change.kind:<8} {change.key}: {what} (in {where_text(change.where)})")
+                what = f"worst {what} at {_where(result, [change.worst])}"
+        where = f" (in {_where(result, change.where)})" if many else ""
+        lines.append(f"  {change.kind:<8}  {change.key}: {what}{where}")
     if len(result.changes) > limit:
-        lines.append(f"  ... and {len(result.changes) - limit} more (see --json or --csv)")
+        lines.append(f"  ... and {len(result.changes) - limit} more (see --json: changes)")
     return lines
+
+
+def _judgement(op: R.OpSummary) -> str:
+    if not op.diverged:
+        return "within tol"
+    return op.origin or "beyond tol"
 
 
 def top_ops_lines(result: R.CompareResult) -> list[str]:
     if not result.top_ops:
         return []
     many = len(result.steps) > 1
-    lines = ["top ops by the error they introduce (output score minus input score; score 1 = tolerance):"]
-    lines.append(f"  {'#':>3}  {'introduced':>10}  {'out relL2':>10}  {'in relL2':>10}  {'ratio':>8}  op")
-    for number, op in enumerate(result.top_ops, 1):
-        flag = f" [{op.origin}]" if op.diverged and op.origin else (" [beyond tol]" if op.diverged else "")
-        where = f" (worst at {where_text([(op.step, op.rank)])}; in {where_text(op.where)})" if many else ""
-        lines.append(
-            f"  {number:>3}  {_num(op.introduced):>10}  {_num(op.output_rel_l2):>10}  {_num(op.input_rel_l2):>10}  "
-            f"{_num(op.ratio):>8}  {op.module or '<root>'} {op.op}#{op.index} ({op.phase}){flag}{where}"
-        )
+    names = [f"{op.module or '<root>'} {op.op}#{op.index} ({op.phase})" for op in result.top_ops]
+    wheres = [f"{_where(result, op.where or [(op.step, op.rank)])} (worst {_where(result, [(op.step, op.rank)])})"
+              for op in result.top_ops]
+    name_width = max(len("op"), *(len(name) for name in names))
+    where_width = max(len("where"), *(len(where) for where in wheres))
+    lines = [
+        "top ops by the error they add (added: the part of an op's output error that its inputs do not explain,",
+        "in units of the tolerance; 1 = the whole tolerance):",
+    ]
+    head = f"  {'#':>3}  {'added':>8}  {'out rel L2':>10}  {'in rel L2':>10}  {'ratio':>6}  {'judged':<10}  {'op':<{name_width}}"
+    lines.append(head + (f"  {'where':<{where_width}}" if many else "") + "  source")
+    for number, (op, name, where) in enumerate(zip(result.top_ops, names, wheres), 1):
+        line = (f"  {number:>3}  {num(op.introduced):>8}  {err(op.output_rel_l2):>10}  {err(op.input_rel_l2):>10}  "
+                f"{num(op.ratio):>6}  {_judgement(op):<10}  {name:<{name_width}}")
+        if many:
+            line += f"  {where:<{where_width}}"
+        lines.append(line + f"  {op.source or '-'}")
+    return lines
+
+
+def counts_lines(result: R.CompareResult) -> list[str]:
+    c = result.counts
+    files = len(result.steps)
+    within = c["matched"] - c["diverged"]
+    lines = [
+        f"counts: {c['matched']} records paired in {files} step file{'s' if files != 1 else ''}: {within} within "
+        f"tolerance, {c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B "
+        f"(evidence: {result.evidence})"
+    ]
+    if files > 1:
+        diverged = [(s["step"], s["rank"]) for s in result.steps if s["verdict"] != "pass"]
+        passed = [(s["step"], s["rank"]) for s in result.steps if s["verdict"] == "pass"]
+        parts = [f"diverged in {_where(result, diverged)}"] if diverged else []
+        parts += [f"pass in {_where(result, passed)}"] if passed else []
+        lines.append(f"step files: {'; '.join(parts)}")
+    lines.append(f"compared: A = {result.path_a} (the reference: relative errors are relative to A), "
+                 f"B = {result.path_b}")
     return lines
 
 
 def render(result: R.CompareResult, max_divergences: int = 5) -> str:
     """The full terminal report (ends with a newline)."""
-    lines = [verdict_line(result), f"  compared {result.path_a} (A, reference) with {result.path_b} (B)"]
+    lines = [verdict_line(result)]
     first = result.first_divergence
     if first is not None:
         lines += _describe(first)
         cause = result.likely_cause
         if cause is not None and cause is not first:
-            lines.append("likely cause (first divergence that introduced its error):")
+            lines.append("likely cause (the first divergence that introduced its error):")
             lines.append(
                 f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
     lines += changes_lines(result, max_divergences)
     lines += top_ops_lines(result)
-    c = result.counts
-    files = ", ".join(f"step {s['step']} rank {s['rank']}: {s['verdict']}" for s in result.steps[:8])
-    if len(result.steps) > 8:
-        files += f", ... ({len(result.steps)} step files)"
-    lines.append(
-        f"counts: {c['matched']} matched, {c['diverged']} diverged, {c['only_a']} only in A, "
-        f"{c['only_b']} only in B (evidence: {result.evidence}; {files})"
-    )
+    lines += counts_lines(result)
     for item in result.missing:
         lines.append(f"missing: {item}")
     for note in result.notes:
