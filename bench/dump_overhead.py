@@ -9,10 +9,12 @@ per-parameter loop on CPU), examples.models.train_step. A captured step also inc
 start(), stop() and step(), i.e. writing the step's HDF5 file.
 
 Every variant runs in this one process with torch.set_num_threads(1). Variants are
-interleaved in short blocks of consecutive steps (4 for steps under 50 ms, else 2; the order
-rotates every round) so drift and other processes' load hit all variants alike; the first
+interleaved in short blocks of consecutive steps (4 for steps under 50 ms, else 2), in a
+new random order every round, so drift and other processes' load hit all variants alike and
+no variant always follows the same one; the first
 step of each block is not timed, because it pays for what the previous variant left behind
-(cold caches, freed memory). Each number is the median of at least --repeats timed steps
+(cold caches, freed memory), and a gc.collect() before each block keeps one variant's
+garbage from being collected in another one's steps. Each number is the median of at least --repeats timed steps
 after two warm-up steps per variant. Ratios are variant / baseline.
 
 Columns:
@@ -21,8 +23,9 @@ Columns:
   unselected         start()/stop()/step() on steps the config's step list excludes
   stats api/module/mix   task statistics at each level
   tensor api         task tensor at level api (every distinct tensor stored once)
+  (no write)         stats api without step(), i.e. without writing the HDF5 file
   calls/step         API calls captured per step (statistics, api)
-  us/call            (stats api - baseline) / calls
+  us/call            (stats api - baseline) / calls; (no write): the same without step()
   dump/distinct      tensor-mode step file size / bytes of the distinct tensors it stores
 
 Targets (DESIGN.md, the issue): stats api <= 1.5x on convnet, deepmlp, gpt and <= 3x on mlp;
@@ -33,8 +36,10 @@ dump/distinct <= 1.0x (plus the records). Prints the table; --json prints one ob
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -80,17 +85,20 @@ class Variant:
         self._captures = config is not None
 
     def run(self) -> float:
-        """One step; returns seconds."""
+        """One step; returns seconds. self.last_capture: the same without step()'s file write."""
         debugger = self.debugger
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
             self._train()
             debugger.stop()
+            self.last_capture = time.perf_counter() - start
             debugger.step()
         else:
             self._train()
         elapsed = time.perf_counter() - start
+        if not self._captures:
+            self.last_capture = elapsed
         if self._captures and debugger.last_file:
             self.calls = debugger.last_step_calls
             if debugger.config.task == "tensor" and self.dump_ratio is None:
@@ -133,6 +141,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
     if with_tensor:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
     times = {variant.name: [] for variant in variants}
+    capture_times = {variant.name: [] for variant in variants}
     for _ in range(2):  # warm-up
         for variant in variants:
             variant.run()
@@ -141,25 +150,31 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
     # it pays for what the previous variant left behind (cold caches, freed memory), which
     # is noise, not the cost of this variant. Small models need more steps per block.
     block = 4 if first < 0.05 else 2
-    timed = 0
-    round_number = 0
-    while timed < repeats:
-        shift = round_number % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
+    # a fresh random order every round (seeded: the same run to run), so no variant always
+    # follows the same one
+    order = random.Random(0)
+    rounds = -(-repeats // (block - 1))
+    for _ in range(rounds):
+        shuffled = list(variants)
+        order.shuffle(shuffled)
+        for variant in shuffled:
+            gc.collect()  # untimed: no variant inherits another one's garbage
             variant.run()
             for _ in range(block - 1):
                 times[variant.name].append(variant.run())
-        timed += block - 1
-        round_number += 1
+                capture_times[variant.name].append(variant.last_capture)
     base = statistics.median(times["baseline"])
     by_name = {variant.name: variant for variant in variants}
     result = {"model": key, "label": label, "baseline_ms": base * 1e3, "repeats": repeats}
     for variant in variants[1:]:
         result[variant.name] = statistics.median(times[variant.name]) / base
+    capture_only = statistics.median(capture_times["stats api"])
+    result["stats api capture"] = capture_only / base
     calls = by_name["stats api"].calls
     result["calls_per_step"] = calls
     extra = (statistics.median(times["stats api"]) - base) * 1e6
     result["us_per_call"] = extra / calls if calls else float("nan")
+    result["us_per_call_capture"] = (capture_only - base) * 1e6 / calls if calls else float("nan")
     result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if with_tensor else None
     return result
 
@@ -170,11 +185,13 @@ COLUMNS = [
     ("not started", "{:.3f}x", "not started"),
     ("unselected", "{:.3f}x", "unselected"),
     ("stats api", "{:.2f}x", "stats api"),
+    ("(no write)", "{:.2f}x", "stats api capture"),
     ("stats module", "{:.2f}x", "stats module"),
     ("stats mix", "{:.2f}x", "stats mix"),
     ("tensor api", "{:.2f}x", "tensor api"),
     ("calls/step", "{}", "calls_per_step"),
     ("us/call", "{:.1f}", "us_per_call"),
+    ("(no write)", "{:.1f}", "us_per_call_capture"),
     ("dump/distinct", "{:.3f}x", "dump_over_distinct"),
 ]
 
@@ -237,8 +254,9 @@ def main(argv=None) -> int:
                           "optimizer": "SGD(lr=0.01)", "results": results}, indent=2))
     else:
         print(format_table(results))
-        print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), median of {repeats} "
-              f"interleaved steps, 1-minute load average at the end {load:.2f}")
+        print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), median of at least "
+              f"{repeats} interleaved steps per variant, 1-minute load average at the end "
+              f"{load:.2f}")
     return 0
 
 

@@ -35,8 +35,10 @@ import torch
 from probe import config as config_module
 from probe._version import __version__
 from probe.capture.api_mode import ApiCaptureMode
+from probe.capture.filters import CaptureFilter
 from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
+from probe.capture.values import SourceLocator
 from probe.dump.schema import SCHEMA_VERSION
 from probe.errors import CaptureError, DumpError, ProbeError
 from probe.seed import determinism_state, seed_all
@@ -63,6 +65,8 @@ class PrecisionDebugger:
         self._mode: ApiCaptureMode | None = None
         self._hooks: ModuleHooks | None = None
         self._seed_report_dict = self.seed_report.to_dict()
+        self._filter = CaptureFilter(cfg)  # caches decisions and source files across steps
+        self._locate = SourceLocator()
         self.last_file: str | None = None  # the step file step() wrote last
         self.last_step_calls = 0  # API and module calls captured in that step
         _LIVE.add(self)
@@ -194,7 +198,8 @@ class PrecisionDebugger:
 
             return StepWriter(cfg.dump_path, step, rank, attrs, buffer_bytes=cfg.buffer_mb << 20)
 
-        self._recorder = Recorder(cfg, open_writer)
+        self._recorder = Recorder(cfg, open_writer, capture_filter=self._filter,
+                                  locate=self._locate)
         self._recorder.step_attrs = attrs
         return self._recorder
 

@@ -56,15 +56,18 @@ class Recorder:
     step, and the debugger writes their file off the training thread.
     """
 
-    def __init__(self, config: Config, open_writer=None, *, defer_stats: bool | None = None):
+    def __init__(self, config: Config, open_writer=None, *, defer_stats: bool | None = None,
+                 capture_filter: CaptureFilter | None = None,
+                 locate: SourceLocator | None = None):
         self.config = config
         self.task = config.task
-        self.filter = CaptureFilter(config)
+        # both keep caches that stay valid across steps: the debugger passes the same ones
+        self.filter = capture_filter or CaptureFilter(config)
         self.decisions = self.filter.decisions  # (module, op) -> decision, for the hot path
         self.writer = None
         self._open_writer = open_writer
         self.namer = Namer()
-        self.locate = SourceLocator()
+        self.locate = locate or SourceLocator()
         self.module_stack: list[str] = []
         self.rows: list[tuple] = []
         self.device: str | None = None
