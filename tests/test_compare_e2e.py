@@ -146,6 +146,15 @@ def test_a_changed_weight_is_also_reported_as_a_param_divergence(tmp_path):
     assert "parameter" in result.first_divergence.cause
 
 
+def test_the_optimizer_updating_a_changed_weight_inherits_its_difference(tmp_path):
+    result = compare(_dump(tmp_path / "a"), _dump(tmp_path / "b", variant=_noisy_weight))
+    update = [r for r in result.divergences if r.module == "" and r.op.endswith("_") and r.divergence == "output"]
+    assert update and all(r.origin == "inherited" for r in update)
+    assert any("parameter blocks.1.fc.weight, read after the backward began" in r.cause for r in update)
+    introduced = [op for op in result.top_ops if op.diverged and op.origin == "introduced"]
+    assert [(op.module, op.op) for op in introduced] == [("blocks.1.fc", "functional.linear")]
+
+
 def _extra_add(model):
     block = model.blocks[1]
 
