@@ -9,6 +9,7 @@ import os
 import re
 from html.parser import HTMLParser
 
+import numpy as np
 import pytest
 
 from probe.comparison import result as R
@@ -18,7 +19,7 @@ from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 from probe.report import csv_report, html_report, json_report, output, terminal
 from probe.report.progress import Progress
-from test_compare_support import mlp_run
+from test_compare_support import SyntheticRun, mlp_run
 
 
 def _result(run_a, run_b, strict=False):
@@ -204,3 +205,15 @@ def test_html_lists_changes_and_top_ops_with_where_and_source_and_opens_on_diver
     assert "<th>where</th>" in top and "<th>source</th>" in top and "model.py:10" in top
     assert '<option value="diverged" selected>' in page
     assert '<option value="diverged" selected>' not in html_report.render(_result(mlp_run(), mlp_run()))
+
+
+def test_an_inherited_first_divergence_without_an_introducing_op_says_the_error_grew():
+    a, b = SyntheticRun(), SyntheticRun()
+    x = np.linspace(1, 2, 64).astype(np.float32)
+    for run, noise in ((a, 0.0), (b, 1.5e-5)):  # within float32 tolerance, then amplified 2x
+        xx = (x * (1 + noise)).astype(np.float32)
+        run.call("m", "torch.exp", {"output.0": xx})
+        run.call("m", "torch.square", {"input.0": xx, "output.0": (xx * xx).astype(np.float32)})
+    result = _result(a, b)
+    assert result.first_divergence.origin == R.INHERITED and result.likely_cause is result.first_divergence
+    assert "no single op introduced an error beyond tolerance" in terminal.render(result)

@@ -204,7 +204,10 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
     if first is not None:
         lines += _describe(first)
         cause = result.likely_cause
-        if cause is not None and cause is not first:
+        if cause is first and first.origin == R.INHERITED:
+            lines.append("likely cause: no single op introduced an error beyond tolerance; it grew over several ops "
+                         "(the top ops below add the most)")
+        elif cause is not None and cause is not first:
             lines.append("likely cause (the first divergence that introduced its error):")
             lines.append(
                 f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
