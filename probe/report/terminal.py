@@ -153,21 +153,32 @@ def _judgement(op: R.OpSummary) -> str:
     return op.origin or "beyond tol"
 
 
+def _op_where(op: R.OpSummary, one_rank: bool) -> str:
+    """Where an op adds error: "0-4 (worst 1)" over the steps of one rank, else the
+    steps and ranks with its worst step and rank."""
+    where = op.where or [(op.step, op.rank)]
+    if one_rank:
+        steps = where_text(where).split(", rank")[0].removeprefix("steps ").removeprefix("step ")
+        return f"{steps} (worst {op.step})"
+    return f"{where_text(where)} (worst step {op.step}, rank {op.rank})"
+
+
 def top_ops_lines(result: R.CompareResult) -> list[str]:
     if not result.top_ops:
         return []
     many = len(result.steps) > 1
     names = [f"{op.module or '<root>'} {op.op}#{op.index} ({op.phase})" for op in result.top_ops]
-    wheres = [f"{_where(result, op.where or [(op.step, op.rank)])} (worst {_where(result, [(op.step, op.rank)])})"
-              for op in result.top_ops]
+    one_rank = len({step["rank"] for step in result.steps}) <= 1
+    label = "steps (worst)" if one_rank else "where"
+    wheres = [_op_where(op, one_rank) for op in result.top_ops]
     name_width = max(len("op"), *(len(name) for name in names))
-    where_width = max(len("where"), *(len(where) for where in wheres))
+    where_width = max(len(label), *(len(where) for where in wheres))
     lines = [
         "top ops by the error they add (added: the part of an op's output error that its inputs do not explain,",
         "in units of the tolerance; 1 = the whole tolerance):",
     ]
     head = f"  {'#':>3}  {'added':>8}  {'out rel L2':>10}  {'in rel L2':>10}  {'ratio':>6}  {'judged':<10}  {'op':<{name_width}}"
-    lines.append(head + (f"  {'where':<{where_width}}" if many else "") + "  source")
+    lines.append(head + (f"  {label:<{where_width}}" if many else "") + "  source")
     for number, (op, name, where) in enumerate(zip(result.top_ops, names, wheres), 1):
         line = (f"  {number:>3}  {num(op.introduced):>8}  {err(op.output_rel_l2):>10}  {err(op.input_rel_l2):>10}  "
                 f"{num(op.ratio):>6}  {_judgement(op):<10}  {name:<{name_width}}")
