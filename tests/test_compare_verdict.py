@@ -268,3 +268,20 @@ def test_a_module_grad_output_recorded_before_its_producer_is_still_produced():
     norm_out = _row(outcome, "norm/LayerNorm#0/backward/grad_input.0")
     assert norm_out.origin == R.INHERITED and "made by fc/Linear#0/backward/grad_input.0" in norm_out.cause
     assert first.key == "fc/Linear#0/backward/grad_input.0" and first.origin == R.INTRODUCED
+
+
+def test_a_dtype_limit_argument_that_follows_the_dtype_is_a_note():
+    """torch.clamp(x, min=-torch.finfo(x.dtype).max) in a float64 run against a float32 one."""
+    x = np.linspace(-1, 1, 16)
+    a, b = SyntheticRun(), SyntheticRun()
+    a.call("", "torch.clamp", {"input.0": x, "kwarg.min": -np.finfo(np.float64).max, "output.0": x})
+    b.call("", "torch.clamp", {"input.0": x.astype(np.float32), "kwarg.min": float(-np.finfo(np.float32).max),
+                               "output.0": x.astype(np.float32)})
+    outcome, first = _compare(a, b)
+    assert first is None, first and first.reasons
+    assert any("dtype limit argument" in note for row in outcome.rows for note in row.notes)
+    # the same values in a call whose dtypes agree are a real change
+    c = SyntheticRun()
+    c.call("", "torch.clamp", {"input.0": x, "kwarg.min": float(-np.finfo(np.float32).max), "output.0": x})
+    _, first = _compare(a, c)
+    assert first is not None and "kwarg.min changed" in first.cause
