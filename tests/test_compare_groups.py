@@ -89,7 +89,7 @@ def test_where_text_is_compact():
 def test_top_ops_table_says_where_each_op_adds_error():
     one_rank = terminal.render(_multi(_gelu_tanh, FIVE_STEPS)).splitlines()
     row = next(line for line in one_rank if "act functional.gelu#0 (forward)" in line and "introduced" in line)
-    assert "0-4 (worst " in row and row.rstrip().endswith("model.py:11")
+    assert "0-4 (5 of 5, worst " in row and row.rstrip().endswith("model.py:11")
     two_ranks = terminal.render(_multi(_gelu_tanh, [(0, 0), (0, 1), (1, 0), (1, 1)])).splitlines()
     row = next(line for line in two_ranks if "act functional.gelu#0 (forward)" in line and "introduced" in line)
-    assert "steps 0-1, ranks 0-1 (worst step " in row
+    assert "steps 0-1, ranks 0-1 (4 of 4, worst step " in row

@@ -153,14 +153,15 @@ def _judgement(op: R.OpSummary) -> str:
     return op.origin or "beyond tol"
 
 
-def _op_where(op: R.OpSummary, one_rank: bool) -> str:
-    """Where an op adds error: "0-4 (worst 1)" over the steps of one rank, else the
-    steps and ranks with its worst step and rank."""
+def _op_where(op: R.OpSummary, one_rank: bool, files: int) -> str:
+    """Where an op adds error: "0-4 (5 of 5, worst 1)" over the steps of one rank, else
+    the steps and ranks, in how many of the step files, and its worst step and rank."""
     where = op.where or [(op.step, op.rank)]
+    share = f"{len(where)} of {files}"
     if one_rank:
         steps = where_text(where).split(", rank")[0].removeprefix("steps ").removeprefix("step ")
-        return f"{steps} (worst {op.step})"
-    return f"{where_text(where)} (worst step {op.step}, rank {op.rank})"
+        return f"{steps} ({share}, worst {op.step})"
+    return f"{where_text(where)} ({share}, worst step {op.step}, rank {op.rank})"
 
 
 def top_ops_lines(result: R.CompareResult) -> list[str]:
@@ -169,8 +170,8 @@ def top_ops_lines(result: R.CompareResult) -> list[str]:
     many = len(result.steps) > 1
     names = [f"{op.module or '<root>'} {op.op}#{op.index} ({op.phase})" for op in result.top_ops]
     one_rank = len({step["rank"] for step in result.steps}) <= 1
-    label = "steps (worst)" if one_rank else "where"
-    wheres = [_op_where(op, one_rank) for op in result.top_ops]
+    label = "steps" if one_rank else "where"
+    wheres = [_op_where(op, one_rank, len(result.steps)) for op in result.top_ops]
     name_width = max(len("op"), *(len(name) for name in names))
     where_width = max(len(label), *(len(where) for where in wheres))
     lines = [
