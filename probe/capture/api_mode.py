@@ -50,8 +50,9 @@ _op_name = naming.op_name
 _PLAIN = (int, float, bool, str, type(None))
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
 
-#: ops that return None but write into an argument: the argument after the call is the output
-_WRITES_ARG = {"Tensor.__setitem__": "self"}
+#: ops that return None but write into their first argument, which is then their output
+#: (besides every in-place "..._" op that returns None, such as torch._foreach_add_)
+_WRITES_ARG = frozenset({"Tensor.__setitem__"})
 #: torch.distributed ops: the parameter holding what the collective produced
 _DIST_OUTPUT = {
     "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "recv": "tensor",

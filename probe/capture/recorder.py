@@ -82,12 +82,6 @@ class Recorder:
         self._want_checksum = config.task == "checksum" or config.task == "tensor"
         self._want_tensor = config.task == "tensor"
 
-    # ------------------------------------------------------------------ context
-
-    def current_module(self) -> str:
-        stack = self.module_stack
-        return stack[-1] if stack else ""
-
     # ------------------------------------------------------------------ rows
     #
     # A "call" is the tuple every record of one event shares, built once per event:
