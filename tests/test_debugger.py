@@ -300,3 +300,23 @@ def test_interpreter_exit_writes_a_step_left_open(tmp_path):
     assert os.listdir(tmp_path / "step0") == ["rank0.h5"]
     keys = {row["key"] for row in load(tmp_path).records(step=0)}
     assert "/torch.tanh#0/forward/output.0" in keys
+
+
+class OtherMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_stop_under_a_foreign_mode_removes_only_probes_mode_and_says_so(tmp_path):
+    stack_before = list(torch.overrides._get_current_function_mode_stack())
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    debugger.start()
+    other = OtherMode()
+    other.__enter__()
+    with pytest.raises(CaptureError, match="OtherMode"):
+        debugger.stop()
+    stack = torch.overrides._get_current_function_mode_stack()
+    assert len(stack) == len(stack_before) + 1 and stack[-1] is other
+    other.__exit__(None, None, None)
+    assert list(torch.overrides._get_current_function_mode_stack()) == stack_before
+    assert not debugger.started
