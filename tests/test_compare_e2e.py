@@ -86,21 +86,64 @@ def test_two_identical_seeded_runs_compare_clean(tmp_path, capsys, task):
     assert data["evidence"] == task
 
 
-def test_thread_count_difference_compares_clean(tmp_path, capsys):
-    build = lambda: (DeepMLP(in_features=64, width=128, depth=4, out_features=10), {"in_features": 64, "out_features": 10})
-    a = _dump(tmp_path / "a", build=build, threads=1, batch=32)
-    b = _dump(tmp_path / "b", build=build, threads=2, batch=32)
+def _wide():
+    return DeepMLP(in_features=64, width=128, depth=4, out_features=10), {"in_features": 64, "out_features": 10}
+
+
+@pytest.mark.parametrize("task", ["tensor", "checksum"])
+def test_thread_count_difference_compares_clean(tmp_path, capsys, task):
+    a = _dump(tmp_path / "a", build=_wide, threads=1, batch=32, task=task)
+    b = _dump(tmp_path / "b", build=_wide, threads=2, batch=32, task=task)
     code, data = _cli_json(capsys, a, b)
     assert code == 0 and data["verdict"] == "pass"
+    if task == "checksum":  # the bytes really differ: rounding, said so, not a divergence
+        assert data["counts"]["changed"] > 0 and "changed (checksum differs" in data["headline"]
 
 
-def test_mkldnn_on_versus_off_compares_clean_although_values_differ(tmp_path, capsys):
+@pytest.mark.parametrize("task", ["tensor", "checksum"])
+def test_mkldnn_on_versus_off_compares_clean_although_values_differ(tmp_path, task):
     build = lambda: (SmallConvNet(), {})
-    a = _dump(tmp_path / "a", build=build, model_name="convnet", batch=8)
-    b = _dump(tmp_path / "b", build=build, model_name="convnet", batch=8, mkldnn=False)
+    a = _dump(tmp_path / "a", build=build, model_name="convnet", batch=8, task=task)
+    b = _dump(tmp_path / "b", build=build, model_name="convnet", batch=8, mkldnn=False, task=task)
     result = compare(a, b)
     assert result.verdict == "pass", result.first_divergence and result.first_divergence.key
-    assert any(r.metrics is not None and r.metrics.max_abs > 0 for r in result.rows)  # kernels really differ
+    if task == "tensor":
+        assert any(r.metrics is not None and r.metrics.max_abs > 0 for r in result.rows)  # kernels really differ
+    else:
+        changed = [r for r in result.rows if r.status == "changed"]
+        assert changed and all(r.size_unknown and "rounding can explain it" in r.notes[-1] for r in changed)
+
+
+def test_thread_count_difference_over_optimizer_steps_compares_clean_with_checksums(tmp_path):
+    """From step 1 on the parameters themselves differ by rounding (the step-0 updates did):
+    their checksums differ while their statistics agree, which is no divergence."""
+    a = _adamw_dump(tmp_path / "a", "checksum", threads=1, build=_wide)
+    b = _adamw_dump(tmp_path / "b", "checksum", threads=2, build=_wide)
+    result = compare(a, b)
+    assert result.verdict == "pass", result.first_divergence and result.first_divergence.reasons
+    params = [r for r in result.rows if r.step == 1 and r.slot.startswith("param.") and r.status == "changed"]
+    assert params, "the parameters of step 1 should differ in their bytes"
+
+
+def _transposed_weight(model):
+    with torch.no_grad():
+        fc = model.blocks[1].fc
+        fc.weight.copy_(fc.weight.t().clone())  # square: loads without complaint
+
+
+@pytest.mark.parametrize("level", ["mix", "api"])
+def test_a_transposed_square_weight_is_a_divergence_with_checksums(tmp_path, level):
+    """Same values in other places: min, max, mean and norm agree, only the checksum tells.
+    Nothing computed the weight in step 0, so rounding cannot explain it."""
+    a = _dump(tmp_path / "a", task="checksum", level=level)
+    b = _dump(tmp_path / "b", task="checksum", level=level, variant=_transposed_weight)
+    result = compare(a, b)
+    first = result.first_divergence
+    assert (first.module, first.op, first.origin) == ("blocks.1.fc", "functional.linear", "introduced")
+    weight = next(e for e in first.input_errors if e["slot"] == "input.1")
+    assert weight["status"] == "diverged" and weight["size_unknown"]
+    assert "checksum differs; statistics agree, size unknown" in first.cause
+    _nothing_diverged_before(result, first)
 
 
 def _noisy_weight(model):
@@ -235,23 +278,27 @@ def test_statistics_dumps_still_locate_a_changed_weight(tmp_path):
     assert any("statistics only" in note for note in result.notes)
 
 
-def _adamw_dump(path, task, tanh=False, steps=2, level="mix"):
+def _adamw_dump(path, task, tanh=False, steps=2, level="mix", threads=None, build=_deep):
     """A few AdamW steps of a small residual MLP (optimizer state carried between steps)."""
     debugger = PrecisionDebugger(from_dict({"task": task, "level": level, "dump_path": str(path), "seed": 1}))
     torch.manual_seed(0)
-    model, sizes = _deep()
+    model, sizes = build()
     if tanh:
         model.blocks[1].act = torch.nn.GELU(approximate="tanh")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(0)
+    saved_threads = torch.get_num_threads()
     try:
+        if threads is not None:
+            torch.set_num_threads(threads)
         for _ in range(steps):
-            x, y = make_batch("deepmlp", 8, generator=data, **sizes)
+            x, y = make_batch("deepmlp", 32 if build is _wide else 8, generator=data, **sizes)
             debugger.start(model)
             train_step(model, optimizer, x, y)
             debugger.stop()
             debugger.step()
     finally:
+        torch.set_num_threads(saved_threads)
         debugger.close()
     return str(path)
 

@@ -149,3 +149,9 @@ def test_values_compare_exactly():
     assert not value_metrics("1e-05", "0.001").bit_equal
     assert not value_metrics("true", "1").bit_equal
     assert value_metrics('[2, 3]', '[2, 3]').bit_equal and not value_metrics('[2, 3]', '[3, 2]').bit_equal
+
+
+def test_checksums_of_different_dtypes_say_nothing_about_bit_equality():
+    stats = {**_stats(np.arange(4.0)), "checksum": "abc", "dtype": "float32"}
+    m = statistics_metrics(stats, {**stats, "checksum": "abd", "dtype": "float64"}, "checksum")
+    assert m.bit_equal is None and m.err_l2 == 0.0

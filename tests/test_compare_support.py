@@ -121,6 +121,23 @@ def mlp_run(weight_noise: float = 0.0, extra_call: bool = False, gelu_tanh: bool
     return run
 
 
+def linear_checksum_run(weight, x=None, noise=0.0):
+    """One linear at mix level with checksums; noise perturbs the output by float32 rounding."""
+    run = SyntheticRun("checksum")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8)).astype(np.float32) if x is None else x
+    out = (x @ weight).astype(np.float32)
+    if noise:
+        out = (out * (1 + noise * rng.standard_normal(out.shape))).astype(np.float32)
+    run.call("fc", "Linear", {"input.0": x, "param.weight": weight}, kind="module")
+    run.call("fc", "functional.linear", {"input.0": x, "input.1": weight, "output.0": out})
+    return run
+
+
+def square_weight():
+    return (np.random.default_rng(1).standard_normal((8, 8)) / 4).astype(np.float32)
+
+
 def _gelu(x: np.ndarray, tanh: bool) -> np.ndarray:
     x = x.astype(np.float64)
     if tanh:

@@ -8,7 +8,7 @@ from probe.comparison import groups, verdict
 from probe.comparison.engine import compare_step
 from probe.comparison.tolerances import Tolerances
 from probe.comparison.api import compare
-from test_compare_support import SyntheticRun, mlp_run, write_step
+from test_compare_support import SyntheticRun, linear_checksum_run, mlp_run, square_weight, write_step
 
 
 def _compare(run_a, run_b, **tolerances):
@@ -26,7 +26,7 @@ def _row(outcome, key):
 def test_identical_runs_have_no_divergence():
     outcome, first = _compare(mlp_run(), mlp_run())
     assert first is None and not outcome.diverged
-    assert outcome.counts() == {"matched": len(mlp_run().rows), "only_a": 0, "only_b": 0, "diverged": 0}
+    assert outcome.counts() == {"matched": len(mlp_run().rows), "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0}
     assert all(row.score == 0.0 for row in outcome.rows if row.metrics and row.metrics.evidence == "tensor")
 
 
@@ -285,3 +285,47 @@ def test_a_dtype_limit_argument_that_follows_the_dtype_is_a_note():
     c.call("", "torch.clamp", {"input.0": x, "kwarg.min": float(-np.finfo(np.float32).max), "output.0": x})
     _, first = _compare(a, c)
     assert first is not None and "kwarg.min changed" in first.cause
+
+
+@pytest.mark.parametrize("step, status", [(0, R.DIVERGED), (1, R.CHANGED)])
+def test_a_transposed_weight_is_a_divergence_in_step_0_and_a_note_once_updated(step, status):
+    """Checksums differ, min/max/NaN/Inf equal: rounding cannot permute a weight nothing has
+    computed yet (step 0); from step 1 on an optimizer update could have rounded it."""
+    weight = square_weight()
+    a, b = linear_checksum_run(weight), linear_checksum_run(np.ascontiguousarray(weight.T))
+    outcome = compare_step(a.records(), b.records(), None, None, Tolerances(), step=step)
+    param = _row(outcome, "fc/Linear#0/forward/param.weight")
+    assert param.status == status and param.size_unknown
+    assert R.SIZE_UNKNOWN in (param.reasons + param.notes)[0]
+    if status == R.DIVERGED:
+        assert param.divergence == R.PARAM
+        assert param.to_dict()["size_unknown"] is True
+
+
+def test_rounding_of_a_computed_output_is_changed_not_diverged():
+    weight = square_weight()
+    outcome = compare_step(linear_checksum_run(weight).records(), linear_checksum_run(weight, noise=1e-7).records(),
+                           None, None, Tolerances())
+    out = _row(outcome, "fc/functional.linear#0/forward/output.0")
+    assert not outcome.diverged and out.status == R.CHANGED and "rounding can explain it" in out.notes[0]
+    assert outcome.counts()["changed"] == 1
+
+
+def test_a_parameter_whose_extremes_moved_is_changed_not_diverged():
+    """Every element one rounding off (an initialization computed differently) moves the
+    min or max; a reordering never does."""
+    weight = square_weight()
+    nudged = np.nextafter(weight, np.float32(np.inf)).astype(np.float32)
+    outcome = compare_step(linear_checksum_run(weight).records(), linear_checksum_run(nudged).records(),
+                           None, None, Tolerances())
+    param = _row(outcome, "fc/Linear#0/forward/param.weight")
+    assert param.status == R.CHANGED and "min or max moved" in param.notes[0]
+
+
+def test_a_shuffled_batch_is_a_divergence_when_nothing_differed_before():
+    weight = square_weight()
+    x = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
+    outcome = compare_step(linear_checksum_run(weight, x).records(), linear_checksum_run(weight, x[::-1].copy()).records(),
+                           None, None, Tolerances())
+    data = _row(outcome, "fc/Linear#0/forward/input.0")
+    assert data.status == R.DIVERGED and data.divergence == R.INPUT and data.size_unknown

@@ -19,7 +19,7 @@ from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 from probe.report import csv_report, html_report, json_report, output, terminal
 from probe.report.progress import Progress
-from test_compare_support import SyntheticRun, mlp_run
+from test_compare_support import SyntheticRun, linear_checksum_run, mlp_run, square_weight
 
 
 def _result(run_a, run_b, strict=False):
@@ -61,6 +61,25 @@ def test_json_is_strict_and_carries_the_contract(diverged):
     assert data["verdict"] == "diverged" and data["first_divergence"]["origin"] == "introduced"
     assert data["counts"]["only_b"] == 2 and data["divergences_total"] == len(data["divergences"]) > 0
     assert "rows" not in data and "rows" in json_report.to_dict(diverged, rows=True)
+
+
+@pytest.fixture()
+def transposed():
+    """Checksum evidence, a transposed square weight: statistics agree, the bytes do not."""
+    weight = square_weight()
+    return _result(linear_checksum_run(weight), linear_checksum_run(np.ascontiguousarray(weight.T)))
+
+
+def test_every_report_names_a_checksum_change_of_unknown_size(transposed):
+    text = terminal.render(transposed)
+    assert "param     fc/Linear#0/forward/param.weight: changed (checksum differs; statistics agree, size unknown)" in text
+    assert re.search(r"input\.1\s+diverged\s+unknown\s+unknown\s+a parameter .*\(checksum differs\)", text), text
+    data = json.loads(json_report.render(transposed))
+    assert data["changes"][0]["size_unknown"] is True
+    weight = next(e for e in data["first_divergence"]["input_errors"] if e["slot"] == "input.1")
+    assert weight["size_unknown"] is True and weight["status"] == "diverged"
+    page = html_report.render(transposed)
+    assert "changed (checksum differs; statistics agree, size unknown)" in page
 
 
 def test_csv_has_one_row_per_aligned_record_in_execution_order(diverged):
@@ -105,7 +124,7 @@ def test_html_is_self_contained_with_chart_marker_and_sortable_table(diverged):
     assert parser.body_rows == len(diverged.rows)
     assert "<script>" in page and "addEventListener('click'" in page
     charted = [r for r in diverged.rows if r.io == "out" or r.divergence in ("param", "argument")]
-    assert page.count("<circle") == sum(1 for r in charted if r.status in ("match", "diverged"))
+    assert page.count("<circle") == sum(1 for r in charted if r.status in ("match", "changed", "diverged"))
     assert page.count('class="pt unmatched"') == sum(1 for r in charted if r.status.startswith("only_"))
 
 

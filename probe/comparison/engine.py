@@ -54,12 +54,14 @@ class StepOutcome:
 
 
 def count_rows(rows) -> dict:
-    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0}
+    """matched: paired records; diverged: those beyond tolerance; changed: those within
+    tolerance whose checksums differ (size unknown); only_a/only_b: without partner."""
+    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0}
     for row in rows:
-        if row.status in (R.MATCH, R.DIVERGED):
+        if row.status in R.PAIRED:
             counts["matched"] += 1
-            if row.status == R.DIVERGED:
-                counts["diverged"] += 1
+            if row.status != R.MATCH:
+                counts[row.status] += 1
         else:
             counts[row.status] += 1
     return counts
@@ -222,7 +224,7 @@ def compare_step(
     origins: dict[int, tuple] = {}  # A's input row -> (kind, producing row)
     measure.start_prefetch(paired)
     try:
-        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress)
+        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step)
     finally:
         measure.close()
 
@@ -247,12 +249,14 @@ def compare_step(
     return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
 
 
-def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress) -> None:
+def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step=0) -> None:
     """Judge every paired record in A's execution order, carrying the precision floors."""
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
+    differed = False  # an earlier record of this step file already differs between the runs
     for done, (row, row_a, row_b, number) in enumerate(paired, 1):
-        kind, producer = provenance.kind(row_a, (int(seqs[row_a]), row_a))
+        order = (int(seqs[row_a]), row_a)
+        kind, producer = provenance.kind(row_a, order)
         if row.io == "in":
             origins[row_a] = (kind, producer)
         upstream = mixed
@@ -261,6 +265,8 @@ def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origin
         if row.io == "out" and number in call_floor:
             upstream = lower_precision(upstream, call_floor[number])
         measure.judge(row, row_a, row_b, upstream)
+        verdict.judge_checksum_change(row, _untouched(row, kind, order, step, provenance, differed))
+        differed = differed or _differs(row)
         judged[row_a] = row
         if row.tol_dtype and row.tol_dtype != "exact":
             effective[row_a] = row.tol_dtype
@@ -271,6 +277,29 @@ def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origin
                 mixed = lower_precision(mixed, tolerance_dtype(row.dtype_a, row.dtype_b))
         if progress is not None and (done % 64 == 0 or done == len(paired)):
             progress(done, len(paired), measure.bytes_read)
+
+
+def _untouched(row: R.RecordRow, kind: str, order: tuple, step: int, provenance: _Provenance,
+               differed: bool) -> bool:
+    """Nothing in either run has computed this tensor yet, so rounding cannot have changed it:
+    read by the forward of step 0 (no optimizer update yet), and a parameter, or an input
+    no recorded op made (data, a weight of an api-level dump) read before any record of the
+    step file differed (an unrecorded op could have carried a rounding difference into it)."""
+    if step != 0 or row.io != "in" or order[0] >= provenance.backward_from:
+        return False
+    if is_param_slot(row.slot) or kind == "param":
+        return True
+    return kind == "external" and not differed
+
+
+def _differs(row: R.RecordRow) -> bool:
+    """The record shows any difference between the runs (beyond tolerance or not)."""
+    if row.status not in R.PAIRED:
+        return False
+    m = row.metrics
+    if row.status != R.MATCH or m is None:
+        return True
+    return m.bit_equal is False or (m.bit_equal is None and m.err_l2 > 0)
 
 
 def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int, rank: int):

@@ -70,6 +70,7 @@ class Change:
     score: float | None = None
     worst: tuple[int, int] = (0, 0)  # (step, rank) of the worst occurrence
     where: list[tuple[int, int]] = field(default_factory=list)
+    size_unknown: bool = False  # parameters: the checksum differs while the statistics agree
 
     def to_dict(self) -> dict:
         return R.json_safe({
@@ -78,6 +79,7 @@ class Change:
             "value_a": self.value_a, "value_b": self.value_b, "rel_l2": self.rel_l2, "score": self.score,
             "worst": {"step": self.worst[0], "rank": self.worst[1]}, "occurrences": len(self.where),
             "where": _where_dicts(self.where), "where_text": where_text(self.where),
+            "size_unknown": self.size_unknown,
         })
 
 
@@ -106,13 +108,22 @@ def group_changes(rows) -> list[Change]:
                 phase=row.phase, slot=row.slot, source=row.source, reason="; ".join(row.reasons),
                 value_a=m.value_a if m else None, value_b=m.value_b if m else None,
                 rel_l2=m.rel_l2 if m and m.evidence != "value" else None, score=row.score, worst=where,
+                size_unknown=row.size_unknown,
             )
-        elif change.rel_l2 is not None and m is not None and _bigger(m.rel_l2, change.rel_l2):
+        elif change.rel_l2 is not None and m is not None and _worse(row, change):
             change.rel_l2, change.score, change.worst = m.rel_l2, row.score, where
-            change.reason = "; ".join(row.reasons)
+            change.reason, change.size_unknown = "; ".join(row.reasons), row.size_unknown
         if where not in change.where:
             change.where.append(where)
     return list(found.values())
+
+
+def _worse(row: R.RecordRow, change: Change) -> bool:
+    """The row is a worse occurrence than the change's worst so far: a sized difference beats
+    one of unknown size (its rel L2 is only a lower bound), then the larger rel L2 wins."""
+    if row.size_unknown != change.size_unknown:
+        return change.size_unknown
+    return _bigger(row.metrics.rel_l2, change.rel_l2)
 
 
 def _bigger(x: float, y: float) -> bool:

@@ -13,6 +13,13 @@ from probe.comparison.metrics import Metrics
 
 # row status
 MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
+#: paired, within tolerance by the statistics, but the checksums differ: the bytes changed by an
+#: amount no recorded number can size (verdict.judge_checksum_change decides CHANGED or DIVERGED)
+CHANGED = "changed"
+WITHIN = (MATCH, CHANGED)  # paired and within tolerance
+PAIRED = (MATCH, CHANGED, DIVERGED)
+#: how reports name a record whose checksums differ while its statistics agree
+SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
 # origin of a divergent record
 INTRODUCED, INHERITED = "introduced", "inherited"
 # what kind of divergence a row is
@@ -60,6 +67,16 @@ class RecordRow:
     def key(self) -> str:
         return self.key_a or self.key_b
 
+    @property
+    def size_unknown(self) -> bool:
+        """The checksums differ while the statistics agree within tolerance: the bytes changed,
+        but no recorded number says by how much (the rel L2 is only a lower bound)."""
+        m = self.metrics
+        return (
+            m is not None and m.evidence == "checksum" and m.bit_equal is False and not m.nan_mismatch
+            and not m.inf_mismatch and self.score is not None and self.score <= 1
+        )
+
     def to_dict(self) -> dict:
         data = {
             "step": self.step,
@@ -89,6 +106,7 @@ class RecordRow:
             "cause": self.cause or None,
             "reasons": list(self.reasons),
             "notes": list(self.notes),
+            "size_unknown": self.size_unknown,
         }
         if self.metrics is not None:
             data["evidence"] = self.metrics.evidence
@@ -201,6 +219,7 @@ def divergence_dict(row: RecordRow | None) -> dict | None:
         "dtype_b": row.dtype_b,
         "shape": row.shape_a or row.shape_b,
         "score": row.score,
+        "size_unknown": row.size_unknown,
         "reasons": list(row.reasons),
         "input_errors": list(row.input_errors),
     }

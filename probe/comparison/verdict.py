@@ -10,6 +10,9 @@ Rules (docs/compare.md explains them for users):
   row is a divergence of kind "argument" and every output of that call counts as diverged
   and introduced there. Dtype-valued arguments (``x.to(torch.bfloat16)``) are notes.
 * A parameter record (slot ``param.*``) beyond tolerance is a divergence of kind "param".
+* Checksum evidence: a pair whose checksums differ while its statistics agree within
+  tolerance is CHANGED (within tolerance, not bit-equal, size unknown), or a divergence
+  when rounding cannot explain it (judge_checksum_change).
 * The inputs of a call are classified through the step's records: *produced* when an
   earlier record outputs the same tensor (same tensor_id, or same checksum/statistics; a
   backward grad_output may be recorded before the grad_input that made it), *param* when it
@@ -36,7 +39,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.metrics import Metrics, parse_value
+from probe.comparison.metrics import Metrics, parse_value, same_extremes
 from probe.comparison.records import is_param_slot
 from probe.comparison.tolerances import MANTISSA_BITS, Tolerance
 
@@ -123,6 +126,35 @@ def judge_tensor(row: R.RecordRow, metrics: Metrics, tol: Tolerance) -> None:
     row.status = R.DIVERGED if reasons else R.MATCH
 
 
+def judge_checksum_change(row: R.RecordRow, untouched: bool) -> None:
+    """A pair whose checksums differ while its statistics agree within tolerance.
+
+    Statistics cannot size the change, and rounding cannot explain every such change:
+    rounding comes from computing, and it moves nearly every value, extremes included. So
+    the record is a divergence ("changed, size unknown") when nothing has computed it yet
+    (untouched: a parameter, or an input no recorded op made, read by the forward of step 0
+    before any record differed, as the engine decides) and its min, max and NaN/Inf counts
+    are bit-identical (the same values in another order, or a few inner values edited: a
+    transposed square weight, a shuffled batch). Anywhere else it is status CHANGED: within
+    tolerance, but not bit-equal, and said so.
+    """
+    m = row.metrics
+    if row.status != R.MATCH or m is None or m.evidence != "checksum" or m.bit_equal is not False:
+        return
+    if untouched and same_extremes(m):
+        row.status = R.DIVERGED
+        row.reasons.append(
+            f"{R.SIZE_UNKNOWN}: min, max and NaN/Inf counts are identical, so the same values are in other "
+            "places or a few were edited; nothing computed this tensor yet, so rounding cannot explain it")
+        return
+    row.status = R.CHANGED
+    if untouched:
+        why = "its min or max moved too, as rounding every element would (a reordering keeps them)"
+    else:
+        why = "rounding can explain it (a computed value, or one an earlier step updated)"
+    row.notes.append(f"{R.SIZE_UNKNOWN}: {why}")
+
+
 def judge_shape(row: R.RecordRow) -> None:
     row.status = R.DIVERGED
     row.reasons.append(f"shape {row.shape_a} in A, {row.shape_b} in B")
@@ -174,7 +206,7 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
     kinds, producers = {}, {}
     dtypes_differ = any(r.dtype_a and r.dtype_b and r.dtype_a != r.dtype_b for r in rows)
     for row in rows:
-        if row.io != "in" or row.status not in (R.MATCH, R.DIVERGED):
+        if row.io != "in" or row.status not in R.PAIRED:
             continue
         if row.metrics is not None and row.metrics.evidence == "value":
             m = row.metrics
@@ -192,7 +224,7 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
                 dtype_args.append(row)  # a dtype choice: named as a cause, never an error alone
             continue
         kind, producer = (PARAM_INPUT, None) if is_param_slot(row.slot) else input_kind(row)
-        if (kind == PRODUCED and row.status == R.DIVERGED and producer is not None and producer.status == R.MATCH
+        if (kind == PRODUCED and row.status == R.DIVERGED and producer is not None and producer.status in R.WITHIN
                 and producer.order < row.order):
             # the op that made this tensor agreed, yet it differs here: something that was
             # not recorded changed it in between (a custom autograd Function, a hook, ...)
@@ -208,10 +240,10 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
     source_rel = max((_rel(r) for r in sources), default=0.0)
     summary = [_input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     for row in rows:
-        if row.io != "out" or row.status not in (R.MATCH, R.DIVERGED):
+        if row.io != "out" or row.status not in R.PAIRED:
             continue
         row.input_errors = summary
-        if changed_args and row.status == R.MATCH:
+        if changed_args and row.status in R.WITHIN:
             row.status = R.DIVERGED
             row.reasons.append("computed with a changed argument")
         if row.status != R.DIVERGED:
@@ -234,11 +266,18 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
 
 def _rel(row: R.RecordRow) -> float:
     """The rel L2 error of a row; inf when it diverged without one (NaN/Inf on one side,
-    shapes differ, a tensor against a plain value)."""
+    shapes differ, a tensor against a plain value, changed bytes of unknown size)."""
     m = row.metrics
-    if m is None or m.nan_mismatch or m.inf_mismatch:
+    if m is None or m.nan_mismatch or m.inf_mismatch or (row.status == R.DIVERGED and row.size_unknown):
         return math.inf if row.status == R.DIVERGED else 0.0
     return m.rel_l2
+
+
+def _size(row: R.RecordRow) -> str:
+    """How much a source differs, in words: "rel L2 1.15e-04" or the unknown-size change."""
+    if row.size_unknown:
+        return "checksum differs; statistics agree, size unknown"
+    return f"rel L2 {sci(_rel(row))}"
 
 
 def _input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
@@ -250,6 +289,7 @@ def _input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) ->
         "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
         "max_abs": row.metrics.max_abs if row.metrics is not None else None,
         "score": row.score,
+        "size_unknown": row.size_unknown,
     })
 
 
@@ -269,13 +309,15 @@ def _cause(changed_args, sources, kinds, producers, amplified, carriers, out_rel
     params = [r for r in sources if kinds[id(r)] == PARAM_INPUT]
     if params:
         names = ", ".join(param_name(r, producers.get(id(r))) for r in params)
-        parts.append(f"parameter {names} differs (rel L2 {sci(max(_rel(r) for r in params))})")
+        worst = max(params, key=_rel)
+        parts.append(f"parameter {names} {R.SIZE_UNKNOWN}" if worst.size_unknown
+                     else f"parameter {names} differs ({_size(worst)})")
     for row in sources:
         kind = kinds[id(row)]
         if kind in _ENTERS:
             producer = producers.get(id(row))
             text = _ENTERS[kind].format(producer=producer.key if producer is not None else "the op")
-            parts.append(f"input {row.slot} (rel L2 {sci(_rel(row))}) {text}")
+            parts.append(f"input {row.slot} ({_size(row)}) {text}")
     if amplified and not carriers:
         parts.append("it has no recorded tensor input: the op itself computes differently")
     elif amplified:

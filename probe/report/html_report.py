@@ -30,7 +30,7 @@ table{border-collapse:collapse;font-size:12px;width:100%}
 th,td{border-bottom:1px solid #e3e3e3;padding:3px 6px;text-align:left;vertical-align:top}
 th{background:#f6f8fa;cursor:pointer;position:sticky;top:0;user-select:none}
 th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
-tr.status-diverged td{background:#fdecea} tr.status-only_a td,tr.status-only_b td{background:#f3f3f3;color:#555}
+tr.status-diverged td{background:#fdecea} tr.status-changed td{background:#fff8e1} tr.status-only_a td,tr.status-only_b td{background:#f3f3f3;color:#555}
 tr.first td{outline:2px solid #c62828}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} #records td:nth-last-child(2){min-width:280px}
 .controls{margin:8px 0;font-size:13px} .controls input{width:240px}
@@ -219,6 +219,7 @@ def table_html(result: R.CompareResult) -> str:
         '<div class="controls">filter <input id="filter-text" type="search" placeholder="module, op, slot...">'
         ' <select id="filter-status"><option value="">all records</option>'
         f'<option value="diverged"{selected}>diverged</option>'
+        '<option value="changed">changed (checksum differs)</option>'
         '<option value="unmatched">no partner</option><option value="match">match</option></select>'
         ' <span class="muted"><span id="shown"></span> shown; click a column to sort</span></div>'
         f'<table id="records"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>{note}'
@@ -253,6 +254,8 @@ def _changes_html(result: R.CompareResult) -> str:
     for change in result.changes:
         if change.kind == R.ARGUMENT:
             what = f"{change.value_a} in A, {change.value_b} in B"
+        elif change.size_unknown:
+            what = f"{R.SIZE_UNKNOWN} at {where_text([change.worst])}"
         else:
             what = f"worst rel L2 {err(change.rel_l2)} (score {num(change.score)}) at {where_text([change.worst])}"
         rows.append(f"<tr><td>{_e(change.kind)}</td><td>{_e(change.key)}</td><td>{_e(what)}</td>"
@@ -281,8 +284,9 @@ def _summary_html(result: R.CompareResult) -> str:
                       + ([f"pass in {where_text(passed)}"] if passed else []))
     items += [
         ("A (reference)", result.path_a), ("B", result.path_b), ("evidence", result.evidence),
-        ("counts", f"{c['matched']} records paired: {c['matched'] - c['diverged']} within tolerance, "
-                   f"{c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B"),
+        ("counts", f"{c['matched']} records paired: {c['matched'] - c['diverged']} within tolerance"
+                   + (f" ({c['changed']} of them not bit-equal: checksums differ, size unknown)" if c.get("changed") else "")
+                   + f", {c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B"),
         ("step files", files),
     ]
     items += [("missing", item) for item in result.missing] + [("note", note) for note in result.notes]

@@ -29,7 +29,9 @@ def verdict_line(result: R.CompareResult) -> str:
         files = len(result.steps)
         where = f"{files} step file{'s' if files != 1 else ''}"
         unmatched = counts["only_a"] + counts["only_b"]
-        extra = f"; {unmatched} without partner (not compared)" if unmatched else ""
+        changed = counts.get("changed", 0)
+        extra = f"; {changed} of them {R.SIZE_UNKNOWN}" if changed else ""
+        extra += f"; {unmatched} without partner (not compared)" if unmatched else ""
         return f"PASS: {counts['matched']} records match within tolerance in {where} (evidence: {result.evidence}){extra}"
     first = result.first_divergence
     if first is None:
@@ -46,7 +48,8 @@ def metrics_line(row: R.RecordRow) -> str:
     if m.evidence == "value":
         return f"value {m.value_a} in A, {m.value_b} in B"
     bound = ">= " if m.evidence == "statistics" or (m.evidence == "checksum" and not m.bit_equal) else ""
-    parts = [f"rel L2 {bound}{err(m.rel_l2)}", f"max abs {bound}{err(m.max_abs)}"]
+    parts = [R.SIZE_UNKNOWN + ":"] if row.size_unknown else []
+    parts += [f"rel L2 {bound}{err(m.rel_l2)}", f"max abs {bound}{err(m.max_abs)}"]
     if m.max_rel is not None:
         parts.append(f"max rel {err(m.max_rel)}")
     if m.cosine is not None:
@@ -115,9 +118,11 @@ def _describe(row: R.RecordRow, indent: str = "  ") -> list[str]:
         lines.append(f"{indent}inputs of this call:")
         lines.append(f"{indent}  {'slot':<{width}}  {'status':<8}  {'rel L2':>9}  {'max abs':>9}  where it came from")
         for item in row.input_errors:
+            unknown = item.get("size_unknown")
+            rel, big = ("unknown", "unknown") if unknown else (err(item["rel_l2"]), err(item["max_abs"]))
             lines.append(
-                f"{indent}  {item['slot']:<{width}}  {item['status']:<8}  {err(item['rel_l2']):>9}  "
-                f"{err(item['max_abs']):>9}  {_came_from(item)}"
+                f"{indent}  {item['slot']:<{width}}  {item['status']:<8}  {rel:>9}  {big:>9}  {_came_from(item)}"
+                + (" (checksum differs)" if unknown else "")
             )
     return lines
 
@@ -136,6 +141,8 @@ def changes_lines(result: R.CompareResult, limit: int = 5) -> list[str]:
     for change in result.changes[:limit]:
         if change.kind == R.ARGUMENT:
             what = f"{change.value_a} in A, {change.value_b} in B"
+        elif change.size_unknown:
+            what = R.SIZE_UNKNOWN
         else:
             what = f"rel L2 {err(change.rel_l2)}, score {num(change.score)}"
             if len(change.where) > 1:
@@ -193,9 +200,11 @@ def counts_lines(result: R.CompareResult) -> list[str]:
     c = result.counts
     files = len(result.steps)
     within = c["matched"] - c["diverged"]
+    changed = c.get("changed", 0)
+    bytes_differ = f" ({changed} of them not bit-equal: checksums differ, size unknown)" if changed else ""
     lines = [
         f"counts: {c['matched']} records paired in {files} step file{'s' if files != 1 else ''}: {within} within "
-        f"tolerance, {c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B "
+        f"tolerance{bytes_differ}, {c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B "
         f"(evidence: {result.evidence})"
     ]
     if files > 1:
