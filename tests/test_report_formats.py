@@ -236,3 +236,27 @@ def test_an_inherited_first_divergence_without_an_introducing_op_says_the_error_
     result = _result(a, b)
     assert result.first_divergence.origin == R.INHERITED and result.likely_cause is result.first_divergence
     assert "no single op introduced an error beyond tolerance" in terminal.render(result)
+
+
+def test_the_result_writes_every_report_from_python_atomically(diverged, tmp_path):
+    """result.write_html/write_csv/write_json write what --html/--csv/--json give, through a
+    temporary file and a rename, and return the absolute path."""
+    written = {
+        "html": diverged.write_html(tmp_path / "report.html"),
+        "csv": diverged.write_csv(tmp_path / "rows.csv"),
+        "json": diverged.write_json(tmp_path / "result.json", rows=True),
+    }
+    assert written["html"] == str(tmp_path / "report.html") and os.path.isabs(written["csv"])
+    with open(written["html"], encoding="utf-8") as handle:
+        assert handle.read() == html_report.render(diverged)
+    with open(written["csv"], encoding="utf-8", newline="") as handle:
+        assert handle.read() == csv_report.render(diverged)
+    with open(written["json"], encoding="utf-8") as handle:
+        assert json.load(handle) == json.loads(diverged.to_json(rows=True)) == json_report.to_dict(diverged, rows=True)
+    assert diverged.to_text() == terminal.render(diverged)
+    assert sorted(os.listdir(tmp_path)) == ["report.html", "result.json", "rows.csv"]  # no temporary left
+
+
+def test_writing_a_report_into_a_missing_folder_names_the_path(diverged, tmp_path):
+    with pytest.raises(CompareError, match=r"write_html .*missing.*does not exist"):
+        diverged.write_html(tmp_path / "missing" / "report.html")

@@ -1,7 +1,9 @@
 """What a compare returns: one row per aligned record, the verdict, and the summaries.
 
-``CompareResult.to_dict()`` is exactly what ``probe compare --json`` prints. Non-finite
-floats become the strings "inf", "-inf" and "nan" so the output stays strict JSON.
+``CompareResult.to_json()`` is exactly what ``probe compare --json`` prints (``to_dict()``
+is the same without the headline and the divergences list); ``write_html/write_csv/
+write_json`` write the report files as ``--html/--csv`` do. Non-finite floats become the
+strings "inf", "-inf" and "nan" so the output stays strict JSON.
 """
 
 from __future__ import annotations
@@ -175,7 +177,42 @@ class CompareResult:
     def divergences(self) -> list[RecordRow]:
         return [row for row in self.rows if row.status == DIVERGED]
 
+    # The reports, as ``probe compare`` writes them. Files are written through a temporary
+    # file and a rename (probe.report.output): whole or not at all; an unwritable path raises
+    # CompareError naming it. The renderers load only when asked (they import this module).
+
+    def to_text(self) -> str:
+        """The terminal report ``probe compare A B`` prints."""
+        from probe.report import terminal
+
+        return terminal.render(self)
+
+    def to_json(self, rows: bool = False) -> str:
+        """The JSON text ``probe compare --json`` prints (``rows=True``: ``--rows``)."""
+        from probe.report import json_report
+
+        return json_report.render(self, rows=rows)
+
+    def write_json(self, path, rows: bool = False) -> str:
+        """Write to_json() to path; returns the absolute path."""
+        from probe.report import output
+
+        return output.write_report(path, self.to_json(rows=rows), "write_json")
+
+    def write_csv(self, path) -> str:
+        """Write one CSV row per aligned record (``--csv``); returns the absolute path."""
+        from probe.report import csv_report, output
+
+        return output.write_report(path, csv_report.render(self), "write_csv")
+
+    def write_html(self, path) -> str:
+        """Write the self-contained HTML page (``--html``); returns the absolute path."""
+        from probe.report import html_report, output
+
+        return output.write_report(path, html_report.render(self), "write_html")
+
     def to_dict(self, rows: bool = False) -> dict:
+        """The result's own fields (to_json() adds headline and divergences)."""
         data = {
             "verdict": self.verdict,
             "a": self.path_a,

@@ -3,6 +3,7 @@
 check_destination() runs before the compare, so an unwritable --csv/--html path fails in
 a second instead of after a long compare; write_atomic() writes a temporary file next to
 the destination and renames it over the destination only once it is complete.
+write_report() does both, for CompareResult.write_html/write_csv/write_json.
 """
 
 from __future__ import annotations
@@ -66,3 +67,10 @@ def write_atomic(path: str, text: str, option: str = "report") -> None:
         except OSError:
             pass
         raise
+
+
+def write_report(path, text: str, option: str) -> str:
+    """Check the destination, write text to it atomically, return its absolute path."""
+    full = check_destination(os.fspath(path), option)
+    write_atomic(full, text, option)
+    return full
