@@ -25,7 +25,8 @@ A record is one tensor (or one non-tensor argument) seen at one slot of one call
                (a parameter and its gradient)
     module     dotted path of the innermost module running the call ("" = the root model,
                or no model); for kind "module", the module's own path
-    op         API name ("functional.linear", "torch.matmul", "Tensor.add_", "Tensor.__mul__",
+    op         API name ("functional.linear", "torch.matmul", "Tensor.add_", "Tensor.mul"
+               (x * y arrives as the method torch dispatches to, Tensor.mul),
                "distributed.all_reduce") or, for kind "module"/"param", the module class name
     index      call counter local to (module, op) within the step, starting at 0
     phase      "forward" or "backward"
