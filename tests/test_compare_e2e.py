@@ -223,9 +223,21 @@ def test_bf16_autocast_against_fp32_aligns_and_names_the_ops_that_add_error(tmp_
     assert result.counts["matched"] > 100
     assert result.top_ops and all(op.introduced > 0 for op in result.top_ops)
     model_ops = {"functional.linear", "functional.layer_norm", "functional.gelu", "Tensor.add", "Tensor.reshape",
-                 "functional.cross_entropy"}
+                 "functional.cross_entropy", "Linear"}
     assert result.top_ops[0].op in model_ops
     assert any("bfloat16" in note for r in result.rows for note in r.notes)
+    # a linear's backward records no grad_input at API level (autograd runs it as a transpose
+    # and a matmul): its Linear module measures the bf16 error it adds, and is ranked
+    assert ("head", "Linear", "backward") in {(op.module, op.op, op.phase) for op in result.top_ops}
+    # containers only repeat their children; ops API calls measure are not ranked twice
+    assert not {op.module for op in result.top_ops if op.kind != "api"} & {"", "blocks.0", "blocks.1", "blocks.2"}
+    assert not any("no record measures the backward of functional.linear" in note for note in result.notes)
+
+
+def test_api_level_dumps_say_which_backward_ops_no_record_measures(tmp_path):
+    result = compare(_dump(tmp_path / "a", level="api"), _dump(tmp_path / "b", level="api", autocast=True))
+    note = next(note for note in result.notes if note.startswith("no record measures the backward of"))
+    assert "functional.linear" in note and 'level "mix" measures them' in note
 
 
 def _scaled_backward(model):

@@ -206,9 +206,12 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     unmatched = counts["only_a"] + counts["only_b"]
     if unmatched and not strict:
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']}); they are not compared")
+    summaries = [s for outcome in outcomes for s in outcome.summaries]
+    unranked = _unranked_backward(rows, summaries)
+    if unranked:
+        notes.append(unranked)
     diverged = counts["diverged"] > 0 or bool(failing)
     tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
-    summaries = [s for outcome in outcomes for s in outcome.summaries]
     return R.CompareResult(
         verdict="diverged" if diverged else "pass",
         first_divergence=first,
@@ -226,3 +229,26 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
         changes=groups.group_changes(rows),
         op_summaries=summaries,
     )
+
+
+def _unranked_backward(rows, summaries) -> str:
+    """A note naming the backward API calls whose error no record measures: an op autograd
+    runs as several nodes (F.linear: a transpose and a matmul) records the gradient flowing
+    into its output but not what it sends back, so the error its backward adds shows up in
+    the next recorded gradient, carried and unranked. Their leaf module (level "mix") measures
+    it; the note names the ones no module covers."""
+    has_out: dict[tuple, bool] = {}
+    for row in rows:
+        if row.kind == "api" and row.phase == "backward" and row.status in R.PAIRED:
+            call = (row.module, row.op, row.index)
+            has_out[call] = has_out.get(call, False) or row.io == "out"
+    covered = {s.module for s in groups.ranked_pool(summaries) if s.kind != "api" and s.phase == "backward"}
+    missing = sorted({op for (module, op, _), out in has_out.items() if not out and module not in covered})
+    if not missing:
+        return ""
+    modules = any(row.kind == "module" for row in rows)
+    advice = "" if modules else "; level \"mix\" measures them through their modules (Linear)"
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (f"no record measures the backward of {shown}: autograd runs each as several nodes, so only the "
+            f"gradient into its outputs is recorded, and the error its backward adds is carried, unranked, into "
+            f"the next recorded gradient{advice}")

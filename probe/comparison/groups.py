@@ -135,15 +135,33 @@ def _bigger(x: float, y: float) -> bool:
 NEGLIGIBLE = 1e-3
 
 
+def ranked_pool(summaries: list[R.OpSummary]) -> list[R.OpSummary]:
+    """The calls top ops rank, each computation once: API calls when any were captured, plus
+    the calls of leaf modules (no recorded module below them) in a phase where no API call of
+    that module measured an output. A linear's backward at API level records only the
+    gradient flowing into its output (autograd runs it as several nodes), so at level "mix"
+    its module (Linear) is what measures the gradient it sends back; a container module
+    (Sequential, a block) only repeats what its children measured."""
+    api = [s for s in summaries if s.kind == "api"]
+    if not api:
+        return list(summaries)
+    measured = {(s.module, s.phase) for s in api}
+    paths = {s.module for s in summaries}
+    parents = {path.rsplit(".", 1)[0] if "." in path else "" for path in paths if path}
+    modules = [s for s in summaries if s.kind != "api" and (s.module, s.phase) not in measured
+               and s.module not in parents]
+    return api + modules
+
+
 def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
-    """The ops that introduce the most error, each op once: API calls when any were captured.
+    """The ops that introduce the most error, each op once (ranked_pool: API calls, and the
+    modules that measure what API calls cannot).
 
     Calls are grouped by (module, op, index, phase) over steps and ranks; a group is shown by
     its worst call (the one adding the most error), with ``where`` = every step file in which
     the op adds error. Ranked by that worst error in tolerance units; ops whose divergence is
     only inherited come after every op that introduces error or stays within tolerance."""
-    api = [s for s in summaries if s.kind == "api"]
-    pool = [s for s in (api or summaries) if s.introduced > NEGLIGIBLE]
+    pool = [s for s in ranked_pool(summaries) if s.introduced > NEGLIGIBLE]
     groups: dict[tuple, list[R.OpSummary]] = {}
     for summary in pool:
         groups.setdefault((summary.module, summary.op, summary.index, summary.phase), []).append(summary)
