@@ -392,12 +392,12 @@ def test_concurrent_close_from_two_threads_finishes_the_file_once(tmp_path):
         assert step_file.tensor_count == 20 and step_file.tensor(19)[0] == 19.0
 
 
-def test_strings_utf8_cannot_hold_are_stored_escaped_instead_of_failing_the_step(tmp_path):
+def test_strings_utf8_cannot_hold_are_stored_escaped_and_nul_round_trips(tmp_path):
     rows = [make_row(module="ok", source="trän.py:1"), make_row(module="nul", value='"a\x00b"'),
             make_row(module="surrogate", source="/data/caf\udce9.py:3")]
     with reader.open_step_file(write_step(tmp_path, 0, rows=rows)) as step_file:
         assert list(step_file.records.column("source")) == ["trän.py:1", "", "/data/caf\\udce9.py:3"]
-        assert step_file.records.column("value")[1] == '"a\\x00b"'
+        assert step_file.records.column("value")[1] == '"a\x00b"'
         assert step_file.records.column("module").tolist() == ["ok", "nul", "surrogate"]
 
 
@@ -409,3 +409,16 @@ def test_dtype_without_bit_exact_storage_is_refused_and_leaves_no_file(tmp_path)
         writer.add_tensor(fp4)
     writer.abort()
     assert os.listdir(tmp_path / "step0") == []
+
+
+def test_writer_without_tensors_starts_no_thread_and_stores_text_columns_as_codes(tmp_path):
+    writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
+    writer.add_rows([make_row(module="a"), make_row(module="b"), make_row(module="a")])
+    path = writer.close()
+    assert writer._thread is None
+    with h5py.File(path, "r") as handle:
+        codes = handle["records/module"][()]
+        assert codes.dtype == np.int32 and codes[0] == codes[2] != codes[1]
+    with reader.open_step_file(path) as step_file:
+        assert step_file.records.column("module").tolist() == ["a", "b", "a"]
+        assert all(type(value) is str for value in step_file.records.column("key"))

@@ -22,6 +22,7 @@ import numpy as np
 from probe.dump import decode, schema
 from probe.errors import DumpFormatError
 
+_COLUMN_KINDS = dict(schema.RECORD_COLUMNS)
 _ERROR_MESSAGE = re.compile(r"error message = '([^']*)'")
 
 
@@ -60,8 +61,10 @@ class RecordTable:
     table.row(i) -> dict, iter(table) -> dicts, table.index_of(key) -> row number.
     """
 
-    def __init__(self, group: h5py.Group, path: str, count: int):
+    def __init__(self, group: h5py.Group, path: str, count: int, handle: h5py.File | None = None):
         self._group = group
+        self._handle = handle
+        self._strings: np.ndarray | None = None
         self._path = path
         self._count = count
         self._cache: dict[str, np.ndarray] = {}
@@ -85,8 +88,10 @@ class RecordTable:
             raise ValueError(f"{self._path} was closed; reopen it to read records")
         try:
             dataset = self._group[name]
-            if h5py.check_string_dtype(dataset.dtype) is not None:
+            if h5py.check_string_dtype(dataset.dtype) is not None:  # variable-length strings
                 values = dataset.asstr()[()] if self._count else np.array([], dtype=object)
+            elif _COLUMN_KINDS.get(name) == "str":
+                values = self._decode_codes(name, dataset[()])
             else:
                 values = dataset[()]
         except (OSError, KeyError, ValueError, RuntimeError) as error:
@@ -97,6 +102,39 @@ class RecordTable:
         values.setflags(write=False)
         self._cache[name] = values
         return values
+
+    def _decode_codes(self, name: str, codes: np.ndarray) -> np.ndarray:
+        strings = self._string_table()
+        if codes.dtype.kind not in "iu":
+            raise DumpFormatError(f"{self._path} record column {name!r} has dtype {codes.dtype}, expected text codes")
+        if codes.size and (codes.min() < 0 or codes.max() >= len(strings)):
+            raise DumpFormatError(
+                f"{self._path} record column {name!r} has codes outside its string table of {len(strings)} "
+                "(truncated or corrupt file)"
+            )
+        return strings[codes]
+
+    def _string_table(self) -> np.ndarray:
+        if self._strings is not None:
+            return self._strings
+        if self._handle is None or schema.TEXT_BYTES not in self._handle or schema.TEXT_ENDS not in self._handle:
+            raise DumpFormatError(f"{self._path} lacks its string table /{schema.TEXT_BYTES} (truncated or corrupt file)")
+        data = np.asarray(self._handle[schema.TEXT_BYTES][()], dtype=np.uint8).tobytes()
+        ends = np.asarray(self._handle[schema.TEXT_ENDS][()], dtype=np.int64)
+        if ends.ndim != 1 or (ends.size and (ends[-1] != len(data) or (np.diff(ends) < 0).any() or ends[0] < 0)):
+            raise DumpFormatError(f"{self._path} has a string table whose offsets do not fit its bytes (corrupt file)")
+        starts = np.concatenate(([0], ends[:-1])).tolist()
+        stops = ends.tolist()
+        if data.isascii():  # the usual case: byte offsets are character offsets
+            text = data.decode("ascii")
+            texts = [text[start:stop] for start, stop in zip(starts, stops)]
+        else:
+            texts = [data[start:stop].decode("utf-8", "replace") for start, stop in zip(starts, stops)]
+        strings = np.empty(len(texts), dtype=object)
+        strings[:] = texts
+        strings.setflags(write=False)
+        self._strings = strings
+        return strings
 
     def row(self, index: int) -> dict:
         if not -self._count <= index < self._count:
@@ -270,7 +308,7 @@ def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable
         raise DumpFormatError(
             f"{path} declares record_count {declared} but its record columns hold {count} (truncated or corrupt file)"
         )
-    return RecordTable(group, path, count)
+    return RecordTable(group, path, count, handle)
 
 
 def open_step_file(path) -> StepDump:

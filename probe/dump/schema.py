@@ -7,7 +7,12 @@ Layout of one file, ``{dump_path}/step{N}/rank{R}.h5``::
 
     /                      root attributes, see ROOT_ATTRS
     /records/<column>      one 1-D dataset per column of RECORD_COLUMNS, all the same length;
-                           row i of every column together is record i
+                           row i of every column together is record i. A "str" column holds
+                           int32 codes: code c is string c of the string table below
+    /record_text           uint8: the distinct strings of all "str" columns, UTF-8 encoded
+                           and concatenated (lone surrogates stored backslash-escaped)
+    /record_text_ends      int64: end offset of each string in /record_text (exclusive);
+                           string c is record_text[ends[c-1]:ends[c]], starting at 0 for c = 0
     /tensors/<tensor_id>   task "tensor" only: one dataset per distinct tensor of the step,
                            stored bit-exact in its storage dtype (see STORAGE_DTYPES) with the
                            attributes "dtype" (torch dtype name) and "shape", and optionally
@@ -62,8 +67,16 @@ PARTIAL_SUFFIX = ".h5.partial"
 
 RECORDS_GROUP = "records"
 TENSORS_GROUP = "tensors"
+#: the distinct strings of all "str" record columns: UTF-8 bytes, concatenated (uint8) ...
+TEXT_BYTES = "record_text"
+#: ... and the end offset (int64, exclusive) of each string in TEXT_BYTES; string i is
+#: TEXT_BYTES[TEXT_ENDS[i-1]:TEXT_ENDS[i]] (start 0 for i = 0)
+TEXT_ENDS = "record_text_ends"
+#: storage dtype of a "str" record column: each value is an index into the string table
+TEXT_CODE_DTYPE = "int32"
 
-#: (column name, numpy dtype string); "str" columns are variable-length UTF-8 strings.
+#: (column name, numpy dtype string). "str" columns are stored as TEXT_CODE_DTYPE codes into
+#: the file's string table (TEXT_BYTES + TEXT_ENDS); readers get Python str back.
 RECORD_COLUMNS: tuple[tuple[str, str], ...] = (
     ("key", "str"),
     ("seq", "int64"),
