@@ -306,14 +306,14 @@ class StepWriter:
                     new = [text for text in dict.fromkeys(values) if text not in vocabulary]
                     vocabulary.update(zip(new, range(len(vocabulary), len(vocabulary) + len(new))))
                     codes = np.fromiter(map(vocabulary.__getitem__, values), dtype=schema.TEXT_CODE_DTYPE, count=count)
-                    group.create_dataset(name, data=codes)
+                    _create_array(group, name, codes)
                 else:
-                    group.create_dataset(name, data=np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1))
+                    _create_array(group, name, np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1))
             except (TypeError, ValueError, OverflowError) as error:
                 raise DumpError(f"cannot write {self.path}: record column {name!r} {error}") from error
         blob, ends = _encode_texts(list(vocabulary))
-        self._file.create_dataset(schema.TEXT_BYTES, data=blob)
-        self._file.create_dataset(schema.TEXT_ENDS, data=ends)
+        _create_array(self._file, schema.TEXT_BYTES, blob)
+        _create_array(self._file, schema.TEXT_ENDS, ends)
 
     def _write_root_attrs(self, extra_attrs: dict) -> None:
         attrs = self._file.attrs
@@ -340,6 +340,15 @@ class StepWriter:
             os.remove(self.partial_path)
         except OSError:
             pass
+
+
+def _create_array(parent: h5py.Group, name: str, array: np.ndarray) -> None:
+    """A contiguous 1-D dataset holding array: h5py's low-level API, half the cost of
+    create_dataset (~20 us instead of ~45 us; a step file has 25 of them)."""
+    array = np.ascontiguousarray(array)
+    dataset = h5py.h5d.create(parent.id, name.encode(), h5py.h5t.py_create(array.dtype), h5py.h5s.create_simple(array.shape))
+    if array.size:
+        dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, array)
 
 
 def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
