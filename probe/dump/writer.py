@@ -316,17 +316,19 @@ class StepWriter:
         _create_array(self._file, schema.TEXT_ENDS, ends)
 
     def _write_root_attrs(self, extra_attrs: dict) -> None:
-        attrs = self._file.attrs
+        values = {}
         for name, value in {**self._root_attrs, **extra_attrs}.items():
             if name in schema.JSON_ATTRS or not isinstance(value, (str, int, float, np.generic)):
                 value = json.dumps(value, sort_keys=True, default=str)
             elif isinstance(value, str):
                 value = str(value)  # str subclasses (torch.__version__) would become fixed-width
-            attrs[name] = value
-        attrs["schema_version"] = schema.SCHEMA_VERSION
-        attrs["record_count"] = len(self._rows)
-        attrs["tensor_count"] = self._written
-        attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            values[name] = value
+        values["schema_version"] = schema.SCHEMA_VERSION
+        values["record_count"] = len(self._rows)
+        values["tensor_count"] = self._written
+        values["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        for name, value in values.items():
+            _set_attr(self._file, name, value)
 
     def _discard(self, state: str) -> None:
         self._state = state
@@ -349,6 +351,22 @@ def _create_array(parent: h5py.Group, name: str, array: np.ndarray) -> None:
     dataset = h5py.h5d.create(parent.id, name.encode(), h5py.h5t.py_create(array.dtype), h5py.h5s.create_simple(array.shape))
     if array.size:
         dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, array)
+
+
+_SCALAR_STR = np.dtype(h5py.string_dtype("utf-8"))
+_SCALAR_TYPES = {str: _SCALAR_STR, int: np.dtype(np.int64), float: np.dtype(np.float64)}
+
+
+def _set_attr(target: h5py.File, name: str, value) -> None:
+    """target.attrs[name] = value, through h5py's low-level API for str, int and float
+    (the same stored types as h5py's attrs, at a fifth of the cost)."""
+    dtype = _SCALAR_TYPES.get(type(value))
+    if dtype is None or (dtype.kind == "i" and not -(1 << 63) <= value < 1 << 63):
+        target.attrs[name] = value
+        return
+    array = np.array(value, dtype=dtype)
+    attr = h5py.h5a.create(target.id, name.encode(), h5py.h5t.py_create(dtype, logical=True), h5py.h5s.create(h5py.h5s.SCALAR))
+    attr.write(array)
 
 
 def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
