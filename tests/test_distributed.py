@@ -1,8 +1,9 @@
 """DDP under torchrun (2 ranks, gloo, CPU): per-rank dump files, the rank filter, collectives.
 
-The test launches this very file under ``python -m torch.distributed.run --standalone
---nproc_per_node 2`` (localhost only). Run as a script with a config path, it is one rank of a
-tiny DDP job that calls all_reduce and broadcast explicitly inside the captured step.
+The test launches this very file once under ``python -m torch.distributed.run --standalone
+--nproc_per_node 2`` (localhost only). Run as a script with config paths, it is one rank of a
+tiny DDP job that calls all_reduce and broadcast explicitly inside the captured step, trained
+once per config (one launch for every dump the tests need: each launch costs seconds).
 """
 
 import json
@@ -17,8 +18,8 @@ WORLD_SIZE = 2
 STEPS = 2
 
 
-def _run_rank(config_path):
-    """One rank of the DDP job (executed by torchrun, not by pytest)."""
+def _run_rank(config_paths):
+    """One rank of the DDP job, trained once per config (executed by torchrun, not by pytest)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -28,51 +29,59 @@ def _run_rank(config_path):
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    config = probe.load_config(config_path)
-    debugger = probe.PrecisionDebugger(config)
-    model = DistributedDataParallel(MLP(in_features=8, hidden=16, out_features=4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(100 + rank)
-    for _ in range(STEPS):
-        x = torch.randn(4, 8, generator=data)
-        debugger.start(model)
-        optimizer.zero_grad()
-        model(x).square().mean().backward()
-        # A rank-dependent tensor: after all_reduce every rank holds 0 + 1 = 1 everywhere,
-        # after the broadcast from rank 0 every rank holds rank 0's 10.
-        summed = torch.full((3,), float(rank))
-        dist.all_reduce(summed)
-        token = torch.full((3,), 10.0 if rank == 0 else -1.0)
-        dist.broadcast(token, src=0)
-        optimizer.step()
-        debugger.stop()
-        debugger.step()
+    for config_path in config_paths:
+        debugger = probe.PrecisionDebugger(probe.load_config(config_path))
+        model = DistributedDataParallel(MLP(in_features=8, hidden=16, out_features=4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(100 + rank)
+        for _ in range(STEPS):
+            x = torch.randn(4, 8, generator=data)
+            debugger.start(model)
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            # A rank-dependent tensor: after all_reduce every rank holds 0 + 1 = 1 everywhere,
+            # after the broadcast from rank 0 every rank holds rank 0's 10.
+            summed = torch.full((3,), float(rank))
+            dist.all_reduce(summed)
+            token = torch.full((3,), 10.0 if rank == 0 else -1.0)
+            dist.broadcast(token, src=0)
+            optimizer.step()
+            debugger.stop()
+            debugger.step()
+        debugger.close()
     dist.destroy_process_group()
 
 
-def _torchrun(tmp_path, name, **config):
-    """Launch the 2-rank job with this config; returns the dump path."""
-    dump = tmp_path / name
-    config_path = tmp_path / f"{name}.json"
-    config_path.write_text(json.dumps({"dump_path": str(dump), "level": "mix", **config}))
+def _torchrun(tmp_path, configs):
+    """Launch the 2-rank job once, training once per {name: config}; returns {name: dump path}."""
+    dumps, paths = {}, []
+    for name, config in configs.items():
+        dumps[name] = tmp_path / name
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"dump_path": str(dumps[name]), "level": "mix", **config}))
     # One thread per rank: the two ranks share the machine's cores.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(WORLD_SIZE), os.path.abspath(__file__), str(config_path)]
+               "--nproc_per_node", str(WORLD_SIZE), os.path.abspath(__file__), *map(str, paths)]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout}\n{done.stderr}"
-    return dump
+    return dumps
 
 
 @pytest.fixture(scope="module")
-def all_ranks_dump(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("ddp"), "all_ranks", rank=[])
+def ddp_dumps(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("ddp"), {"all_ranks": {"rank": []}, "rank1_only": {"rank": [1]}})
 
 
 @pytest.fixture(scope="module")
-def rank1_dump(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("ddp"), "rank1_only", rank=[1])
+def all_ranks_dump(ddp_dumps):
+    return ddp_dumps["all_ranks"]
+
+
+@pytest.fixture(scope="module")
+def rank1_dump(ddp_dumps):
+    return ddp_dumps["rank1_only"]
 
 
 def _files(dump):
@@ -132,4 +141,4 @@ def test_collective_calls_are_captured_with_their_result(all_ranks_dump, collect
 
 if __name__ == "__main__":
     sys.path.insert(0, REPO_ROOT)
-    _run_rank(sys.argv[1])
+    _run_rank(sys.argv[1:])

@@ -68,9 +68,10 @@ def test_cpu_vs_gpu_reports_forward_difference_fits_and_compare_verdict(tmp_path
     assert (out / "cpu_fp64" / "step0" / "rank0.h5").is_file()
 
 
-def test_cpu_vs_gpu_thread_candidate_is_named(tmp_path):
+def test_cpu_vs_gpu_thread_candidate_is_named_and_compares_clean(tmp_path):
     stdout, _ = run_example("cpu_vs_gpu", tmp_path, "--device", "cpu", "--candidate", "threads")
     assert re.search(r"^candidate: CPU float32, \d thread\(s\) instead of \d", stdout, re.M)
+    assert re.search(r"^   verdict: pass$", stdout, re.M), stdout
 
 
 def test_mixed_precision_lists_the_ops_that_add_the_most_bf16_error(tmp_path):
@@ -79,17 +80,24 @@ def test_mixed_precision_lists_the_ops_that_add_the_most_bf16_error(tmp_path):
     ranked = re.findall(r"^  \d\. (\S+) (\S+)#\d+ \((forward|backward)\): adds \S+ x tolerance; "
                         r"output rel L2 ([^,\s]+)", stdout, re.M)
     assert len(ranked) == 5
-    # bf16 autocast runs linear layers in bf16: their outputs carry bf16-sized error.
+    # bf16 autocast runs linear layers in bf16: their outputs carry bf16-sized error, forward
+    # (API records) and backward (measured by the Linear modules).
     assert any(op == "functional.linear" for _, op, _, _ in ranked), ranked
+    assert any((op, phase) == ("Linear", "backward") for _, op, phase, _ in ranked), ranked
     assert all(1e-5 < float(error) < 1e-1 for _, _, _, error in ranked), ranked
 
 
-def test_find_the_bug_points_at_each_changed_layer(tmp_path):
-    stdout, _ = run_example("find_the_bug", tmp_path)
+def test_find_the_bug_points_at_each_changed_layer_with_checksums(tmp_path):
+    """Checksum dumps: the transposed weight keeps its min, max, mean and norm; only its
+    checksum tells, and it is named as the cause, not passed as a match."""
+    stdout, out = run_example("find_the_bug", tmp_path, "--task", "checksum")
     found = dict(re.findall(r"probe points at layer: (\S+) -- expected (\S+): CORRECT", stdout))
     assert found == {"blocks.3.norm": "blocks.3.norm", "blocks.3.act": "blocks.3.act",
                      "blocks.3.fc": "blocks.3.fc"}, stdout
+    assert ("cause: parameter blocks.3.fc.weight changed (checksum differs; statistics agree, size unknown)"
+            in stdout), stdout
     assert "RESULT: probe located 3 of 3 injected bug(s)" in stdout
+    assert (out / "transpose" / "report.html").read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ oneDNN (mkldnn) switched off -- the script prints which.
     python examples/cpu_vs_gpu/run.py --smoke               # CI size
 """
 
-import argparse
 import contextlib
 import os
 import sys
@@ -29,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from probe import Config, PrecisionDebugger, compare
-from probe.report import html_report
+from examples._common import example_parser, print_compare_summary
 
 SEED = 1234
 
@@ -139,23 +138,13 @@ def dump_value_net_step(side, dump_dir):
     debugger.close()  # returns once the step file is on disk
 
 
-def write_html(result, path):
-    """The page `probe compare A B --html FILE` writes."""
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(html_report.render(result))
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda: candidate is the GPU; cpu: candidate is --candidate")
+    parser = example_parser(__doc__, "cpu_vs_gpu", "epochs 100 and 1000")
     parser.add_argument("--candidate", default="auto",
                         choices=["auto", "cuda", "fp64", "threads", "mkldnn-off"],
                         help="auto = cuda when --device is cuda, else fp64")
     parser.add_argument("--epochs", type=int, nargs="+", default=[1000, 10000],
                         help="report the regression fit after these epochs")
-    parser.add_argument("--out", default=os.path.join("out", "cpu_vs_gpu"))
-    parser.add_argument("--smoke", action="store_true", help="CI size: epochs 100 and 1000")
     args = parser.parse_args()
     if args.smoke:
         args.epochs = [100, 1000]
@@ -186,19 +175,9 @@ def main():
         dump_value_net_step(side, dump_dir)
     result = compare(*dumps)
     html = os.path.join(args.out, "report.html")
-    write_html(result, html)
-    print(f"\n3. one ValueNet training step dumped on both sides and compared")
-    print(f"   verdict: {result.verdict}")
-    if result.first_divergence is not None:
-        first = result.first_divergence
-        print(f"   first divergence: {first.key} ({first.origin})")
-    if result.top_ops:
-        worst = result.top_ops[0]
-        print(f"   op adding the most error: {worst.module or '<root>'} {worst.op}#{worst.index} "
-              f"({worst.phase}): {worst.introduced:.2g} x tolerance, output rel L2 "
-              f"{worst.output_rel_l2:.2e}")
-    print(f"   dumps: {dumps[0]}  {dumps[1]}")
-    print(f"   report: {html}")
+    result.write_html(html)
+    print("\n3. one ValueNet training step dumped on both sides and compared")
+    print_compare_summary(result, dumps, html)
     print(f"   the full report: python -m probe compare {dumps[0]} {dumps[1]}")
     return 0
 

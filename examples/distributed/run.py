@@ -10,7 +10,6 @@ runs file by file and prints, per rank, the verdict and the first divergence.
     python examples/distributed/run.py --smoke    # CI size
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -21,13 +20,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from probe import compare
+from examples._common import example_parser
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_ddp.py")
 NPROC = 2
 
 
 def torchrun(dump_dir, steps, bug_rank, device):
-    """Run one DDP job; returns torchrun's exit code."""
+    """Start one DDP job (its output is collected, not interleaved with the other job's)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(NPROC), WORKER, "--dump", dump_dir, "--steps", str(steps),
                "--device", device]
@@ -37,18 +37,16 @@ def torchrun(dump_dir, steps, bug_rank, device):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print("$ torchrun --standalone --nproc_per_node 2 examples/distributed/train_ddp.py "
           + " ".join(command[7:]), flush=True)
-    return subprocess.call(command, env=env)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = example_parser(__doc__, "distributed", "1 step", device=False)
     parser.add_argument("--steps", type=int, default=3, help="training steps per job")
     parser.add_argument("--same", action="store_true",
                         help="candidate has no bug: shows that two DDP runs compare clean")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where each rank computes (auto: cuda when available); gloo either way")
-    parser.add_argument("--out", default=os.path.join("out", "distributed"))
-    parser.add_argument("--smoke", action="store_true", help="CI size: 1 step")
     args = parser.parse_args()
     if args.smoke:
         args.steps = 1
@@ -57,10 +55,14 @@ def main():
     candidate = os.path.join(args.out, "same" if args.same else "rank1_gelu_tanh")
 
     started = time.perf_counter()
-    for dump_dir, bug in ((reference, None), (candidate, bug_rank)):
-        code = torchrun(dump_dir, args.steps, bug, args.device)
-        if code != 0:
-            print(f"torchrun failed with exit code {code}", file=sys.stderr)
+    # The two jobs are independent: both at once (--standalone gives each its own port).
+    jobs = [torchrun(dump_dir, args.steps, bug, args.device)
+            for dump_dir, bug in ((reference, None), (candidate, bug_rank))]
+    for name, job in zip(("reference", "candidate"), jobs):
+        output, _ = job.communicate()
+        print("\n".join(f"[{name}] {line}" for line in output.splitlines()), flush=True)
+        if job.returncode != 0:
+            print(f"torchrun failed with exit code {job.returncode}", file=sys.stderr)
             return 2
     print(f"two torchrun jobs of {NPROC} ranks, {args.steps} step(s) each: "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)

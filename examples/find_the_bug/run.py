@@ -15,7 +15,6 @@ and checks it is the one that was changed (exit 1 if not).
     python examples/find_the_bug/run.py             # all three, one after the other
 """
 
-import argparse
 import os
 import sys
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from probe import Config, PrecisionDebugger, compare, seed_all
-from probe.report import html_report
+from examples._common import example_parser
 from examples.models import DeepMLP, make_batch, train_step
 
 SEED = 1234
@@ -81,7 +80,7 @@ def hunt(bug, out, device, task):
     dump_one_step(build(bug, reference_state), dumps[1], device, task)
     result = compare(*dumps)
     html = os.path.join(out, bug, "report.html")
-    write_html(result, html)
+    result.write_html(html)
     first = result.first_divergence
     print(f"--bug {bug} ({change} in {expected})")
     print(f"  verdict: {result.verdict}")
@@ -98,20 +97,11 @@ def hunt(bug, out, device, task):
     return found
 
 
-def write_html(result, path):
-    """The page `probe compare A B --html FILE` writes."""
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(html_report.render(result))
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = example_parser(__doc__, "find_the_bug", "already tiny: same run")
     parser.add_argument("--bug", choices=[*BUGS, "all"], default="all")
     parser.add_argument("--task", choices=["statistics", "checksum", "tensor"], default="statistics",
                         help="what the dumps record per tensor (tensor: full values)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.path.join("out", "find_the_bug"))
-    parser.add_argument("--smoke", action="store_true", help="CI size (already tiny: same run)")
     args = parser.parse_args()
     bugs = list(BUGS) if args.bug == "all" else [args.bug]
     located = [hunt(bug, args.out, args.device, args.task) for bug in bugs]

@@ -2,15 +2,15 @@
 
 Trains the same TinyGPT (2 blocks, d=64) from the same weights on the same batches twice:
 in float32, and under torch.autocast(device, dtype=torch.bfloat16). The first step of each
-is dumped at API level (every torch call) and compared; the script prints the verdict and
-the ops whose bf16 output moved furthest from fp32 while their inputs still agreed, i.e. the
-ops that *introduce* error, ranked. It also prints the two loss curves.
+is dumped at level "mix" (every torch call, and every module: a linear's backward is only
+measured by its Linear module) and compared; the script prints the verdict and the ops
+whose bf16 output moved furthest from fp32 beyond what their inputs carried, i.e. the ops
+that *introduce* error, ranked. It also prints the two loss curves.
 
     python examples/mixed_precision/run.py            # CPU bf16 autocast works too
     python examples/mixed_precision/run.py --smoke    # CI size
 """
 
-import argparse
 import copy
 import os
 import sys
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from probe import Config, PrecisionDebugger, compare, seed_all
-from probe.report import html_report
+from examples._common import example_parser
 from examples.models import TinyGPT
 
 SEED = 1234
@@ -47,7 +47,7 @@ def train(initial, precision, steps, device, dump_dir):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.Generator().manual_seed(SEED)
     debugger = PrecisionDebugger(Config(
-        task="tensor", level="api", dump_path=dump_dir, step=[0], seed=SEED))
+        task="tensor", level="mix", dump_path=dump_dir, step=[0], seed=SEED))
     autocast = (torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
                 if precision == "bf16" else contextlib.nullcontext())
     losses = []
@@ -69,19 +69,10 @@ def train(initial, precision, steps, device, dump_dir):
     return losses
 
 
-def write_html(result, path):
-    """The page `probe compare A B --html FILE` writes."""
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(html_report.render(result))
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = example_parser(__doc__, "mixed_precision", "3 steps")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=5, help="how many ops to list")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.path.join("out", "mixed_precision"))
-    parser.add_argument("--smoke", action="store_true", help="CI size: 3 steps")
     args = parser.parse_args()
     if args.smoke:
         args.steps = 3
@@ -97,7 +88,7 @@ def main():
 
     result = compare(dumps["fp32"], dumps["bf16"], top=args.top)
     html = os.path.join(args.out, "report.html")
-    write_html(result, html)
+    result.write_html(html)
     print(f"\nstep 0 compared (fp32 = reference, bf16 autocast = candidate)")
     print(f"verdict: {result.verdict}")
     first = result.first_divergence

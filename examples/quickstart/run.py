@@ -10,7 +10,6 @@ diverged and the HTML report's path are printed.
     python examples/quickstart/run.py --out /tmp/q  # somewhere else
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from probe import Config, PrecisionDebugger
+from examples._common import example_parser
 from examples.models import DeepMLP, make_batch, train_step
 
 SEED = 1234
@@ -55,12 +55,8 @@ def train_and_dump(dump_dir, refactored, steps, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.path.join("out", "quickstart"),
-                        help="folder for the dumps and the report (default ./out/quickstart)")
+    parser = example_parser(__doc__, "quickstart", "2 steps")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="CI size: 2 steps")
     args = parser.parse_args()
     if args.smoke:
         args.steps = 2

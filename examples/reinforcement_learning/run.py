@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 
 from probe import Config, PrecisionDebugger, compare, seed_all
-from probe.report import html_report
+from examples._common import example_parser, print_compare_summary
 from examples.reinforcement_learning.ppo import (
     ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, train, update_step,
 )
@@ -101,35 +101,16 @@ def compare_update_step(args):
         losses.append(dump_update(model, batch, settings, dumps[-1], dtype, n_threads))
     result = compare(*dumps)
     html = os.path.join(args.out, "report.html")
-    write_html(result, html)
+    result.write_html(html)
     print(f"\n2. one PPO update step ({len(batch.actions)} samples), {words}")
     print(f"   loss: {losses[0]!r} vs {losses[1]!r}")
-    print(f"   verdict: {result.verdict}")
-    if result.first_divergence is not None:
-        first = result.first_divergence
-        print(f"   first divergence: {first.key} ({first.origin})")
-    if result.top_ops:
-        worst = result.top_ops[0]
-        print(f"   op adding the most error: {worst.module or '<root>'} {worst.op}#{worst.index} "
-              f"({worst.phase}): {worst.introduced:.2g} x tolerance, output rel L2 "
-              f"{worst.output_rel_l2:.2e}")
-    print(f"   dumps: {dumps[0]}  {dumps[1]}")
-    print(f"   report: {html}")
-
-
-def write_html(result, path):
-    """The page `probe compare A B --html FILE` writes."""
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(html_report.render(result))
+    print_compare_summary(result, dumps, html)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = example_parser(__doc__, "reinforcement_learning", "2 updates of 128 steps")
     parser.add_argument("--updates", type=int, default=8, help="PPO rollouts+updates per training")
     parser.add_argument("--candidate", choices=["fp64", "threads"], default="fp64")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.path.join("out", "reinforcement_learning"))
-    parser.add_argument("--smoke", action="store_true", help="CI size: 2 updates of 128 steps")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:

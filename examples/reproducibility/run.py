@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from probe import Config, PrecisionDebugger, compare, dataloader_kwargs, seed_all
+from examples._common import example_parser
 from examples.models import MLP
 
 SEED = 1234
@@ -109,11 +110,8 @@ def describe(a, b):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = example_parser(__doc__, "reproducibility", "3 steps")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run")
-    parser.add_argument("--out", default=os.path.join("out", "reproducibility"))
-    parser.add_argument("--smoke", action="store_true", help="CI size: 3 steps")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--seeded", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
