@@ -97,3 +97,28 @@ def test_statistics_task_stores_no_checksum_and_no_tensor(tmp_path):
     rows = dump.records(step=0)
     assert {row["checksum"] for row in rows} == {""}
     assert {row["tensor_id"] for row in rows} == {-1}
+
+
+def test_tensor_mode_statistics_and_checksums_equal_the_statistics_and_checksum_tasks(tmp_path):
+    # in tensor mode the writer thread computes them from the stored copy
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    x = torch.randn(4, 6)
+    x[0, 0] = float("nan")
+    columns = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel")
+    found = {}
+    for task in ("statistics", "checksum", "tensor"):
+        folder = tmp_path / task
+        model.zero_grad(set_to_none=True)
+        dump = _capture(folder, lambda: model(x).sum().backward(), model=model, task=task, level="mix")
+        with dump.open(0) as step:
+            found[task] = {row["key"]: row for row in step.records}
+    assert found["tensor"].keys() == found["statistics"].keys()
+    stored = 0
+    for key, row in found["tensor"].items():
+        expected = found["statistics"][key]
+        for column in columns:
+            assert np.array_equal(row[column], expected[column], equal_nan=True), (key, column)
+        assert row["checksum"] == found["checksum"][key]["checksum"], key
+        stored += row["tensor_id"] >= 0
+    assert stored > 10
