@@ -422,3 +422,18 @@ def test_writer_without_tensors_starts_no_thread_and_stores_text_columns_as_code
     with reader.open_step_file(path) as step_file:
         assert step_file.records.column("module").tolist() == ["a", "b", "a"]
         assert all(type(value) is str for value in step_file.records.column("key"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex64])
+def test_large_tensors_written_around_hdf5_read_back_bit_exact(tmp_path, dtype):
+    from probe.dump import writer as writer_module
+
+    generator = torch.Generator().manual_seed(11)
+    big = _random_bits(dtype, (writer_module.DIRECT_WRITE_BYTES // 2 + 7, 3), generator)
+    if dtype == torch.bool:
+        big = torch.randint(0, 2, big.shape, generator=generator).bool()
+    small = _random_bits(torch.float32, (5,), generator)
+    with _write_and_open(tmp_path, [big, small, big.t()]) as step_file:
+        for tensor_id, tensor in enumerate([big, small, big.t()]):
+            stored, _ = step_file.stored_tensor(tensor_id)
+            assert np.array_equal(stored.reshape(-1).view(np.uint8), _bits(tensor)), tensor_id

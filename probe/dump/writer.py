@@ -43,6 +43,8 @@ REQUIRED_ATTRS = tuple(name for name in schema.ROOT_ATTRS if name not in COMPUTE
 # Newest object formats that HDF5 1.10 still reads, so a dump written with a new h5py opens
 # with an older one on another machine.
 _LIBVER = ("earliest", "v110")
+#: tensors of at least this many bytes are written with os.pwrite (see _create_direct)
+DIRECT_WRITE_BYTES = 64 << 10
 _NUMERIC_DTYPES = {"int64": np.int64, "float64": np.float64}
 
 
@@ -99,6 +101,7 @@ class StepWriter:
 
         self._file = _create_partial(self.partial_path)
         self._tensors = None  # /tensors, created by the writer thread on first use
+        self._raw_fd: int | None = None  # for _create_direct, opened on first use
         # Started by the first add_tensor: a statistics step never pays for starting and
         # joining a thread (~0.1-3 ms on a busy machine, as the join waits for the GIL).
         self._thread: threading.Thread | None = None
@@ -196,6 +199,7 @@ class StepWriter:
         try:
             self._write_records()
             self._write_root_attrs(extra_attrs or {})
+            self._close_raw_fd(sync=self._fsync)
             self._file.flush()
             if self._fsync:
                 os.fsync(self._file.id.get_vfd_handle())
@@ -257,13 +261,53 @@ class StepWriter:
         array, dtype_name, shape = encode.to_storage(tensor)
         if self._tensors is None:
             self._tensors = self._file.require_group(schema.TENSORS_GROUP)
-        dataset = _create_array(self._tensors, str(tensor_id), array)
+        if array.nbytes >= DIRECT_WRITE_BYTES:
+            dataset = self._create_direct(str(tensor_id), array)
+        else:
+            dataset = _create_array(self._tensors, str(tensor_id), array)
         _set_attr(dataset, "dtype", dtype_name)
         _set_attr(dataset, "shape", np.asarray(shape, dtype=np.int64))
         if layout != "strided":
             _set_attr(dataset, "layout", layout)
         with self._cond:
             self._written += 1
+
+    def _create_direct(self, name: str, array: np.ndarray):
+        """A dataset whose bytes are written with os.pwrite rather than by HDF5.
+
+        h5py holds the GIL through every HDF5 call, so writing megabytes through it stalls
+        the training thread; os.pwrite releases the GIL. The dataset is contiguous and
+        allocated at creation, with no fill value ever written, so HDF5 never touches its
+        bytes: they live at get_offset() in the file, and readers see an ordinary dataset.
+        """
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        plist.set_layout(h5py.h5d.CONTIGUOUS)
+        plist.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        plist.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        space = h5py.h5s.create_simple(array.shape) if array.ndim else h5py.h5s.create(h5py.h5s.SCALAR)
+        dataset = h5py.h5d.create(self._tensors.id, name.encode(), h5py.h5t.py_create(array.dtype), space, dcpl=plist)
+        offset = dataset.get_offset()
+        if offset is None:  # not allocated after all: let HDF5 write it
+            dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, array)
+            return dataset
+        if self._raw_fd is None:
+            self._raw_fd = os.open(self.partial_path, os.O_WRONLY)
+        data = memoryview(array.reshape(-1).view(np.uint8))
+        while data:
+            done = os.pwrite(self._raw_fd, data, offset)
+            data, offset = data[done:], offset + done
+        return dataset
+
+    def _close_raw_fd(self, sync: bool = False) -> None:
+        fd, self._raw_fd = self._raw_fd, None
+        if fd is not None:
+            try:
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # ------------------------------------------------------------------ helpers
 
@@ -334,6 +378,10 @@ class StepWriter:
         self._state = state
         _OPEN_WRITERS.discard(self)
         self._rows = []
+        try:
+            self._close_raw_fd()
+        except OSError:
+            pass
         try:
             self._file.close()
         except Exception:
