@@ -5,7 +5,7 @@ only) for a reference run and a candidate run in which rank 1 computes one GELU 
 approximation. Every rank writes ``{dump}/step{N}/rank{R}.h5``; the script compares the two
 runs file by file and prints, per rank, the verdict and the first divergence.
 
-    python examples/distributed/run.py            # ~20 s on 2 CPU cores (two torchrun jobs)
+    python examples/distributed/run.py            # ~12 s on 2 CPU cores (two torchrun jobs at once)
     python examples/distributed/run.py --same     # candidate identical to the reference
     python examples/distributed/run.py --smoke    # CI size
 """

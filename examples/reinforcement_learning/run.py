@@ -6,7 +6,7 @@
    in two configurations from the same weights and minibatch and compared. The candidate is a
    float64 "high-precision bench" by default (--candidate threads: 1 thread vs the default).
 
-    python examples/reinforcement_learning/run.py           # ~15 s on 2 CPU cores
+    python examples/reinforcement_learning/run.py           # ~12 s on 2 CPU cores
     python examples/reinforcement_learning/run.py --smoke   # CI size
 Needs gymnasium (pip install 'precision-probe[examples]').
 """
@@ -126,7 +126,9 @@ def main():
     command = [sys.executable, os.path.abspath(__file__), "--updates", str(args.updates),
                "--device", args.device, "--out", args.out] + (["--smoke"] if args.smoke else [])
     # Both trainings at once, each in a fresh interpreter: nothing is shared but the seed.
-    jobs = [subprocess.Popen(command + ["--child", path]) for path in files]
+    # One thread each: they share the machine's cores (small matmuls gain nothing from more).
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    jobs = [subprocess.Popen(command + ["--child", path], env=env) for path in files]
     if any(job.wait() != 0 for job in jobs):
         print("a training run failed", file=sys.stderr)
         return 2

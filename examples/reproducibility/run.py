@@ -7,7 +7,7 @@ processes -- twice with seed_all + dataloader_kwargs, twice with neither -- and 
 pair, whether the losses and final weights match bit for bit, plus probe's own verdict on a
 checksum dump of the last step.
 
-    python examples/reproducibility/run.py            # ~10 s on 2 CPU cores
+    python examples/reproducibility/run.py            # ~11 s on 2 CPU cores
     python examples/reproducibility/run.py --smoke    # CI size
 """
 
