@@ -22,7 +22,10 @@ def run_example(name, tmp_path, *extra, expect_code=0):
     out = tmp_path / "out"
     command = [sys.executable, os.path.join(EXAMPLES, name, "run.py"), "--out", str(out),
                "--smoke", *extra]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # One intra-op thread: tiny models gain nothing from more, and on a shared machine idle
+    # OpenMP threads spinning against other work made runs several times slower.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == expect_code, (
         f"{name} exited {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     return done.stdout, out
