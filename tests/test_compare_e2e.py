@@ -26,6 +26,18 @@ def _deep():
     return DeepMLP(in_features=WIDTH, width=WIDTH, depth=3, out_features=4), dict(in_features=WIDTH, out_features=4)
 
 
+@contextlib.contextmanager
+def _threads(count):
+    """Run with `count` intra-op threads (None: as is), restored afterwards."""
+    saved = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _dump(path, build=_deep, variant=None, level="mix", task="tensor", dtype=None, autocast=False,
           threads=None, mkldnn=True, batch=8, model_name="deepmlp"):
     """One training step of a freshly seeded model, captured to path; returns path."""
@@ -39,12 +51,9 @@ def _dump(path, build=_deep, variant=None, level="mix", task="tensor", dtype=Non
         model.to(dtype)
         x = x.to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    saved_threads = torch.get_num_threads()
     try:
-        if threads is not None:
-            torch.set_num_threads(threads)
         precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with torch.backends.mkldnn.flags(enabled=mkldnn):
+        with _threads(threads), torch.backends.mkldnn.flags(enabled=mkldnn):
             debugger.start(model)
             if autocast:
                 optimizer.zero_grad()
@@ -57,7 +66,6 @@ def _dump(path, build=_deep, variant=None, level="mix", task="tensor", dtype=Non
             debugger.stop()
             debugger.step()
     finally:
-        torch.set_num_threads(saved_threads)
         debugger.close()
     return str(path)
 
@@ -299,18 +307,15 @@ def _adamw_dump(path, task, tanh=False, steps=2, level="mix", threads=None, buil
         model.blocks[1].act = torch.nn.GELU(approximate="tanh")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(0)
-    saved_threads = torch.get_num_threads()
     try:
-        if threads is not None:
-            torch.set_num_threads(threads)
-        for _ in range(steps):
-            x, y = make_batch("deepmlp", 32 if build is _wide else 8, generator=data, **sizes)
-            debugger.start(model)
-            train_step(model, optimizer, x, y)
-            debugger.stop()
-            debugger.step()
+        with _threads(threads):
+            for _ in range(steps):
+                x, y = make_batch("deepmlp", 32 if build is _wide else 8, generator=data, **sizes)
+                debugger.start(model)
+                train_step(model, optimizer, x, y)
+                debugger.stop()
+                debugger.step()
     finally:
-        torch.set_num_threads(saved_threads)
         debugger.close()
     return str(path)
 
