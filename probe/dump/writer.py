@@ -45,6 +45,7 @@ REQUIRED_ATTRS = tuple(name for name in schema.ROOT_ATTRS if name not in COMPUTE
 _LIBVER = ("earliest", "v110")
 #: tensors of at least this many bytes are written with os.pwrite (see _create_direct)
 DIRECT_WRITE_BYTES = 64 << 10
+_HAVE_PWRITE = hasattr(os, "pwrite")  # not on Windows: HDF5 writes everything there
 _NUMERIC_DTYPES = {"int64": np.int64, "float64": np.float64}
 
 
@@ -261,7 +262,7 @@ class StepWriter:
         array, dtype_name, shape = encode.to_storage(tensor)
         if self._tensors is None:
             self._tensors = self._file.require_group(schema.TENSORS_GROUP)
-        if array.nbytes >= DIRECT_WRITE_BYTES:
+        if array.nbytes >= DIRECT_WRITE_BYTES and _HAVE_PWRITE:
             dataset = self._create_direct(str(tensor_id), array)
         else:
             dataset = _create_array(self._tensors, str(tensor_id), array)
