@@ -117,6 +117,25 @@ def test_statistics_are_computed_once_per_unchanged_tensor(monkeypatch):
     assert rows[-1][15] == pytest.approx(x.mean().item())
 
 
+def test_an_alias_outliving_the_recorded_tensor_object_still_hits_the_cache(monkeypatch):
+    # autograd gives a hook the gradient, then keeps grad.detach() as param.grad: the hooked
+    # object dies, the bytes live on in a new object with the same version counter
+    calls = []
+    original = stats.host_stats
+    monkeypatch.setattr(stats, "host_stats", lambda t: calls.append(1) or original(t))
+    recorder = Recorder(Config())
+    x = torch.randn(64)
+    kept = x.detach()
+    _rows(recorder, [x])
+    del x
+    _rows(recorder, [kept])
+    assert len(calls) == 1
+    kept.mul_(2.0)  # written through the alias: its version moved, so it is computed again
+    rows = _rows(recorder, [kept])
+    assert len(calls) == 2
+    assert rows[-1][15] == pytest.approx(kept.mean().item())
+
+
 def test_a_freed_tensor_whose_memory_is_reused_is_not_served_from_the_cache():
     recorder = Recorder(Config())
     rows = []
