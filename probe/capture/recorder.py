@@ -109,10 +109,9 @@ class Recorder:
         fresh: the tensor was written without a version bump (a collective's buffer), so
         its cached statistics are stale: compute them again and replace the cache entry.
         """
-        kind, module, op, index, phase, seq, source, decision, prefix = call
-        key = prefix + slot
-        if decision == BY_KEY and not self.filter.key_wanted(op, key):
+        if call[7] == BY_KEY and not self.filter.key_wanted(call[2], call[8] + slot):
             return
+        kind, module, op, index, phase, seq, source, _, prefix = call
         if isinstance(value, Tensor):
             try:
                 cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
@@ -124,7 +123,8 @@ class Recorder:
                 if entry is None or fresh or entry[0]() is None:
                     entry = self._describe(value, cache_key)
             rows = self.rows
-            rows.append((key, seq, kind, module, op, index, phase, slot, io) + entry[1] + (source,))
+            rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
+                         source))
             if entry[2] is not None:
                 self._pending.append((len(rows) - 1, entry[2]))
                 if len(self._pending) >= PENDING_LIMIT:
@@ -132,7 +132,8 @@ class Recorder:
             return
         text = encode_value(value)
         if text is not None:
-            self.rows.append((key, seq, kind, module, op, index, phase, slot, io, "", "", "", text,
+            self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
+                              "", text,
                               NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source))
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:

@@ -39,6 +39,7 @@ NAN = float("nan")
 EMPTY_STATS = (NAN, NAN, NAN, NAN, 0, 0)
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
+_FLOAT32, _FLOAT64 = _NUMPY_FLOATS
 _minimum = np.minimum.reduce  # the ufuncs themselves: ndarray.min() adds a Python wrapper
 _maximum = np.maximum.reduce
 #: by itemsize: a sum of squares above this would overflow float32 / float64 (with headroom)
@@ -88,8 +89,9 @@ def host_stats(tensor: torch.Tensor) -> tuple:
     if numel == 0:
         return EMPTY_STATS
     x = tensor.detach() if tensor.requires_grad else tensor
-    if x.dtype not in _NUMPY_FLOATS:
-        if x.dtype in _HALF_FLOATS:
+    dtype = x.dtype
+    if dtype is not _FLOAT32 and dtype is not _FLOAT64:  # dtypes are singletons
+        if dtype in _HALF_FLOATS:
             return _torch_stats(x, numel, torch.float32)
         x = _as_real(x)
         if x.dtype not in _NUMPY_FLOATS:  # a real float type numpy lacks (float8, ...)
