@@ -183,7 +183,7 @@ class Recorder:
                 self._heads[layout] = head
         if self.device is None:
             self.device = head[2]
-        if device.type == "meta":
+        if tensor.is_meta:  # (is_meta/is_cpu: device.type costs 0.25 us, these 0.05)
             return head + (*_UNKNOWN_STATS, tensor.numel(), "", -1), None
         values = tensor
         if tensor.layout is not _STRIDED:
@@ -192,7 +192,7 @@ class Recorder:
         pending = None
         if numel == 0:
             numbers = stats.EMPTY_STATS
-        elif self._defer if self._defer is not None else device.type != "cpu":
+        elif self._defer if self._defer is not None else not tensor.is_cpu:
             numbers = _UNKNOWN_STATS
             values_t, counts_t = stats.device_stats(values)
             pending = (values_t, counts_t, numel)
