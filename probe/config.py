@@ -154,7 +154,7 @@ def _selection(source: str, key: str, value: Any) -> tuple[int, ...]:
     """step/rank: ints and inclusive 'a-b' strings -> sorted unique ints."""
     allowed = f"an int in 0 .. {INDEX_MAX} or an inclusive range string like \"0-3\""
     if value is None:
-        raise _bad(source, key, value, f"a list of ints or ranges ([] = all)")
+        raise _bad(source, key, value, "a list of ints or ranges ([] = all)")
     items = value if isinstance(value, (list, tuple)) else [value]
     single = not isinstance(value, (list, tuple))
     chosen: set[int] = set()

@@ -40,7 +40,7 @@ from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
 from probe.capture.values import SourceLocator
 from probe.dump.schema import SCHEMA_VERSION
-from probe.errors import CaptureError, DumpError, ProbeError
+from probe.errors import CaptureError, ProbeError
 from probe.seed import determinism_state, seed_all
 
 _LIVE: "weakref.WeakSet[PrecisionDebugger]" = weakref.WeakSet()
@@ -171,11 +171,11 @@ class PrecisionDebugger:
         return cfg.wants_step(self.current_step) and cfg.wants_rank(_current_rank())
 
     def _open_step(self) -> Recorder:
-        import probe.dump.writer  # noqa: F401  (h5py, once something is dumped)
+        from probe.dump.writer import make_folder  # h5py, once something is dumped
 
         _hook_exit()
         cfg = self.config
-        _make_dump_folder(cfg.dump_path)
+        make_folder(cfg.dump_path, "dump_path")
         rank = _current_rank()
         attrs = {
             "schema_version": SCHEMA_VERSION,
@@ -248,15 +248,6 @@ class PrecisionDebugger:
         state = "started" if self._started else "stopped"
         return (f"PrecisionDebugger(task={cfg.task!r}, level={cfg.level!r}, "
                 f"dump_path={cfg.dump_path!r}, step={self.current_step}, {state})")
-
-
-def _make_dump_folder(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except FileExistsError:
-        raise DumpError(f"dump_path {path}: a file is in the way, expected a folder") from None
-    except OSError as error:
-        raise DumpError(f"dump_path {path}: cannot create the folder ({error.strerror})") from None
 
 
 def _remove_mode(mode) -> None:

@@ -89,7 +89,7 @@ def main():
     result = compare(dumps["fp32"], dumps["bf16"], top=args.top)
     html = os.path.join(args.out, "report.html")
     result.write_html(html)
-    print(f"\nstep 0 compared (fp32 = reference, bf16 autocast = candidate)")
+    print("\nstep 0 compared (fp32 = reference, bf16 autocast = candidate)")
     print(f"verdict: {result.verdict}")
     first = result.first_divergence
     if first is not None:

@@ -458,14 +458,18 @@ def _utf8(text: str) -> bytes:
         return text.encode("utf-8", "backslashreplace")
 
 
-def _create_partial(partial_path: str) -> h5py.File:
-    folder = os.path.dirname(partial_path)
+def make_folder(folder: str, label: str = "dump folder") -> None:
+    """Create ``folder`` (and its parents) or raise one DumpError naming it and the OS reason."""
     try:
         os.makedirs(folder, exist_ok=True)
     except FileExistsError:
-        raise DumpError(f"cannot create dump folder {folder}: a file is in the way") from None
+        raise DumpError(f"cannot create {label} {folder}: a file is in the way") from None
     except OSError as error:
-        raise DumpError(f"cannot create dump folder {folder}: {_reason(error)}") from error
+        raise DumpError(f"cannot create {label} {folder}: {_reason(error)}") from error
+
+
+def _create_partial(partial_path: str) -> h5py.File:
+    make_folder(os.path.dirname(partial_path))
     final = partial_path[: -len(schema.PARTIAL_SUFFIX)] + schema.FILE_SUFFIX
     if os.path.isdir(final):
         raise DumpError(f"cannot write {final}: a folder is in the way")
