@@ -138,10 +138,9 @@ def test_an_alias_outliving_the_recorded_tensor_object_still_hits_the_cache(monk
 
 def test_a_freed_tensor_whose_memory_is_reused_is_not_served_from_the_cache():
     recorder = Recorder(Config())
-    rows = []
     for fill in (1.0, 2.0, 3.0):
         tensor = torch.full((256,), fill)  # often lands on the freed block of the last one
-        rows = _rows(recorder, [tensor])
+        _rows(recorder, [tensor])
         del tensor
     assert [row[14] for row in recorder.rows] == [1.0, 2.0, 3.0]
 
