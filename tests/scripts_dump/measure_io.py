@@ -13,7 +13,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dumpkit import rows_for, root_attrs  # noqa: E402
