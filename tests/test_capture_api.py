@@ -210,7 +210,105 @@ def test_backward_records_grad_output_and_single_node_grad_input(tmp_path):
     assert grad_in["seq"] == grad_out["seq"] > records["/torch.tanh#0/forward/output.0"]["seq"]
 
 
-def test_composite_call_gets_grad_output_but_no_grad_input(tmp_path):
+@pytest.fixture
+def composite_grad_input(monkeypatch):
+    """Per-call grad_input of composite calls is off by default (see api_mode)."""
+    from probe.capture import api_mode
+
+    monkeypatch.setattr(api_mode, "COMPOSITE_GRAD_INPUT", True)
+
+
+def _capture_tensors(tmp_path, fn):
+    """Run fn() in one captured step with task "tensor"; return {key: stored tensor}."""
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), task="tensor"))
+    with debugger.capture():
+        fn()
+    dump = load(tmp_path)
+    with dump.open(step=0, rank=dump.ranks[0]) as step:
+        return {row["key"]: torch.from_numpy(step.tensor(int(row["tensor_id"])).copy())
+                for row in step.records.to_dicts() if row["tensor_id"] >= 0}
+
+
+def test_composite_linear_on_3d_input_records_true_per_call_grad_inputs(tmp_path,
+        composite_grad_input):
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    source = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 3, 5, dtype=torch.float64)
+
+    def work():
+        x = source * 1.5  # a non-leaf input: its grad_fn marks where the call starts
+        y = F.linear(x, weight, bias)  # ViewBackward0 -> AddmmBackward0, weight via TBackward0
+        # x is used again after the call: its accumulated gradient is not the per-call one
+        (y * upstream).sum().add(x.sum()).backward()
+
+    tensors = _capture_tensors(tmp_path, work)
+    x = (source.detach() * 1.5).requires_grad_()
+    w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    expected = torch.autograd.grad(F.linear(x, w, b), (x, w, b), upstream)
+    prefix = "/functional.linear#0/backward/"
+    for slot, want in zip(("grad_input.0", "grad_input.1", "grad_input.2"), expected):
+        assert torch.allclose(tensors[prefix + slot], want, rtol=1e-12, atol=1e-12), slot
+    assert torch.equal(tensors[prefix + "grad_output.0"], upstream)
+
+
+def test_composite_call_input_feeding_several_nodes_records_the_summed_gradient(tmp_path,
+        composite_grad_input):
+    torch.manual_seed(0)
+    source = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(3, 4, dtype=torch.float64)
+
+    def work():
+        x = source * 2.0
+        y = F.normalize(x, dim=1)  # x / norm(x): x reaches the division and the norm
+        (y * upstream).sum().backward()
+
+    tensors = _capture_tensors(tmp_path, work)
+    x = (source.detach() * 2.0).requires_grad_()
+    (expected,) = torch.autograd.grad(F.normalize(x, dim=1), x, upstream)
+    got = tensors["/functional.normalize#0/backward/grad_input.0"]
+    assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+    # one of the two edges alone is not the per-call gradient
+    (through_division,) = torch.autograd.grad(x / x.norm(dim=1, keepdim=True).detach(), x,
+                                              upstream)
+    assert not torch.allclose(got, through_division)
+
+
+def test_composite_cross_entropy_records_grad_input_of_the_logits(tmp_path,
+        composite_grad_input):
+    logits = torch.randn(4, 3, requires_grad=True)
+    target = torch.tensor([0, 2, 1, 0])
+    records = _capture(tmp_path, lambda: F.cross_entropy(logits, target).backward())
+    assert "/functional.cross_entropy#0/backward/grad_output.0" in records
+    grad_in = records["/functional.cross_entropy#0/backward/grad_input.0"]
+    assert grad_in["norm"] == pytest.approx(logits.grad.norm().item(), rel=1e-6)
+    # recorded when the node that sends it runs, after the call's grad_output arrived
+    assert grad_in["seq"] > records["/functional.cross_entropy#0/backward/grad_output.0"]["seq"]
+    assert not any("cross_entropy#0/backward/grad_input.1" in key for key in records)
+
+
+def test_composite_grad_input_does_not_change_gradients(tmp_path,
+        composite_grad_input):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 5)
+    reference = torch.nn.Linear(4, 5)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+
+    def work():
+        F.normalize(model(x), dim=-1).pow(2).sum().backward()
+
+    records = _capture(tmp_path, work)
+    F.normalize(reference(x_ref), dim=-1).pow(2).sum().backward()
+    assert "/functional.linear#0/backward/grad_input.1" in records
+    assert torch.equal(model.weight.grad, reference.weight.grad)
+    assert torch.equal(model.bias.grad, reference.bias.grad)
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_composite_call_gets_grad_output_but_no_grad_input_by_default(tmp_path):
     logits = torch.randn(4, 3, requires_grad=True)
     target = torch.tensor([0, 2, 1, 0])
     records = _capture(tmp_path, lambda: F.cross_entropy(logits, target).backward())

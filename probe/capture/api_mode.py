@@ -25,9 +25,12 @@ into each output (``grad_output.N``) and, when the call is exactly that one node
 the node's inputs is one of the call's tensor inputs; checked at forward time), the
 gradient the node sends to each input (``grad_input.N``): the per-call contribution, not
 the gradient accumulated over every use of the input. Composite calls (F.cross_entropy is
-log_softmax + nll_loss) get grad_output only. Node hooks do not change numerics, and they
-stay with the node that produced the value, so a later in-place op on the output does not
-move them.
+log_softmax + nll_loss) get grad_output only, unless COMPOSITE_GRAD_INPUT is set: then the
+call's own autograd nodes are walked from its outputs to the edges into its inputs and
+those nodes are hooked (see _composite_edges; an input reaching several of them gets the
+sum, recorded as its own backward event when the last edge ran). Node hooks do not change
+numerics, and they stay with the node that produced the value, so a later in-place op on
+the output does not move them.
 """
 
 from __future__ import annotations
@@ -44,11 +47,19 @@ from probe.capture.recorder import Recorder
 Tensor = torch.Tensor
 _DisableTorchFunction = torch._C.DisableTorchFunction
 _is_grad_enabled = torch.is_grad_enabled
+# one id per backward pass (torch >= 2.1); older torch: every pass looks the same
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _names = naming._cache
 _MISSING = naming._MISSING
 _op_name = naming.op_name
 _PLAIN = (int, float, bool, str, type(None))
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
+
+#: record grad_input.N of composite calls (several autograd nodes) too. Off until compare
+#: judges a backward call against the forward values autograd saved for it: today a
+#: composite call whose grad_output agrees between runs (a loss's 1.0) but whose grad_input
+#: differs because its forward inputs did is called "introduced" (docs/capture.md).
+COMPOSITE_GRAD_INPUT = False
 
 #: ops that return None but write into their first argument, which is then their output
 #: (besides every in-place "..._" op that returns None, such as torch._foreach_add_)
@@ -235,10 +246,162 @@ def _hook_backward(rec, call, produced, edges):
                 nodes.append((node, [(tensor.output_nr, "grad_" + slot)]))
     else:
         return
-    for node, outs in nodes:
-        mapping = _match_inputs(node, edges) if edges else None
-        node.register_hook(functools.partial(_on_backward, rec, rec.generation, call, tuple(outs),
+    mappings = [_match_inputs(node, edges) for node, _ in nodes] if edges else None
+    composite = COMPOSITE_GRAD_INPUT and mappings is not None and None in mappings
+    generation = rec.generation
+    for position, (node, outs) in enumerate(nodes):
+        mapping = None if composite or not mappings else mappings[position]
+        node.register_hook(functools.partial(_on_backward, rec, generation, call, tuple(outs),
                                              mapping))
+    if composite:
+        # the call ran as several autograd nodes: find its own edges into its inputs
+        # (registered after the grad_output hooks, which fire first on a shared node)
+        found = _composite_edges([node for node, _ in nodes], edges)
+        if found:
+            counts = _edge_counts(found)
+            shared = None
+            if any(count > 1 for count in counts.values()):
+                shared = _CallBackward()
+                shared.edges = {slot: count for slot, count in counts.items() if count > 1}
+            for node, positions in found:
+                node.register_hook(functools.partial(_on_input_grads, rec, generation, call,
+                                                     shared, positions))
+
+
+class _CallBackward:
+    """Partial sums, during one backward pass, of the inputs of one composite call that
+    reach several of its autograd nodes."""
+
+    __slots__ = ("task", "edges", "seen", "sums")
+
+    def __init__(self) -> None:
+        self.task = None  # graph task id of the pass the partial sums belong to
+        self.edges: dict = {}  # grad slot -> number of edges into that input inside the call
+        self.seen: dict = {}  # grad slot -> edges fired in this pass
+        self.sums: dict = {}  # grad slot -> gradient summed so far in this pass
+
+    def begin(self) -> None:
+        """Forget the partial sums of an earlier pass (one that skipped some edges)."""
+        task = _graph_task_id()
+        if task != self.task:
+            self.task = task
+            self.seen = {}
+            self.sums = {}
+
+
+#: most autograd nodes one composite call may span before its grad_input is given up
+_WALK_LIMIT = 64
+
+
+def _composite_edges(out_nodes, edges):
+    """[(node, ((position, grad slot), ...))] for the edges inside the call's own autograd
+    nodes that lead to one of its inputs; None when there are none or the walk is too big.
+
+    The walk starts at the output nodes and stops at the inputs' nodes (a non-leaf input's
+    grad_fn, a leaf's AccumulateGrad), at nodes older than every input's node (they belong to
+    earlier calls: autograd numbers nodes in creation order) and after _WALK_LIMIT nodes.
+    """
+    by_node: dict = {}  # id(input grad_fn) -> [(output_nr, slot)]
+    by_leaf: dict = {}  # id(leaf tensor) -> [slot]
+    oldest = -1
+    for slot, grad_fn, output_nr, tensor in edges:
+        if grad_fn is None:
+            by_leaf.setdefault(id(tensor), []).append(slot)
+        else:
+            by_node.setdefault(id(grad_fn), []).append((output_nr, slot))
+            number = grad_fn._sequence_nr()
+            if number > oldest:
+                oldest = number
+    for node in out_nodes:
+        # an output that is an input (x.contiguous() of a contiguous x) made no node here
+        if id(node) in by_node or node._sequence_nr() <= oldest:
+            return None
+    found = []
+    stack = list(out_nodes)
+    seen = {id(node) for node in out_nodes}
+    while stack:
+        node = stack.pop()
+        positions = []
+        for position, (fn, output_nr) in enumerate(node.next_functions):
+            if fn is None:
+                continue
+            key = id(fn)
+            hits = by_node.get(key)
+            if hits is not None:
+                slots = [slot for number, slot in hits if number == output_nr]
+                if slots:
+                    positions.append((position, slots))
+                    continue
+            variable = getattr(fn, "variable", None)  # only AccumulateGrad has one
+            if variable is not None:
+                slots = by_leaf.get(id(variable))
+                if slots:
+                    positions.append((position, slots))
+                continue
+            if key in seen or fn._sequence_nr() <= oldest:
+                continue
+            seen.add(key)
+            if len(seen) > _WALK_LIMIT:
+                return None
+            stack.append(fn)
+        if positions:
+            found.append((node, positions))
+    if not found:
+        return None
+    # the same tensor passed in two slots (x * x) is one autograd edge: which slot the
+    # gradient belongs to is not defined, so such slots get no grad_input
+    result = []
+    for node, positions in found:
+        kept = tuple((position, "grad_" + slots[0]) for position, slots in positions
+                     if len(slots) == 1)
+        if kept:
+            result.append((node, kept))
+    return result or None
+
+
+def _edge_counts(found) -> dict:
+    counts: dict = {}
+    for _, positions in found:
+        for _, slot in positions:
+            counts[slot] = counts.get(slot, 0) + 1
+    return counts
+
+
+def _on_input_grads(rec, generation, forward_call, shared, positions, grad_inputs,
+                    grad_outputs):
+    """A node inside a composite call ran: the gradients it sent to the call's inputs.
+
+    Each firing is its own backward event (its own seq), so records stay in execution order.
+    """
+    if not rec.active or rec.generation != generation or not rec.filter.backward_out:
+        return
+    with _DisableTorchFunction():
+        ready = []
+        if shared is not None:
+            shared.begin()
+        for position, slot in positions:
+            grad = grad_inputs[position] if position < len(grad_inputs) else None
+            if shared is None or slot not in shared.edges:
+                if grad is not None:
+                    ready.append((slot, grad))
+                continue
+            # the input reaches several nodes of the call: its per-call gradient is the sum
+            sums, seen = shared.sums, shared.seen
+            if grad is not None:
+                partial = sums.get(slot)
+                sums[slot] = grad if partial is None else partial + grad
+            count = seen.get(slot, 0) + 1
+            seen[slot] = count
+            if count == shared.edges[slot]:
+                del seen[slot]
+                summed = sums.pop(slot, None)
+                if summed is not None:
+                    ready.append((slot, summed))
+        if ready:
+            kind, module, op, index, _, _, source, decision, _ = forward_call
+            call = rec.call(kind, module, op, index, "backward", source, decision)
+            for slot, grad in ready:
+                rec.add(call, slot, "out", grad)
 
 
 def _output_tensors(produced):
