@@ -230,6 +230,7 @@ def compare_step(
 
     rows: list[R.RecordRow] = []
     summaries: list[R.OpSummary] = []
+    forwards = _forward_rows(pairs, per_pair)
     for pair, call_rows in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None:
             lookup = {id(row): row_a for row, row_a, _ in call_rows}
@@ -238,8 +239,9 @@ def compare_step(
                 kind, producer = origins.get(_lookup[id(row)], ("external", None))
                 return kind, judged.get(producer) if producer is not None else None
 
-            verdict.judge_call([row for row, _, _ in call_rows], input_kind)
-            summary = verdict.summarize_call([row for row, _, _ in call_rows])
+            forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
+            verdict.judge_call([row for row, _, _ in call_rows], input_kind, forward)
+            summary = verdict.summarize_call([row for row, _, _ in call_rows], forward)
             if summary is not None:
                 summaries.append(summary)
         rows.extend(row for row, _, _ in call_rows)
@@ -247,6 +249,24 @@ def compare_step(
         progress(1, 1, measure.bytes_read)
     rows.sort(key=lambda row: row.order)
     return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
+
+
+def _call_key(call_rows) -> tuple | None:
+    """(module, op, index) of a call pair: what ties a backward call to its forward."""
+    if not call_rows:
+        return None
+    head = call_rows[0][0]
+    return head.module, head.op, head.index
+
+
+def _forward_rows(pairs, per_pair) -> dict:
+    """(module, op, index) -> RecordRows of that paired forward call: the values the call's
+    backward computes from (verdict.judge_call counts them as carriers)."""
+    found: dict = {}
+    for pair, call_rows in zip(pairs, per_pair):
+        if pair.a is not None and pair.b is not None and pair.phase == "forward":
+            found.setdefault(_call_key(call_rows), [row for row, _, _ in call_rows])
+    return found
 
 
 def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step=0) -> None:

@@ -26,6 +26,10 @@ Rules (docs/compare.md explains them for users):
   input still within tolerance (its error counts even when its scaled output crosses the
   absolute floor). Sources are where error enters: changed arguments, and divergent params, changed
   and external inputs.
+* The backward of a call computes from the values its forward saw: when judging a backward
+  call, the tensor records of the same call's forward (inputs and outputs, matched by step,
+  rank, module, op and index) are carriers too (kind *forward*). A loss's grad_input whose
+  grad_output is 1.0 in both runs inherits the error of its forward logits.
 * A divergent output is ``introduced`` when an argument changed, when a source's rel L2 is
   at least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
   largest carrier's; otherwise ``inherited``.
@@ -176,16 +180,25 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
 #: input kinds (engine._Provenance): where the tensor an input slot holds came from
 PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
     "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
+#: a tensor record of the forward of the call whose backward is judged: the values the
+#: backward computes from (saved activations, the weight the forward read)
+FORWARD = "forward"
 #: inputs that pass on an error made upstream, divergent or not; parameters and external
 #: inputs carry their error too while within tolerance, and are sources once beyond it
-CARRIERS = (PRODUCED, PARAM_UPDATE, CARRIED, UNRECORDED)
+CARRIERS = (PRODUCED, PARAM_UPDATE, CARRIED, UNRECORDED, FORWARD)
 
 
 def is_carrier(kind: str, status: str) -> bool:
     return kind in CARRIERS or status != R.DIVERGED
 
 
-def judge_call(rows: list[R.RecordRow], input_kind) -> None:
+def forward_carriers(forward: list[R.RecordRow]) -> list[R.RecordRow]:
+    """The tensor records of a call's forward that its backward computes from: paired,
+    measured as tensors (not plain values)."""
+    return [r for r in forward if r.status in R.PAIRED and r.metrics is not None and r.metrics.evidence != "value"]
+
+
+def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] = ()) -> None:
     """Classify the divergent rows of one call pair and give its outputs an origin.
 
     input_kind(row) -> (kind, producer) for an input-side tensor row: kind is "produced",
@@ -201,6 +214,10 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
     divergent output is introduced when an argument changed, when a source's rel L2 is at
     least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
     largest carrier's; otherwise it inherits the error it was given.
+
+    forward: for a backward call, the rows of the same call's forward (already judged). Its
+    tensor records are carriers too: a backward recomputes from the forward's values, so a
+    grad_input can differ while its grad_output agrees (a loss whose forward logits differ).
     """
     carriers, changed_args, dtype_args, sources = [], [], [], []
     kinds, producers = {}, {}
@@ -236,9 +253,13 @@ def judge_call(rows: list[R.RecordRow], input_kind) -> None:
         if row.status == R.DIVERGED:
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
             row.origin = R.INHERITED if kind in CARRIERS else R.INTRODUCED
+    for row in forward_carriers(forward):
+        carriers.append(row)
+        kinds[id(row)] = FORWARD
     carried_rel = max((_rel(r) for r in carriers), default=0.0)
     source_rel = max((_rel(r) for r in sources), default=0.0)
     summary = [_input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
+    summary += [_input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
     for row in rows:
         if row.io != "out" or row.status not in R.PAIRED:
             continue
@@ -282,7 +303,7 @@ def _size(row: R.RecordRow) -> str:
 
 def _input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
     return R.json_safe({
-        "slot": row.slot,
+        "slot": f"forward.{row.slot}" if kind == FORWARD else row.slot,
         "source": kind,
         "producer": producer.key if producer is not None else None,
         "status": row.status,
@@ -352,6 +373,9 @@ def _inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None
                   "autograd, optimizer state)")
     elif kind == EXTERNAL:
         origin = "read from outside the recorded ops (data, a buffer), within tolerance"
+    elif kind == FORWARD:
+        return (f"forward {worst.slot} of this call already carries the error (rel L2 {sci(_rel(worst))}, "
+                f"output {sci(out_rel)}); the backward computes from the values its forward saw")
     elif producer is not None:
         origin = f"made by {producer.key}"
     else:
@@ -398,16 +422,18 @@ def added_score(score: float, out_rel: float, carried_rel: float) -> float:
     return score * max(0.0, 1.0 - carried_rel / out_rel)
 
 
-def summarize_call(rows: list[R.RecordRow]) -> R.OpSummary | None:
+def summarize_call(rows: list[R.RecordRow], forward: list[R.RecordRow] = ()) -> R.OpSummary | None:
     """Error this call pair introduces, in tolerance units: the largest added_score of its
-    outputs against the largest rel L2 error of its carried inputs (produced ones and state
-    carried over); parameters, changed arguments and external inputs are error entering
-    here, so they count as nothing carried."""
+    outputs against the largest rel L2 error of its carried inputs (produced ones, state
+    carried over, and for a backward call the tensor records of its forward); parameters,
+    changed arguments and external inputs are error entering here, so they count as nothing
+    carried."""
     outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"]
     if not outputs:
         return None
     carried = {e["slot"] for e in outputs[0].input_errors if is_carrier(e["source"], e["status"])}
     input_rel = max((_rel(r) for r in rows if r.io == "in" and r.slot in carried), default=0.0)
+    input_rel = max([input_rel] + [_rel(r) for r in forward_carriers(forward)])
     added = [(added_score(_score(r), _rel(r), input_rel), _score(r), r) for r in outputs]
     introduced, _, worst = max(added, key=lambda item: (item[0], item[1]))
     out_rel = _rel(worst)
