@@ -212,7 +212,7 @@ def test_backward_records_grad_output_and_single_node_grad_input(tmp_path):
 
 @pytest.fixture
 def composite_grad_input(monkeypatch):
-    """Per-call grad_input of composite calls is off by default (see api_mode)."""
+    """Per-call grad_input of composite calls (on by default; api_mode's escape hatch can turn it off)."""
     from probe.capture import api_mode
 
     monkeypatch.setattr(api_mode, "COMPOSITE_GRAD_INPUT", True)
@@ -308,12 +308,17 @@ def test_composite_grad_input_does_not_change_gradients(tmp_path,
     assert torch.equal(x.grad, x_ref.grad)
 
 
-def test_composite_call_gets_grad_output_but_no_grad_input_by_default(tmp_path):
+@pytest.mark.parametrize("composite", [True, False])
+def test_composite_grad_input_is_on_by_default_and_the_flag_turns_it_off(tmp_path, monkeypatch, composite):
+    from probe.capture import api_mode
+
+    if not composite:
+        monkeypatch.setattr(api_mode, "COMPOSITE_GRAD_INPUT", False)
     logits = torch.randn(4, 3, requires_grad=True)
     target = torch.tensor([0, 2, 1, 0])
     records = _capture(tmp_path, lambda: F.cross_entropy(logits, target).backward())
     assert "/functional.cross_entropy#0/backward/grad_output.0" in records
-    assert not any("cross_entropy#0/backward/grad_input" in key for key in records)
+    assert ("/functional.cross_entropy#0/backward/grad_input.0" in records) == composite
 
 
 def test_in_place_ops_keep_working_with_backward_hooks(tmp_path):

@@ -25,7 +25,7 @@ into each output (``grad_output.N``) and, when the call is exactly that one node
 the node's inputs is one of the call's tensor inputs; checked at forward time), the
 gradient the node sends to each input (``grad_input.N``): the per-call contribution, not
 the gradient accumulated over every use of the input. Composite calls (F.cross_entropy is
-log_softmax + nll_loss) get grad_output only, unless COMPOSITE_GRAD_INPUT is set: then the
+log_softmax + nll_loss) get grad_input too while COMPOSITE_GRAD_INPUT is on (the default): the
 call's own autograd nodes are walked from its outputs to the edges into its inputs and
 those nodes are hooked (see _composite_edges; an input reaching several of them gets the
 sum, recorded as its own backward event when the last edge ran). Node hooks do not change
@@ -55,11 +55,12 @@ _op_name = naming.op_name
 _PLAIN = (int, float, bool, str, type(None))
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
 
-#: record grad_input.N of composite calls (several autograd nodes) too. Off until compare
-#: judges a backward call against the forward values autograd saved for it: today a
-#: composite call whose grad_output agrees between runs (a loss's 1.0) but whose grad_input
-#: differs because its forward inputs did is called "introduced" (docs/capture.md).
-COMPOSITE_GRAD_INPUT = False
+#: record grad_input.N of composite calls (several autograd nodes) too. On: compare judges
+#: a backward call against its grad_output and the records of the same call's forward, so a
+#: loss whose grad_output agrees (1.0) but whose grad_input differs because its logits did
+#: inherits that error. An escape hatch: set it False before start() to hook only the node
+#: that made the outputs (fewer hooks; composite calls then record grad_output only).
+COMPOSITE_GRAD_INPUT = True
 
 #: ops that return None but write into their first argument, which is then their output
 #: (besides every in-place "..._" op that returns None, such as torch._foreach_add_)

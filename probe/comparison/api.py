@@ -232,8 +232,9 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
 
 
 def _unranked_backward(rows, summaries) -> str:
-    """A note naming the backward API calls whose error no record measures: an op autograd
-    runs as several nodes (F.linear: a transpose and a matmul) records the gradient flowing
+    """A note naming the backward API calls whose error no record measures: with capture's
+    COMPOSITE_GRAD_INPUT off (or where it records nothing: a tensor in two slots of one
+    call), an op autograd runs as several nodes (F.linear: a transpose and a matmul) records the gradient flowing
     into its output but not what it sends back, so the error its backward adds shows up in
     the next recorded gradient, carried and unranked. Their leaf module (level "mix") measures
     it; the note names the ones no module covers."""

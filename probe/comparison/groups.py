@@ -138,10 +138,11 @@ NEGLIGIBLE = 1e-3
 def ranked_pool(summaries: list[R.OpSummary]) -> list[R.OpSummary]:
     """The calls top ops rank, each computation once: API calls when any were captured, plus
     the calls of leaf modules (no recorded module below them) in a phase where no API call of
-    that module measured an output. A linear's backward at API level records only the
-    gradient flowing into its output (autograd runs it as several nodes), so at level "mix"
-    its module (Linear) is what measures the gradient it sends back; a container module
-    (Sequential, a block) only repeats what its children measured."""
+    that module measured an output. With capture's COMPOSITE_GRAD_INPUT off, a linear's
+    backward at API level records only the gradient flowing into its output (autograd runs
+    it as several nodes), so at level "mix" its module (Linear) is what measures the
+    gradient it sends back; a container module (Sequential, a block) only repeats what its
+    children measured."""
     api = [s for s in summaries if s.kind == "api"]
     if not api:
         return list(summaries)
