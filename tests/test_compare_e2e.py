@@ -204,6 +204,12 @@ def test_the_optimizer_updating_a_changed_weight_inherits_its_difference(tmp_pat
     assert any("parameter blocks.1.fc.weight, read after the backward began" in r.cause for r in update)
     introduced = [op for op in result.top_ops if op.diverged and op.origin == "introduced"]
     assert [(op.module, op.op) for op in introduced] == [("blocks.1.fc", "functional.linear")]
+    # the loss's grad_output is 1.0 in both runs; its grad_input differs because its forward
+    # logits did, and the backward is judged against the call's forward records too
+    loss = {r.slot: r for r in result.rows if r.op == "functional.cross_entropy" and r.phase == "backward"}
+    assert loss["grad_output.0"].status == "match"
+    assert loss["grad_input.0"].status == "diverged" and loss["grad_input.0"].origin == "inherited"
+    assert loss["grad_input.0"].cause.startswith("forward input.0 of this call already carries the error")
 
 
 def _extra_add(model):
