@@ -15,6 +15,7 @@ from probe.errors import (
     DumpFormatError,
     ProbeError,
     SeedError,
+    NonfiniteError,
 )
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "DumpFormatError",
     "CaptureError",
     "CompareError",
+    "NonfiniteError",
+    "first_nonfinite",
 ]
 
 # name -> (module, attribute); resolved on first access.
@@ -48,6 +51,7 @@ _LAZY = {
     "Config": ("probe.config", "Config"),
     "load": ("probe.dump.reader", "load"),
     "compare": ("probe.comparison.api", "compare"),
+    "first_nonfinite": ("probe.nonfinite", "first_nonfinite"),
 }
 
 

@@ -24,6 +24,9 @@ _COMMANDS = {
     "run": ("probe.commands.run", "run", "Run a training script with seeding env vars set."),
     "inspect": ("probe.commands.inspect", "inspect", "List the steps, ranks and records of a dump."),
     "compare": ("probe.commands.compare", "compare", "Find where two dumps part."),
+    "determinism": ("probe.commands.determinism", "determinism",
+                    "Run a script twice and name the first nondeterministic op."),
+    "nonfinite": ("probe.commands.nonfinite", "nonfinite", "Find the first NaN/Inf in one dump."),
 }
 
 

@@ -82,6 +82,12 @@ KEYS: dict[str, KeySpec] = {
                 "which phases and directions to record"),
         KeySpec("buffer_mb", "int", 512, f"1 .. {BUFFER_MB_MAX}",
                 "MiB of tensor data allowed to wait for the writer (task tensor)"),
+        KeySpec("random_on_cpu", "bool", False, "false | true",
+                "draw random numbers meant for an accelerator on the CPU generator, then move "
+                "them (CPU and GPU runs draw the same numbers; one host-to-device copy per draw)"),
+        KeySpec("stop_on_nonfinite", "bool", False, "false | true",
+                "raise NonfiniteError at step() after the first step whose records hold NaN/Inf "
+                "(the step file is written first)"),
     )
 }
 
@@ -242,6 +248,8 @@ class Config:
     list: tuple[str, ...] = ()
     data_mode: tuple[str, ...] = ("all",)
     buffer_mb: int = 512
+    random_on_cpu: bool = False
+    stop_on_nonfinite: bool = False
     source: str = field(default="<defaults>", compare=False)
     _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -260,6 +268,8 @@ class Config:
             "list": _strings(src, "list", self.list, "op names or 're:<regex>'"),
             "data_mode": self._data_mode(src),
             "buffer_mb": _bounded_int(src, "buffer_mb", self.buffer_mb, 1, BUFFER_MB_MAX),
+            "random_on_cpu": self._flag(src, "random_on_cpu", self.random_on_cpu),
+            "stop_on_nonfinite": self._flag(src, "stop_on_nonfinite", self.stop_on_nonfinite),
             "source": src,
         }
         for name, value in values.items():

@@ -39,7 +39,7 @@ from probe.capture.filters import CaptureFilter
 from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
 from probe.capture.values import SourceLocator
-from probe.dump.schema import SCHEMA_VERSION
+from probe.dump.schema import COLUMN_NAMES, SCHEMA_VERSION
 from probe.errors import CaptureError, ProbeError
 from probe.seed import determinism_state, seed_all
 
@@ -69,6 +69,7 @@ class PrecisionDebugger:
         self._locate = SourceLocator()
         self.last_file: str | None = None  # the step file step() wrote last
         self.last_step_calls = 0  # API and module calls captured in that step
+        self._nonfinite_stop: ProbeError | None = None  # stop_on_nonfinite: raised by step()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ public lifecycle
@@ -135,6 +136,9 @@ class PrecisionDebugger:
             self._finish_step()
         finally:
             self.current_step += 1
+        stop, self._nonfinite_stop = self._nonfinite_stop, None
+        if stop is not None:
+            raise stop
 
     @contextlib.contextmanager
     def capture(self, model: torch.nn.Module | None = None, *, finish_step: bool = True):
@@ -222,6 +226,11 @@ class PrecisionDebugger:
         except BaseException:
             target.abort()
             raise
+        if self.config.stop_on_nonfinite:
+            from probe.nonfinite import stop_error
+
+            self._nonfinite_stop = stop_error(rows, COLUMN_NAMES, recorder.step_attrs["step"],
+                                              recorder.step_attrs["rank"], self.last_file)
 
     def _uninstall(self) -> ProbeError | None:
         """Remove the mode and hooks; never leaves either behind, even when one fails."""

@@ -32,3 +32,7 @@ class CaptureError(ProbeError):
 
 class CompareError(ProbeError):
     """Two dumps cannot be compared (mismatched steps/ranks, bad mapping file, ...)."""
+
+
+class NonfiniteError(ProbeError):
+    """stop_on_nonfinite: a captured step held NaN/Inf; its file is on disk, training stops."""

@@ -1,0 +1,169 @@
+"""probe nonfinite / probe.first_nonfinite / stop_on_nonfinite on real dumps of tiny models."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import probe
+from probe import Config, NonfiniteError, PrecisionDebugger
+from probe.cli import main
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THIS_FILE = os.path.basename(__file__)
+
+
+class LogNet(nn.Module):
+    """fc -> log: log of a negative value is NaN, introduced by torch.log."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.log(self.fc(x))  # the line the finding must point at
+
+
+def fixed_lognet():
+    """LogNet whose fc sums its inputs times 0.5: NaN exactly when the input is negative."""
+    model = LogNet()
+    with torch.no_grad():
+        model.fc.weight.fill_(0.5)
+        model.fc.bias.fill_(0.0)
+    return model
+
+
+def run_steps(tmp_path, inputs, model=None, level="api", **config):
+    model = model or LogNet()
+    debugger = PrecisionDebugger(Config(task="statistics", level=level,
+                                        dump_path=str(tmp_path / "dump"), **config))
+    for x in inputs:
+        with debugger.capture(model):
+            model(x)
+    return str(tmp_path / "dump")
+
+
+def run_cli(capsys, *args):
+    with pytest.raises(SystemExit) as exited:
+        main(["nonfinite", *map(str, args)])
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
+def test_an_op_making_nan_from_finite_inputs_is_named_as_introduced_with_its_source_line(tmp_path):
+    torch.manual_seed(0)
+    dump = run_steps(tmp_path, [torch.randn(8, 4)])
+    finding = probe.first_nonfinite(dump)
+    assert finding is not None
+    assert (finding.op, finding.module, finding.phase, finding.slot) == ("torch.log", "", "forward", "output.0")
+    assert finding.origin == "introduced"
+    assert finding.nan_count > 0 and finding.inf_count == 0 and finding.numel == 32
+    assert all(slot.finite for slot in finding.inputs) and finding.inputs
+    assert finding.source.startswith(f"{THIS_FILE}:") or THIS_FILE in finding.source
+    assert not finding.overflow
+
+
+def test_nan_arriving_in_the_data_is_inherited_by_the_first_op_that_reads_it(tmp_path):
+    x = torch.ones(2, 4)
+    x[1, 2] = float("nan")
+    dump = run_steps(tmp_path, [x], model=nn.Sequential(nn.Linear(4, 3), nn.ReLU()))
+    finding = probe.first_nonfinite(dump)
+    assert finding.origin == "inherited"
+    assert finding.op == "functional.linear" and finding.slot == "input.0"
+    assert finding.nan_count == 1
+    assert "inherited" in finding.describe() and "input.0 (1 NaN, 0 Inf)" in finding.describe()
+
+
+def test_the_first_step_holding_nan_is_found_across_clean_steps(tmp_path):
+    clean, negative = torch.ones(3, 4), -torch.ones(3, 4)
+    dump = run_steps(tmp_path, [clean, clean, negative, negative], model=fixed_lognet())
+    finding = probe.first_nonfinite(dump)
+    assert finding.step == 2 and finding.op == "torch.log"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_overflow_is_reported_as_overflow(tmp_path, dtype):
+    big = torch.finfo(dtype).max / 2
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            return torch.mul(x, 4.0)
+
+    dump = run_steps(tmp_path, [torch.full((2, 3), big, dtype=dtype)], model=Scale())
+    finding = probe.first_nonfinite(dump)
+    assert finding.op == "torch.mul" and finding.origin == "introduced"
+    assert finding.inf_count == 6 and finding.overflow
+    assert f"{finding.dtype} overflow" in finding.describe()
+
+
+def test_float32_inf_from_finite_inputs_is_not_called_a_half_overflow(tmp_path):
+    class Divide(nn.Module):
+        def forward(self, x):
+            return torch.div(x, 0.0)
+
+    finding = probe.first_nonfinite(run_steps(tmp_path, [torch.ones(3)], model=Divide()))
+    assert finding.origin == "introduced" and finding.inf_count == 3 and not finding.overflow
+
+
+def test_cli_prints_the_finding_and_exits_1(tmp_path, capsys):
+    torch.manual_seed(0)
+    dump = run_steps(tmp_path, [torch.randn(8, 4)])
+    code, out, _ = run_cli(capsys, dump)
+    assert code == 1
+    assert out.startswith("first NaN/Inf: step 0 rank 0: <root> torch.log#0 (forward, api)")
+    assert "origin: introduced here" in out and f"source: " in out
+    code, out, _ = run_cli(capsys, dump, "--json")
+    data = json.loads(out)
+    assert code == 1 and data["found"] and data["first"]["op"] == "torch.log"
+    assert data["by_rank"]["0"]["origin"] == "introduced"
+
+
+def test_cli_says_none_found_and_exits_0_on_a_clean_dump(tmp_path, capsys):
+    dump = run_steps(tmp_path, [torch.ones(2, 4)], model=nn.Linear(4, 2))
+    code, out, _ = run_cli(capsys, dump)
+    assert code == 0 and out.startswith("none found")
+    assert probe.first_nonfinite(dump) is None
+
+
+def test_cli_missing_dump_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "probe.cli", "nonfinite", str(tmp_path / "nothing")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_one_finding_per_rank_from_a_folder_with_two_rank_files(tmp_path, monkeypatch, capsys):
+    for rank, value in ((0, -1.0), (1, 1.0)):
+        monkeypatch.setenv("RANK", str(rank))
+        run_steps(tmp_path, [torch.ones(2, 4), torch.full((2, 4), value)], model=fixed_lognet())
+    found = probe.nonfinite.find_nonfinite(str(tmp_path / "dump"))
+    assert sorted(found) == [0]  # rank 1 stayed finite
+    assert found[0].step == 1
+
+
+def test_stop_on_nonfinite_raises_at_step_after_writing_the_step_file(tmp_path):
+    model = fixed_lognet()
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path / "dump"), stop_on_nonfinite=True))
+    steps_done = 0
+    with pytest.raises(NonfiniteError, match=r"step 2 rank 0 holds NaN/Inf") as raised:
+        for x in (torch.ones(2, 4), torch.ones(2, 4), -torch.ones(2, 4), torch.ones(2, 4)):
+            debugger.start(model)
+            model(x)
+            debugger.stop()
+            debugger.step()
+            steps_done += 1
+    assert steps_done == 2
+    assert os.path.isfile(tmp_path / "dump" / "step2" / "rank0.h5")
+    assert "probe nonfinite" in str(raised.value)
+    assert probe.first_nonfinite(str(tmp_path / "dump")).step == 2
+
+
+def test_without_stop_on_nonfinite_a_nan_step_does_not_raise(tmp_path):
+    dump = run_steps(tmp_path, [-torch.ones(2, 4), torch.ones(2, 4)], model=fixed_lognet(),
+                     stop_on_nonfinite=False)
+    assert probe.first_nonfinite(dump) is not None  # NaN was there, and training went on
