@@ -70,6 +70,14 @@ class PrecisionDebugger:
         self.last_file: str | None = None  # the step file step() wrote last
         self.last_step_calls = 0  # API and module calls captured in that step
         self._nonfinite_stop: ProbeError | None = None  # stop_on_nonfinite: raised by step()
+        # random_on_cpu: between start() and stop(); for the whole run when `probe run`
+        # handed the config down (pushed here, under every later mode, never popped)
+        self._random = None
+        self._random_whole_run = None
+        if cfg.random_on_cpu and config is None:
+            from probe.capture import random_on_cpu
+
+            self._random_whole_run = random_on_cpu.install()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ public lifecycle
@@ -96,6 +104,11 @@ class PrecisionDebugger:
                 )
             self._model = model
         self._started = True
+        if self.config.random_on_cpu and self._random_whole_run is None:
+            from probe.capture import random_on_cpu
+
+            # below the capture mode, on every step (captured or not): a run draws alike throughout
+            self._random = random_on_cpu.install()
         if not self._selected():
             return
         try:
@@ -247,6 +260,10 @@ class PrecisionDebugger:
                     "still active; exit it before stop()"
                 )
                 _remove_mode(mode)
+        random_mode, self._random = self._random, None
+        if random_mode is not None and any(
+                m is random_mode for m in torch.overrides._get_current_function_mode_stack()):
+            _remove_mode(random_mode)
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.remove()
