@@ -5,8 +5,8 @@
 
 Every tensor record carries ``nan_count`` and ``inf_count``. The first record, in execution
 order across steps (step, then ``seq`` within a step file), whose counts are not zero is the
-first place a NaN/Inf was seen. Its event (the call that produced the record, all of whose
-records share one ``seq``) decides the origin:
+first place a NaN/Inf was seen. Its call (every record with the same module, op, index and
+phase: inputs, parameters, outputs) decides the origin:
 
 * **introduced**: the call's inputs were all finite and an output is not; this op made it.
 * **inherited**: a NaN/Inf was already in the call's inputs (its data, a parameter, an
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import os
+
+import numpy as np
 from dataclasses import asdict, dataclass, field
 
 from probe.errors import DumpFormatError, NonfiniteError
@@ -38,6 +40,9 @@ DTYPE_MAX = {
     "float8_e5m2": 57344.0,
     "float8_e5m2fnuz": 57344.0,
 }
+#: the columns that name one call (its records may have several seq: a module's inputs are
+#: recorded when it starts, its outputs when it returns)
+CALL_COLUMNS = ("module", "op", "index", "phase")
 _ROW_COLUMNS = ("key", "seq", "kind", "module", "op", "index", "phase", "slot", "io", "dtype",
                 "shape", "min", "max", "nan_count", "inf_count", "numel", "source")
 
@@ -138,8 +143,13 @@ def _first_in_file(step_file) -> NonfiniteFinding | None:
         return None
     seq = records.column("seq")
     first_seq = int(seq[bad].min())
+    at = int(((seq == first_seq) & bad).nonzero()[0][0])
+    # the whole call: a module's inputs are recorded when it starts, its outputs when it ends
+    same_call = np.ones(len(records), dtype=bool)
+    for name in CALL_COLUMNS:
+        same_call &= records.column(name) == records.column(name)[at]
     rows = [{name: _plain(records.column(name)[i]) for name in _ROW_COLUMNS}
-            for i in (seq == first_seq).nonzero()[0]]
+            for i in same_call.nonzero()[0]]
     rows = [row for row in rows if row["dtype"]]  # tensors only: plain values hold no NaN count
     first = next(row for row in rows if row["nan_count"] > 0 or row["inf_count"] > 0)
     inputs = tuple(_slot(row) for row in rows if row["io"] == "in")

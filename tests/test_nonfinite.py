@@ -54,15 +54,21 @@ def run_cli(capsys, *args):
     return exited.value.code, out, err
 
 
-def test_an_op_making_nan_from_finite_inputs_is_named_as_introduced_with_its_source_line(tmp_path):
-    torch.manual_seed(0)
-    dump = run_steps(tmp_path, [torch.randn(8, 4)])
+@pytest.mark.parametrize("level, op, inputs", [
+    ("api", "torch.log", ["input.0"]),
+    ("mix", "torch.log", ["input.0"]),
+    # a module's inputs are recorded when it starts and its outputs when it returns: both count
+    ("module", "LogNet", ["input.0"]),
+])
+def test_an_op_making_nan_from_finite_inputs_is_named_as_introduced_with_its_source_line(
+        tmp_path, level, op, inputs):
+    dump = run_steps(tmp_path, [-torch.ones(8, 4)], model=fixed_lognet(), level=level)
     finding = probe.first_nonfinite(dump)
     assert finding is not None
-    assert (finding.op, finding.module, finding.phase, finding.slot) == ("torch.log", "", "forward", "output.0")
+    assert (finding.op, finding.module, finding.phase, finding.slot) == (op, "", "forward", "output.0")
     assert finding.origin == "introduced"
-    assert finding.nan_count > 0 and finding.inf_count == 0 and finding.numel == 32
-    assert all(slot.finite for slot in finding.inputs) and finding.inputs
+    assert finding.nan_count == 32 and finding.inf_count == 0 and finding.numel == 32
+    assert [slot.slot for slot in finding.inputs] == inputs and all(s.finite for s in finding.inputs)
     assert finding.source.startswith(f"{THIS_FILE}:") or THIS_FILE in finding.source
     assert not finding.overflow
 

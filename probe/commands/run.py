@@ -56,10 +56,12 @@ def _check_executable(program: str, env: dict[str, str]) -> None:
         raise ProbeError(f"run: command not found: {program!r} (not on PATH)")
 
 
-def run_child(command: list[str], env: dict[str, str]) -> int:
-    """Run ``command`` with ``env``; forward SIGINT/SIGTERM; return its exit code (128+N if killed)."""
+def run_child(command: list[str], env: dict[str, str], stdout=None) -> int:
+    """Run ``command`` with ``env``; forward SIGINT/SIGTERM; return its exit code (128+N if killed).
+
+    stdout: where the child's stdout goes (None: inherited; probe determinism sends it to stderr)."""
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, stdout=stdout)
     except FileNotFoundError:
         raise ProbeError(f"run: command not found: {command[0]!r}") from None
     except PermissionError:

@@ -1,0 +1,122 @@
+"""``probe determinism -- python train.py``: run a script twice, name its nondeterministic op.
+
+Each run is a fresh process started the way ``probe run`` starts one (PYTHONHASHSEED, and
+PROBE_CONFIG pointing at a copy of the config forced to task "checksum" with its own
+dump_path), so the script's ``PrecisionDebugger()`` seeds and dumps alike in every run. The
+dumps are then compared bit for bit (probe/determinism.py). This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import click
+
+from probe.commands.run import _check_executable, build_env, run_child
+from probe.config import Config, load
+from probe.determinism import bit_compare, format_report
+from probe.errors import DumpFormatError, ProbeError
+
+USAGE = "probe determinism [-c config.json] [--runs 2] [--dump DIR] -- python train.py [args...]"
+
+
+@click.command(
+    "determinism",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Run a script twice and name the first nondeterministic op.",
+)
+@click.option("-c", "--config", "config_path", metavar="FILE",
+              help="probe config (.json/.yaml); its task is forced to checksum, the rest is kept.")
+@click.option("--runs", type=click.IntRange(2, 100), default=2, show_default=True,
+              help="How many identical runs (each later run is compared with run 1).")
+@click.option("--dump", "dump_dir", metavar="DIR",
+              help="Keep the dumps in DIR/run1, DIR/run2, ... (default: a temporary folder, removed).")
+@click.option("--top", type=click.IntRange(0), default=10, show_default=True,
+              help="How many introducing ops to list per rank.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def determinism(config_path, runs, dump_dir, top, as_json, command) -> int:
+    """Run COMMAND several times with the same seed and report whether it repeats bit for bit.
+
+    The script must create ``probe.PrecisionDebugger()`` (no argument: it reads the config
+    this command passes in $PROBE_CONFIG) and call start()/stop()/step() around its steps.
+    Every run dumps checksums of every recorded tensor; the first op whose output differs
+    while its inputs are bit-identical is the nondeterministic op. Also prints the
+    determinism settings in force and what to change. One report per rank under torchrun.
+    The script's own stdout goes to stderr, so stdout holds only the report.
+
+    \b
+    Exit codes: 0 bit-identical, 1 not, 2 trouble (no command, a run that fails on its own,
+    a script that writes no dump, a bad config).
+
+    \b
+    Examples:
+      probe determinism -- python train.py --steps 3
+      probe determinism -c config.json --runs 3 --dump det_dumps -- python train.py
+      probe determinism -- torchrun --nproc-per-node 2 train.py
+    """
+    if not command:
+        raise ProbeError(f"determinism: no command given after --; usage: {USAGE}")
+    base = load(config_path) if config_path is not None else Config()
+    folder = os.path.abspath(dump_dir) if dump_dir else tempfile.mkdtemp(prefix="probe-determinism-")
+    try:
+        dumps = [_run(command, base, folder, run, runs) for run in range(1, runs + 1)]
+        reports = [report for run in range(2, runs + 1)
+                   for report in bit_compare(dumps[0], dumps[run - 1], 1, run)]
+    finally:
+        if not dump_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+    identical = all(report.identical for report in reports)
+    if as_json:
+        click.echo(json.dumps({
+            "verdict": "identical" if identical else "nondeterministic",
+            "runs": runs,
+            "dumps": dumps if dump_dir else [],
+            "reports": [report.to_dict() for report in reports],
+        }, indent=2, default=str))
+    else:
+        lines = []
+        for report in reports:
+            lines += format_report(report, top)
+        verdict = ("the runs are bit-identical" if identical
+                   else "the runs differ: the script is not deterministic")
+        lines.append(f"verdict: {verdict} ({runs} runs)")
+        if dump_dir:
+            lines.append(f"dumps: {' '.join(dumps)}")
+        click.echo("\n".join(lines))
+    return 0 if identical else 1
+
+
+def _run(command, base: Config, folder: str, run: int, runs: int) -> str:
+    """One run of the command into folder/run<N>; returns that dump folder."""
+    dump = os.path.join(folder, f"run{run}")
+    if os.path.isdir(dump) and os.listdir(dump):
+        raise ProbeError(f"determinism: {dump} already holds files; give --dump an empty or new folder")
+    os.makedirs(folder, exist_ok=True)
+    forced = base.replace(task="checksum", dump_path=dump)
+    config_file = os.path.join(folder, f"run{run}.config.json")
+    with open(config_file, "w", encoding="utf-8") as handle:
+        json.dump(forced.to_dict(), handle, indent=2)
+    env = build_env(load(config_file), None, dict(os.environ))
+    _check_executable(command[0], env)
+    shown = " ".join(command)
+    click.echo(f"probe determinism: run {run} of {runs}: {shown}", err=True)
+    sys.stderr.flush()
+    code = run_child(list(command), env, stdout=sys.stderr)
+    if code != 0:
+        raise ProbeError(f"determinism: run {run} of `{shown}` failed on its own with exit code {code} "
+                         "(its output is above); make it run cleanly first")
+    from probe.dump.reader import discover
+
+    try:
+        discover(dump)
+    except DumpFormatError:
+        raise ProbeError(
+            f"determinism: run {run} of `{shown}` wrote no dump under {dump}: the script must create "
+            "probe.PrecisionDebugger() with no argument (it reads the config passed in $PROBE_CONFIG) "
+            "and call start()/stop()/step()") from None
+    return dump

@@ -1,0 +1,131 @@
+"""probe determinism: identical runs compared bit for bit, the nondeterministic op named.
+
+The nondeterminism is real: tests/scripts/determinism_train.py --unseeded-noise draws from a
+torch.Generator seeded from os.urandom, so two runs differ there on every machine.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from probe import Config, PrecisionDebugger
+from probe.cli import main
+from probe.determinism import bit_compare, format_report
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "determinism_train.py")
+
+
+def noise_line() -> int:
+    with open(SCRIPT, encoding="utf-8") as handle:
+        return next(n for n, line in enumerate(handle, 1) if "unseeded on purpose" in line)
+
+
+def determinism(*args, timeout=240):
+    """probe determinism in a fresh process, as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "probe.cli", "determinism", *map(str, args)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_an_unseeded_draw_is_named_as_the_nondeterministic_op_with_its_source_line():
+    done = determinism("--", sys.executable, SCRIPT, "--unseeded-noise")
+    assert done.returncode == 1, done.stderr
+    out = done.stdout
+    assert "rank 0, run 1 vs run 2: NOT bit-identical" in out
+    assert "nondeterministic op: 1 torch.randn#0 (forward) at step 0" in out
+    assert f"source: tests/scripts/determinism_train.py:{noise_line()}" in out
+    ranked = [line.strip() for line in out.splitlines() if line.strip()[:3] in ("1. ", "2. ")]
+    # only the draw introduced differences; everything after it (forward, backward of ops whose
+    # forward differed, the optimizer) inherited them and is not listed
+    assert len(ranked) == 1 and ranked[0].startswith("1. 1 torch.randn (forward): 2 calls"), out
+    assert "determinism settings in force:" in out and "deterministic_algorithms false" in out
+    assert 'set "mode": true in the config' in out
+    assert "torch.randn drew different numbers in identical runs" in out
+    assert out.rstrip().endswith("verdict: the runs differ: the script is not deterministic (2 runs)")
+    assert "loss " not in out and "loss " in done.stderr  # the script's output stays off stdout
+
+
+def test_a_deterministic_script_is_bit_identical_with_the_config_forced_to_checksum(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"task": "statistics", "level": "mix", "seed": 7}))
+    dumps = tmp_path / "dumps"
+    done = determinism("-c", config, "--dump", dumps, "--json", "--", sys.executable, SCRIPT, "--steps", "1")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["verdict"] == "identical" and result["runs"] == 2
+    assert [r["identical"] for r in result["reports"]] == [True]
+    assert result["reports"][0]["settings"]["seed"] == 7
+    import probe
+
+    for run in (1, 2):
+        with probe.load(str(dumps / f"run{run}")).open(0) as step:
+            assert step.attrs["task"] == "checksum" and step.attrs["level"] == "mix"
+            assert all(step.records.column("checksum")[step.records.column("dtype") != ""])
+
+
+def test_no_command_after_the_dashes_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["determinism"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.count("\n") == 1 and "no command given after --" in err
+
+
+def test_a_script_failing_on_its_own_reports_its_exit_code_and_exit_2():
+    done = determinism("--", sys.executable, SCRIPT, "--fail", "3", timeout=120)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert "run 1 of" in last and "failed on its own with exit code 3" in last
+    assert "Traceback" not in done.stderr
+
+
+def test_a_script_without_the_debugger_is_told_how_to_add_it():
+    done = determinism("--", sys.executable, SCRIPT, "--no-debugger", timeout=120)
+    assert done.returncode == 2
+    assert "wrote no dump" in done.stderr and "PrecisionDebugger()" in done.stderr
+
+
+def test_a_dump_folder_holding_runs_is_not_written_over(tmp_path, capsys):
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit) as exited:
+        main(["determinism", "--dump", str(tmp_path), "--", sys.executable, SCRIPT])
+    assert exited.value.code == 2 and "already holds files" in capsys.readouterr().err
+    assert (tmp_path / "run1" / "keep.txt").read_text() == "x"
+
+
+class MaybeNoisy(nn.Module):
+    def __init__(self, noisy):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.noisy = noisy
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.noisy:
+            y = y + torch.rand(y.shape, generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
+        return y.sum()
+
+
+def test_one_report_per_rank_from_folders_with_two_rank_files(tmp_path, monkeypatch):
+    """What torchrun leaves: rank0.h5 and rank1.h5 per step; only rank 1 is nondeterministic."""
+    for run in (1, 2):
+        for rank in (0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            debugger = PrecisionDebugger(Config(task="checksum", dump_path=str(tmp_path / f"run{run}")))
+            model = MaybeNoisy(noisy=rank == 1)
+            with debugger.capture(model):
+                model(torch.ones(2, 3)).backward()
+    reports = bit_compare(tmp_path / "run1", tmp_path / "run2")
+    assert [(r.rank, r.identical) for r in reports] == [(0, True), (1, False)]
+    assert reports[1].first.op == "torch.rand" and reports[1].first.origin == "introduced"
+    assert [op.op for op in reports[1].ops] == ["torch.rand"]
+    text = "\n".join(format_report(reports[1]))
+    assert text.startswith("rank 1, run 1 vs run 2: NOT bit-identical")
+    assert "\n".join(format_report(reports[0])).startswith("rank 0, run 1 vs run 2: bit-identical")
