@@ -5,6 +5,7 @@ from a temporary working directory so no example depends on being run from the r
 and the test reads the printed verdicts and names, not only the exit code.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -124,6 +125,17 @@ def test_reinforcement_learning_fp32_update_is_within_tolerance_of_fp64(reinforc
     assert (out / "update_fp64" / "step0" / "rank0.h5").is_file()
     # float32 rounding is within float32 tolerance: a dtype change alone is no divergence.
     assert re.search(r"^   verdict: pass$", stdout, re.M), stdout
+
+
+def test_reinforcement_learning_with_random_on_cpu_repeats_across_devices(reinforcement_learning_run):
+    """Part 3: trainings launched by probe run with "random_on_cpu": true, on the CPU and on
+    --device (the CPU here: no GPU in CI), give the same returns episode by episode."""
+    stdout, out = reinforcement_learning_run
+    assert 'both with "random_on_cpu": true (launched by probe run' in stdout
+    assert re.search(r"^   episode returns identical across devices: yes$", stdout, re.M), stdout
+    same = re.search(r"identical returns: (\d+) of (\d+) episodes", stdout)
+    assert same and same.group(1) == same.group(2) and int(same.group(1)) > 0
+    assert json.loads((out / "random_on_cpu.json").read_text())["random_on_cpu"] is True
 
 
 def test_distributed_compares_each_rank_and_blames_rank_1(tmp_path):

@@ -5,6 +5,10 @@
 2. One PPO update step (one minibatch: forward, clipped loss, backward, Adam step) is dumped
    in two configurations from the same weights and minibatch and compared. The candidate is a
    float64 "high-precision bench" by default (--candidate threads: 1 thread vs the default).
+3. Cross-device: the training on the CPU and on --device, both launched by `probe run` with the
+   config key random_on_cpu, so the policy's action sampling on the device draws from the CPU
+   generator; the episode returns must stay identical. On a GPU it also trains without the key
+   and says for how many episodes CPU and GPU agree then.
 
     python examples/reinforcement_learning/run.py           # ~12 s on 2 CPU cores
     python examples/reinforcement_learning/run.py --smoke   # CI size
@@ -17,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 # Run as `python examples/reinforcement_learning/run.py` from anywhere: make `probe` and
 # `examples` importable without installing anything.
@@ -25,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 
 from probe import Config, PrecisionDebugger, compare, seed_all
+from probe.commands.run import build_env
+from probe.config import load as load_config
 from examples._common import example_parser, print_compare_summary
 from examples.reinforcement_learning.ppo import (
     ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, train, update_step,
@@ -45,9 +52,16 @@ def settings_for(smoke):
     return PPOSettings(rollout_steps=128, minibatch=64) if smoke else PPOSettings()
 
 
-def seeded_training(updates, smoke, device):
-    """A full seeded PPO training; returns the return of every finished episode."""
-    seed_all(SEED)
+def seeded_training(updates, smoke, device, via_probe_run=False):
+    """A full seeded PPO training; returns the return of every finished episode.
+
+    via_probe_run: the config comes from `probe run` ($PROBE_CONFIG); PrecisionDebugger()
+    seeds and, with random_on_cpu, redirects device draws to the CPU for the whole run. It
+    never starts a capture here."""
+    if via_probe_run:
+        PrecisionDebugger()
+    else:
+        seed_all(SEED)
     env = make_env()
     tracker = EpisodeTracker(env, SEED)
     model = ActorCritic().to(device)
@@ -107,11 +121,67 @@ def compare_update_step(args):
     print_compare_summary(result, dumps, html)
 
 
+def agreeing_episodes(a, b):
+    """How many leading episodes have the same return in both runs."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def launch_training(args, device, result, config=None):
+    """One training in a fresh process; with config, launched as `probe run -c config` does."""
+    command = [sys.executable, os.path.abspath(__file__), "--updates", str(args.updates),
+               "--device", device, "--out", args.out, "--child", result]
+    command += ["--smoke"] if args.smoke else []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if config is not None:
+        command.append("--via-probe-run")
+        env = build_env(load_config(config), None, env)
+    return subprocess.Popen(command, env=env)
+
+
+def cross_device(args):
+    """3. PPO on the CPU and on args.device, both with random_on_cpu; returns True when equal."""
+    config = os.path.join(args.out, "random_on_cpu.json")
+    with open(config, "w") as handle:
+        json.dump({"seed": SEED, "random_on_cpu": True, "dump_path": os.path.join(args.out, "unused")}, handle)
+    runs = {("cpu", True): None, (args.device, True): None}
+    if args.device != "cpu":
+        runs.update({("cpu", False): None, (args.device, False): None})
+    started = time.perf_counter()
+    jobs = {}
+    for position, (device, with_key) in enumerate(runs):
+        result = os.path.join(args.out, f"cross_{position}_{device}_{'rng' if with_key else 'plain'}.json")
+        jobs[(device, with_key)] = (result, launch_training(args, device, result, config if with_key else None))
+    for key, (result, job) in jobs.items():
+        if job.wait() != 0:
+            print(f"the {key[0]} training failed", file=sys.stderr)
+            return False
+        with open(result) as handle:
+            runs[key] = json.load(handle)
+    reference, candidate = runs[("cpu", True)], runs[(args.device, True)]
+    same = agreeing_episodes(reference, candidate)
+    print(f"\n3. cross-device: PPO on cpu vs on {args.device}, both with \"random_on_cpu\": true "
+          f"(launched by probe run; {time.perf_counter() - started:.0f} s)")
+    print(f"   episodes: {len(reference)} and {len(candidate)}; identical returns: {same} of "
+          f"{min(len(reference), len(candidate))} episodes")
+    equal = reference == candidate
+    print(f"   episode returns identical across devices: {'yes' if equal else 'NO'}")
+    if args.device != "cpu":
+        plain = agreeing_episodes(runs[("cpu", False)], runs[(args.device, False)])
+        print(f"   without random_on_cpu: identical for the first {plain} episodes")
+    return equal
+
+
 def main():
     parser = example_parser(__doc__, "reinforcement_learning", "2 updates of 128 steps")
     parser.add_argument("--updates", type=int, default=8, help="PPO rollouts+updates per training")
     parser.add_argument("--candidate", choices=["fp64", "threads"], default="fp64")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--via-probe-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.updates = 2
@@ -119,7 +189,7 @@ def main():
 
     if args.child:
         with open(args.child, "w") as handle:
-            json.dump(seeded_training(args.updates, args.smoke, args.device), handle)
+            json.dump(seeded_training(args.updates, args.smoke, args.device, args.via_probe_run), handle)
         return 0
 
     files = [os.path.join(args.out, f"returns_run{run}.json") for run in (1, 2)]
@@ -143,7 +213,8 @@ def main():
     print(f"   episode returns repeat exactly: {'yes' if same else 'NO'}")
 
     compare_update_step(args)
-    return 0 if same else 1
+    cross_same = cross_device(args)
+    return 0 if same and cross_same else 1
 
 
 if __name__ == "__main__":
