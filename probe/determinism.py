@@ -90,6 +90,7 @@ class RankReport:
     ops: list[RankedOp] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
     device: str = ""
+    world_size: int = 1
 
     @property
     def identical(self) -> bool:
@@ -197,6 +198,7 @@ def bit_compare(path_a, path_b, run_a: int = 1, run_b: int = 2) -> list[RankRepo
                 if not report.settings:
                     report.settings = _settings(file_a.attrs)
                     report.device = str(file_a.attrs.get("device", ""))
+                    report.world_size = int(file_a.attrs.get("world_size", 1) or 1)
                 diffs, only_a, only_b, count = compare_files(file_a, file_b, rank, step)
             report.records += count
             report.differing += sum(len(d.differing_outputs) + len(d.differing_inputs) for d in diffs)
@@ -239,6 +241,11 @@ def advice(report: RankReport) -> list[str]:
             f"the first difference was already in the inputs of {first.name()}: it was made by "
             "code probe did not record (before start(), or inside one recorded call); capture "
             "more with level \"mix\" or start() earlier")
+        if report.world_size > 1:
+            tips.append(
+                f"this is one of {report.world_size} ranks: a difference made on another rank "
+                "arrives through collectives (DDP's gradient all-reduce runs in C++ and is not "
+                "recorded); read the other ranks' reports for the op that made it")
     if settings.get("deterministic_algorithms") is False:
         tips.append(
             'set "mode": true in the config: torch.use_deterministic_algorithms(True) makes '

@@ -136,6 +136,8 @@ def test_reinforcement_learning_with_random_on_cpu_repeats_across_devices(reinfo
     same = re.search(r"identical returns: (\d+) of (\d+) episodes", stdout)
     assert same and same.group(1) == same.group(2) and int(same.group(1)) > 0
     assert json.loads((out / "random_on_cpu.json").read_text())["random_on_cpu"] is True
+    reference = json.loads((out / "cross_reference_cpu.json").read_text())
+    assert json.loads((out / "cross_candidate_cpu.json").read_text()) == reference  # two trainings
 
 
 def test_distributed_compares_each_rank_and_blames_rank_1(tmp_path):

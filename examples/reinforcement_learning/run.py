@@ -148,21 +148,22 @@ def cross_device(args):
     config = os.path.join(args.out, "random_on_cpu.json")
     with open(config, "w") as handle:
         json.dump({"seed": SEED, "random_on_cpu": True, "dump_path": os.path.join(args.out, "unused")}, handle)
-    runs = {("cpu", True): None, (args.device, True): None}
+    sides = [("reference", "cpu", True), ("candidate", args.device, True)]
     if args.device != "cpu":
-        runs.update({("cpu", False): None, (args.device, False): None})
+        sides += [("reference_plain", "cpu", False), ("candidate_plain", args.device, False)]
     started = time.perf_counter()
     jobs = {}
-    for position, (device, with_key) in enumerate(runs):
-        result = os.path.join(args.out, f"cross_{position}_{device}_{'rng' if with_key else 'plain'}.json")
-        jobs[(device, with_key)] = (result, launch_training(args, device, result, config if with_key else None))
-    for key, (result, job) in jobs.items():
+    for name, device, with_key in sides:
+        result = os.path.join(args.out, f"cross_{name}_{device}.json")
+        jobs[name] = (result, launch_training(args, device, result, config if with_key else None))
+    runs = {}
+    for name, (result, job) in jobs.items():
         if job.wait() != 0:
-            print(f"the {key[0]} training failed", file=sys.stderr)
+            print(f"the {name} training failed", file=sys.stderr)
             return False
         with open(result) as handle:
-            runs[key] = json.load(handle)
-    reference, candidate = runs[("cpu", True)], runs[(args.device, True)]
+            runs[name] = json.load(handle)
+    reference, candidate = runs["reference"], runs["candidate"]
     same = agreeing_episodes(reference, candidate)
     print(f"\n3. cross-device: PPO on cpu vs on {args.device}, both with \"random_on_cpu\": true "
           f"(launched by probe run; {time.perf_counter() - started:.0f} s)")
@@ -171,7 +172,7 @@ def cross_device(args):
     equal = reference == candidate
     print(f"   episode returns identical across devices: {'yes' if equal else 'NO'}")
     if args.device != "cpu":
-        plain = agreeing_episodes(runs[("cpu", False)], runs[(args.device, False)])
+        plain = agreeing_episodes(runs["reference_plain"], runs["candidate_plain"])
         print(f"   without random_on_cpu: identical for the first {plain} episodes")
     return equal
 
