@@ -69,31 +69,20 @@ _TORCH_PARAMS = {"rrelu": ("input", "lower", "upper", "training", "generator")}
 _DROPOUT_PARAMS = ("input", "p", "train")
 
 
+def _groups() -> tuple:
+    """(owner, names, handler kind) for every covered group."""
+    return (
+        (torch, _FACTORIES, "factory"), (Tensor, _METHODS, "factory"), (Tensor, _FILLS, "fill"),
+        (torch.nn.init, _INITS, "init"), (F, _MASK_DROPOUTS_F, "mask"),
+        (torch, _MASK_DROPOUTS_TORCH, "mask"), (F, _ON_CPU_F, "on_cpu"),
+        (torch, _ON_CPU_TORCH, "on_cpu"), (F, ("rrelu_",), "on_cpu"),
+    )
+
+
 def _functions() -> dict:
-    """func -> handler name, for every covered function that exists in this torch."""
-    table = {}
-    for name in _FACTORIES:
-        if hasattr(torch, name):
-            table[getattr(torch, name)] = "factory"
-    for name in _METHODS:
-        table[getattr(Tensor, name)] = "factory"
-    for name in _FILLS:
-        table[getattr(Tensor, name)] = "fill"
-    for name in _INITS:
-        if hasattr(torch.nn.init, name):
-            table[getattr(torch.nn.init, name)] = "init"
-    for name in _MASK_DROPOUTS_F:
-        table[getattr(F, name)] = "mask"
-    for name in _MASK_DROPOUTS_TORCH:
-        if hasattr(torch, name):
-            table[getattr(torch, name)] = "mask"
-    for name in _ON_CPU_F:
-        table[getattr(F, name)] = "on_cpu"
-    for name in _ON_CPU_TORCH:
-        if hasattr(torch, name):
-            table[getattr(torch, name)] = "on_cpu"
-    table[F.rrelu_] = "on_cpu"
-    return table
+    """func -> handler kind, for every covered function that exists in this torch."""
+    return {getattr(owner, name): kind for owner, names, kind in _groups()
+            for name in names if hasattr(owner, name)}
 
 
 def covered_names() -> list[str]:
