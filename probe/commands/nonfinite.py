@@ -6,6 +6,7 @@ import json
 
 import click
 
+from probe.dump.reader import load
 from probe.nonfinite import find_nonfinite
 
 
@@ -29,7 +30,10 @@ def nonfinite(dump: str, rank: int | None, as_json: bool) -> int:
       probe nonfinite probe_dump/
       probe nonfinite probe_dump/step3/rank0.h5 --json
     """
-    findings = find_nonfinite(dump, rank=rank)
+    loaded = load(dump)
+    for message in loaded.incomplete_messages():  # skipped: a killed run's last step
+        click.echo(f"probe nonfinite: note: {message}", err=True)
+    findings = find_nonfinite(loaded, rank=rank)
     if as_json:
         click.echo(json.dumps({
             "found": bool(findings),
