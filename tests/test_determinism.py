@@ -129,3 +129,33 @@ def test_one_report_per_rank_from_folders_with_two_rank_files(tmp_path, monkeypa
     text = "\n".join(format_report(reports[1]))
     assert text.startswith("rank 1, run 1 vs run 2: NOT bit-identical")
     assert "\n".join(format_report(reports[0])).startswith("rank 0, run 1 vs run 2: bit-identical")
+
+
+def test_a_call_present_in_one_run_only_is_reported_as_a_different_path(tmp_path):
+    for run, extra in ((1, False), (2, True)):
+        debugger = PrecisionDebugger(Config(task="checksum", dump_path=str(tmp_path / f"run{run}")))
+        model = nn.Linear(3, 2)
+        with debugger.capture(model):
+            y = model(torch.ones(1, 3))
+            if extra:
+                torch.relu(y)
+    (report,) = bit_compare(tmp_path / "run1", tmp_path / "run2")
+    assert not report.identical and report.differing == 0
+    assert report.only_b and all("torch.relu#0" in key for key in report.only_b) and not report.only_a
+    assert "the runs took different paths: 0 records only in run 1" in "\n".join(format_report(report))
+
+
+@pytest.mark.parametrize("mode, tip_expected", [(False, True), ("warn", True), (True, False)])
+def test_the_mode_tip_follows_the_deterministic_setting_in_force(mode, tip_expected):
+    from probe.determinism import DiffCall, RankReport, advice
+
+    first = DiffCall(step=0, rank=0, order=3, module="", op="Tensor.index_add_", index=0,
+                     phase="forward", kind="api", source="train.py:9", origin="introduced")
+    settings = {"deterministic_algorithms": mode is not False,
+                "deterministic_algorithms_warn_only": mode == "warn", "num_threads": 1}
+    report = RankReport(rank=0, run_a=1, run_b=2, steps=[0], differing=1, first=first,
+                        settings=settings, device="cuda:0")
+    tips = advice(report)
+    assert any('set "mode": true' in tip or '"mode" is "warn"' in tip for tip in tips) == tip_expected
+    assert any("CUBLAS_WORKSPACE_CONFIG is unset" in tip for tip in tips)
+    assert not any("drew different numbers" in tip for tip in tips)  # index_add_ is no draw
