@@ -127,6 +127,18 @@ def test_a_draw_aimed_at_another_device_advances_the_cpu_generator_as_a_cpu_draw
     assert torch.equal(torch.get_rng_state(), after_cpu)
 
 
+def test_a_draw_whose_device_comes_from_a_default_device_context_is_redirected_too():
+    torch.manual_seed(5)
+    torch.randn(6)
+    after_cpu = torch.get_rng_state()
+    torch.manual_seed(5)
+    with torch.device("meta"):  # a DeviceContext mode below ours: the call has no device=
+        with RandomOnCpu() as mode:
+            out = torch.randn(6)
+    assert out.device.type == "meta" and mode.redirected == 1
+    assert torch.equal(torch.get_rng_state(), after_cpu)
+
+
 def test_covered_list_names_the_issue_functions():
     for name in ("torch.rand", "torch.randn", "torch.randint", "torch.randperm", "torch.normal",
                  "torch.bernoulli", "Tensor.normal_", "Tensor.uniform_", "Tensor.bernoulli_",
