@@ -8,7 +8,9 @@ non-tensor argument, its value) differs.
 A call (the records with the same module, op, index and phase) whose outputs differ while
 every one of its inputs is bit-identical *introduced* the difference: that is a
 nondeterministic op. A call whose inputs already differ *inherited* it; so does a backward
-call whose forward call differed (the backward reads what the forward saved). The report names the
+call whose forward call differed (the backward reads what the forward saved), and a module
+call inside which a recorded call had a differing input (a child's parameter, say). Module
+calls around an introducing API call (level "mix") are not listed: the API call is the op. The report names the
 first introducing call in execution order (step, then the ``seq`` of its first output) and
 lists every op that introduced a difference, in order of first appearance. Each rank is
 compared on its own (one report per rank under torchrun). Never imports torch.
@@ -137,9 +139,11 @@ def compare_files(file_a, file_b, rank: int, step: int) -> tuple[list[DiffCall],
     only_b = [row["key"] for row in rows_b if row["key"] not in keys_a]
     calls: dict[tuple, DiffCall] = {}
     first_out: dict[tuple, int] = {}
+    start: dict[tuple, int] = {}  # a module call runs from its inputs' seq to its outputs'
     for row in rows_a:
+        call = _call(row)
+        start[call] = min(start.get(call, row["seq"]), row["seq"])
         if row["io"] == "out":
-            call = _call(row)
             first_out[call] = min(first_out.get(call, row["seq"]), row["seq"])
     for row in rows_a:
         other = by_key_b.get(row["key"])
@@ -162,10 +166,40 @@ def compare_files(file_a, file_b, rank: int, step: int) -> tuple[list[DiffCall],
         forward = calls.get((diff.module, diff.op, diff.index, "forward"))
         if diff.differing_inputs or (diff.phase == "backward" and forward is not None):
             diff.origin = INHERITED
+    for call, diff in calls.items():
+        if diff.kind == "module" and diff.origin == INTRODUCED and _fed_inside(diff, start[call], calls):
+            diff.origin = INHERITED
         if not diff.first_key:
             diff.first_key = f"{diff.module}/{diff.op}#{diff.index}/{diff.phase}/{diff.differing_inputs[0]}"
     ordered = sorted(calls.values(), key=lambda d: d.order)
     return ordered, only_a, only_b, len(rows_a)
+
+
+def _fed_inside(module: DiffCall, begin: int, calls: dict) -> bool:
+    """A module call whose own inputs agree can still be fed a difference inside: a child's
+    parameter updated differently at an earlier step, a tensor made before it ran. True when
+    a recorded call inside it, while it ran, had a differing input."""
+    path = module.module
+    for other in calls.values():
+        if other is module or not other.differing_inputs or other.step != module.step:
+            continue
+        inside = path == "" or other.module == path or other.module.startswith(path + ".")
+        if inside and begin <= other.order <= module.order:
+            return True
+    return False
+
+
+def _innermost(introduced: list[DiffCall]) -> list[DiffCall]:
+    """Drop module calls whose difference a recorded API call inside them introduced (level
+    "mix": Block and its parents all have identical inputs and differing outputs because of
+    the torch.randn inside Block; the op is the randn)."""
+    inside = {d.module for d in introduced if d.kind == "api"}
+
+    def explained(diff: DiffCall) -> bool:
+        m = diff.module
+        return diff.kind == "module" and any(m == "" or a == m or a.startswith(m + ".") for a in inside)
+
+    return [d for d in introduced if not explained(d)]
 
 
 def _rank_ops(introduced: list[DiffCall]) -> list[RankedOp]:
@@ -205,7 +239,7 @@ def bit_compare(path_a, path_b, run_a: int = 1, run_b: int = 2) -> list[RankRepo
             report.only_a += [f"step {step}: {key}" for key in only_a]
             report.only_b += [f"step {step}: {key}" for key in only_b]
             differing += diffs
-            introduced += [d for d in diffs if d.origin == INTRODUCED]
+            introduced += _innermost([d for d in diffs if d.origin == INTRODUCED])
         report.first = introduced[0] if introduced else (differing[0] if differing else None)
         report.ops = _rank_ops(introduced)
         reports.append(report)

@@ -33,8 +33,14 @@ def determinism(*args, timeout=240):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_an_unseeded_draw_is_named_as_the_nondeterministic_op_with_its_source_line():
-    done = determinism("--", sys.executable, SCRIPT, "--unseeded-noise")
+def test_an_unseeded_draw_is_named_as_the_nondeterministic_op_with_its_source_line(tmp_path):
+    """Level "mix" from the config, task forced to checksum; the modules around the draw
+    (Block "1", the root Sequential) also change outputs from identical inputs, but the op
+    named and listed is the draw inside them."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"task": "statistics", "level": "mix", "seed": 7}))
+    dumps = tmp_path / "dumps"
+    done = determinism("-c", config, "--dump", dumps, "--", sys.executable, SCRIPT, "--unseeded-noise")
     assert done.returncode == 1, done.stderr
     out = done.stdout
     assert "rank 0, run 1 vs run 2: NOT bit-identical" in out
@@ -44,23 +50,13 @@ def test_an_unseeded_draw_is_named_as_the_nondeterministic_op_with_its_source_li
     # only the draw introduced differences; everything after it (forward, backward of ops whose
     # forward differed, the optimizer) inherited them and is not listed
     assert len(ranked) == 1 and ranked[0].startswith("1. 1 torch.randn (forward): 2 calls"), out
-    assert "determinism settings in force:" in out and "deterministic_algorithms false" in out
+    assert "determinism settings in force:" in out and "seed 7, mode false" in out
+    assert "deterministic_algorithms false" in out
     assert 'set "mode": true in the config' in out
     assert "torch.randn drew different numbers in identical runs" in out
-    assert out.rstrip().endswith("verdict: the runs differ: the script is not deterministic (2 runs)")
+    assert out.rstrip().endswith(f"dumps: {dumps / 'run1'} {dumps / 'run2'}")
+    assert "verdict: the runs differ: the script is not deterministic (2 runs)" in out
     assert "loss " not in out and "loss " in done.stderr  # the script's output stays off stdout
-
-
-def test_a_deterministic_script_is_bit_identical_with_the_config_forced_to_checksum(tmp_path):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"task": "statistics", "level": "mix", "seed": 7}))
-    dumps = tmp_path / "dumps"
-    done = determinism("-c", config, "--dump", dumps, "--json", "--", sys.executable, SCRIPT, "--steps", "1")
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["verdict"] == "identical" and result["runs"] == 2
-    assert [r["identical"] for r in result["reports"]] == [True]
-    assert result["reports"][0]["settings"]["seed"] == 7
     import probe
 
     for run in (1, 2):
@@ -159,3 +155,36 @@ def test_the_mode_tip_follows_the_deterministic_setting_in_force(mode, tip_expec
     assert any('set "mode": true' in tip or '"mode" is "warn"' in tip for tip in tips) == tip_expected
     assert any("CUBLAS_WORKSPACE_CONFIG is unset" in tip for tip in tips)
     assert not any("drew different numbers" in tip for tip in tips)  # index_add_ is no draw
+
+
+class NoisyBlock(nn.Module):
+    def __init__(self, noisy):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.noisy = noisy
+
+    def forward(self, x):
+        x = torch.tanh(self.fc(x))
+        if self.noisy:
+            seed = int.from_bytes(os.urandom(4), "little")
+            x = x + torch.rand(x.shape, generator=torch.Generator().manual_seed(seed))
+        return x
+
+
+@pytest.mark.parametrize("level, named", [("module", ("1", "NoisyBlock")), ("mix", ("1", "torch.rand")),
+                                          ("api", ("1", "torch.rand"))])
+def test_the_innermost_recorded_call_is_named_at_every_level(tmp_path, level, named):
+    """Module level: the block holding the draw (its parent's and the next steps' blocks only
+    inherit, through the updated parameters of their children); api/mix: the draw itself."""
+    for run in (1, 2):
+        debugger = PrecisionDebugger(Config(task="checksum", level=level, dump_path=str(tmp_path / f"run{run}")))
+        model = nn.Sequential(NoisyBlock(False), NoisyBlock(True), nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            with debugger.capture(model):
+                optimizer.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                optimizer.step()
+    (report,) = bit_compare(tmp_path / "run1", tmp_path / "run2")
+    assert (report.first.module, report.first.op) == named and report.first.origin == "introduced"
+    assert [(op.module, op.op) for op in report.ops] == [named]
