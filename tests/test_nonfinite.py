@@ -173,3 +173,19 @@ def test_without_stop_on_nonfinite_a_nan_step_does_not_raise(tmp_path):
     dump = run_steps(tmp_path, [-torch.ones(2, 4), torch.ones(2, 4)], model=fixed_lognet(),
                      stop_on_nonfinite=False)
     assert probe.first_nonfinite(dump) is not None  # NaN was there, and training went on
+
+
+def test_probe_nonfinite_and_determinism_never_import_torch(tmp_path):
+    dump = run_steps(tmp_path, [-torch.ones(2, 4)], model=fixed_lognet())
+    code = ("import sys\n"
+            "from probe.cli import main\n"
+            "import probe.commands.determinism\n"
+            "try:\n"
+            f"    main(['nonfinite', {dump!r}])\n"
+            "except SystemExit as exit_:\n"
+            "    assert exit_.code == 1, exit_.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    assert done.returncode == 0, done.stderr
+    assert "first NaN/Inf" in done.stdout
