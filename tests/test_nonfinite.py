@@ -189,3 +189,14 @@ def test_probe_nonfinite_and_determinism_never_import_torch(tmp_path):
                           timeout=60, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert done.returncode == 0, done.stderr
     assert "first NaN/Inf" in done.stdout
+
+
+def test_values_at_the_half_dtype_max_are_called_saturated(tmp_path):
+    class Scale(nn.Module):
+        def forward(self, x):
+            return torch.mul(x, 2.0)
+
+    x = torch.tensor([65504.0, 1.0], dtype=torch.float16)  # already at float16's largest value
+    finding = probe.first_nonfinite(run_steps(tmp_path, [x], model=Scale()))
+    assert finding.overflow and finding.inf_count == 1
+    assert any(note.startswith("input.0 reach 65504") for note in finding.notes), finding.notes
