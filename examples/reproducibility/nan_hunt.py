@@ -12,7 +12,6 @@ held NaN/Inf, whether its op introduced it or inherited it, its source line and 
     python examples/reproducibility/nan_hunt.py --smoke            # CI size (same run)
 """
 
-import argparse
 import os
 import sys
 
