@@ -2,7 +2,7 @@
 
 A CPU run and a GPU run seeded alike still draw different numbers: each device has its own
 generator and its own kernels. With this mode active, every covered random call whose target
-device is not the CPU is made on the CPU, with the CPU generator, exactly as a CPU run of
+device is not the CPU (nor "meta", which holds no values) is made on the CPU, with the CPU generator, exactly as a CPU run of
 the same code makes it, and the result is copied to the target device. The numbers, the
 dropout masks and the CPU generator's advance are then the same on every device.
 
@@ -46,6 +46,10 @@ from torch.utils._device import DeviceContext
 
 Tensor = torch.Tensor
 _CPU = torch.device("cpu")
+#: draws aimed at these stay where they are: the CPU itself, and "meta" (shapes only: a CPU run
+#: of the same code draws nothing there either, and deferred initialisation of a large model on
+#: meta must not allocate it on the host)
+_LEFT_ALONE = ("cpu", "meta")
 
 #: out-of-place draws whose tensor arguments only give a layout (no values are read)
 _LIKE = ("rand_like", "randn_like", "randint_like")
@@ -167,7 +171,7 @@ class RandomOnCpu(TorchFunctionMode):
             target = tensors[0].device
         else:
             target = _default_device()
-        if target.type == "cpu":
+        if target.type in _LEFT_ALONE:
             return func(*args, **kwargs)
         layout_only = getattr(func, "__name__", "") in _LIKE
         cpu_args = tuple(_to_cpu(a, layout_only) for a in args)
@@ -181,7 +185,7 @@ class RandomOnCpu(TorchFunctionMode):
 
     def _fill(self, func, args, kwargs, init: bool):
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-        if not isinstance(target, Tensor) or target.device.type == "cpu":
+        if not isinstance(target, Tensor) or target.device.type in _LEFT_ALONE:
             return func(*args, **kwargs)
         # the same layout as the target: the CPU kernel fills it in the order a CPU run would
         fresh = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype, device=_CPU)
@@ -202,7 +206,7 @@ class RandomOnCpu(TorchFunctionMode):
         source = params.get("input")
         training = params.get("training", params.get("train", False))
         device = _device_of(source)
-        if (device is None or device.type == "cpu" or not training or params.get("p", 1) == 0
+        if (device is None or device.type in _LEFT_ALONE or not training or params.get("p", 1) == 0
                 or dropout_removed()):
             return func(*args, **kwargs)  # nothing random happens, or seed_all removes it
         inplace = bool(params.get("inplace", False)) or func.__name__.endswith("_")
