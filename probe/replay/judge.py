@@ -65,6 +65,7 @@ def judge(a: SideResult, b: SideResult) -> dict:
         low = _lower_precision(a, b)
         if low is not None and output_rel is not None and low.error >= 0.5 * output_rel:
             data["verdict"] = PRECISION
+            data["lower"] = "B" if low is b else "A"
         else:
             data["rounding"], data["amplification"] = _rounding_kind(input_rel, output_rel)
     data["summary"] = summary(data)
@@ -81,7 +82,7 @@ def summary(data: dict) -> str:
     if verdict in (INTRODUCED_A, INTRODUCED_B):
         return f"{verdict}: {sides}; {closer}"
     if verdict == PRECISION:
-        low = "B" if _eps(data["dtype_b"]) > _eps(data["dtype_a"]) else "A"
+        low = data["lower"]
         dtype = data[f"dtype_{low.lower()}"]
         return f"precision: {low} rounds to {dtype}, within its rounding: {sides}; {closer}"
     kind = data["rounding"]
