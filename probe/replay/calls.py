@@ -36,6 +36,18 @@ def is_float(dtype_name: str) -> bool:
     return dtype_name in _FLOAT_NAMES
 
 
+def is_checked(dtype_name: str) -> bool:
+    """Outputs replay checks: floating point (in ulps) and integers/bools (exactly)."""
+    return dtype_name in _FLOAT_NAMES or dtype_name.startswith(("int", "uint")) or dtype_name == "bool"
+
+
+def epsilon(dtype_name: str) -> float:
+    """Machine epsilon of a floating dtype; 1 for integers and bools (any difference is a unit)."""
+    if dtype_name in _FLOAT_NAMES:
+        return torch.finfo(getattr(torch, dtype_name)).eps
+    return 1.0
+
+
 @dataclass
 class Record:
     slot: str
@@ -97,7 +109,7 @@ class StepSource:
         """The stored tensor (float64/complex128 when wide and floating); NotReplayable if absent."""
         if record.tensor_id < 0:
             raise NotReplayable(f"no saved inputs: {record.slot} has no stored tensor (dump with task 'tensor')")
-        array = np.ascontiguousarray(self.file.tensor(record.tensor_id))
+        array = np.array(self.file.tensor(record.tensor_id), copy=True, order="C")  # 0-d stays 0-d
         self.bytes_read += array.nbytes
         if array.dtype.kind not in "biufc":
             raise NotReplayable(f"tensor of dtype {record.dtype} at {record.slot} cannot be replayed")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from probe.replay import ops
-from probe.replay.calls import Call, StepSource, is_float, rebuild_arguments, to_float64_dtype
+from probe.replay.calls import Call, StepSource, epsilon, is_checked, is_float, rebuild_arguments, to_float64_dtype
 from probe.replay.ops import NotReplayable
 
 Tensor = torch.Tensor
@@ -251,11 +251,11 @@ def _measure(source: StepSource, call: Call, head: str, truth, inputs: dict) -> 
     """Each recorded float output against truth(None) (exact inputs), with the noise level
     from truth(nudge) (inputs moved by the unit roundoff of the outputs' dtype)."""
     records = [(slot, record) for slot, record in call.records.items()
-               if slot.split(".", 1)[0] == head and record.io == "out" and is_float(record.dtype)]
+               if slot.split(".", 1)[0] == head and record.io == "out" and is_checked(record.dtype)]
     if not records:
-        raise NotReplayable(f"no floating-point {head} recorded to check")
+        raise NotReplayable(f"no {head} recorded to check (no stored tensor of a number dtype)")
     exact = truth(None)
-    eps = max(torch.finfo(getattr(torch, record.dtype)).eps for _, record in records)
+    eps = max((epsilon(record.dtype) for _, record in records if is_float(record.dtype)), default=2.0 ** -52)
     nudged = truth(_nudge(eps / 2))
     try:
         native = truth(NATIVE)
@@ -273,16 +273,20 @@ def _measure(source: StepSource, call: Call, head: str, truth, inputs: dict) -> 
         outputs[slot] = recorded
         expected = expected.detach().to(torch.float64)
         error = rel_error(recorded, expected)
-        slot_eps = torch.finfo(getattr(torch, record.dtype)).eps
+        slot_eps = epsilon(record.dtype)
         noise = rel_error(nudged[slot].detach().to(torch.float64), expected) if slot in nudged else 0.0
         if slot in native and tuple(native[slot].shape) == tuple(expected.shape):
-            kernel = native[slot].detach().to(getattr(torch, record.dtype)).to(torch.float64)
+            kernel = native[slot].detach().to(_torch_dtype(record.dtype)).to(torch.float64)
             noise = max(noise, rel_error(kernel, expected))
         excess = error / max(noise, slot_eps) if not math.isnan(error) else math.inf
         if worst is None or excess > worst.excess:
             worst = SideResult(error, error / slot_eps, noise, excess, record.dtype, slot)
     worst.outputs, worst.inputs = outputs, inputs
     return worst
+
+
+def _torch_dtype(name: str):
+    return getattr(torch, name)
 
 
 def rel_error(value: Tensor, truth: Tensor) -> float:

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
+from probe.replay.calls import epsilon
 from probe.replay.execute import SideResult, rel_error
 
 #: an op's own error up to this many times max(eps, noise) is rounding (a correctly rounded
@@ -98,7 +97,7 @@ def summary(data: dict) -> str:
 def _side(data: dict, side: str) -> str:
     text = f"{_ulps(data['ulp_' + side])} of {data['dtype_' + side]} (rel {data['error_' + side]:.1e}"
     noise = data.get("noise_" + side)
-    if noise and noise > 2 * torch.finfo(getattr(torch, data["dtype_" + side])).eps:
+    if noise and noise > 2 * epsilon(data["dtype_" + side]):
         text += f"; rounding its inputs alone moves it {noise:.1e}"  # an ill-conditioned op
     return text + ")"
 
@@ -121,12 +120,8 @@ def _closer(error_a: float, error_b: float) -> str:
     return "tie"
 
 
-def _eps(dtype: str) -> float:
-    return torch.finfo(getattr(torch, dtype)).eps
-
-
 def _lower_precision(a: SideResult, b: SideResult) -> SideResult | None:
-    eps_a, eps_b = _eps(a.dtype), _eps(b.dtype)
+    eps_a, eps_b = epsilon(a.dtype), epsilon(b.dtype)
     if eps_a == eps_b:
         return None
     return b if eps_b > eps_a else a
