@@ -44,7 +44,7 @@ class SideResult:
     ulp: float  # error in machine epsilons of that output's dtype
     noise: float  # rel L2 that rounding the inputs at that dtype's unit roundoff causes
     excess: float  # error / max(noise, eps): how many times beyond rounding
-    dtype: str
+    dtype: str  # the output's dtype, or the coarser one its computation ran in (ulps are of it)
     slot: str  # the worst output's slot
     outputs: dict = field(default_factory=dict)  # slot -> recorded output (float64), to compare A with B
     inputs: dict = field(default_factory=dict)  # slot -> recorded float input (float64)
@@ -210,7 +210,11 @@ def _backward_call(source: StepSource, forward: Call, backward: Call, op: str) -
         return {wanted[slot]: (grad if grad is not None else torch.zeros_like(leaves[slot]))
                 for slot, grad in zip(slots, grads)}
 
-    return _measure(source, backward, "grad_input", truth, inputs)
+    # a backward runs in the precision its forward ran in (autocast: bfloat16 saved inputs),
+    # whatever dtype the gradients it sends back are cast to
+    ran_in = [record.dtype for slot, record in forward.records.items()
+              if slot.startswith("output") and record.io == "out" and is_float(record.dtype)]
+    return _measure(source, backward, "grad_input", truth, inputs, ran_in)
 
 
 # ---------------------------------------------------------------------------- module level
@@ -247,15 +251,20 @@ def _module_call(source: StepSource, call: Call, op: str, phase: str) -> SideRes
 
 # ---------------------------------------------------------------------------- errors
 
-def _measure(source: StepSource, call: Call, head: str, truth, inputs: dict) -> SideResult:
-    """Each recorded float output against truth(None) (exact inputs), with the noise level
-    from truth(nudge) (inputs moved by the unit roundoff of the outputs' dtype)."""
+def _measure(source: StepSource, call: Call, head: str, truth, inputs: dict, ran_in=()) -> SideResult:
+    """Each recorded output against truth(None) (exact inputs), with the noise level from
+    truth(nudge) (inputs moved by the unit roundoff of the outputs' dtype) and truth(NATIVE).
+
+    ran_in: dtypes the call also computed in (a backward: its forward's outputs); errors are
+    counted in ulps of the coarsest of those and the output's own dtype (the side's dtype)."""
     records = [(slot, record) for slot, record in call.records.items()
                if slot.split(".", 1)[0] == head and record.io == "out" and is_checked(record.dtype)]
     if not records:
         raise NotReplayable(f"no {head} recorded to check (no stored tensor of a number dtype)")
+    coarsest = max(ran_in, key=epsilon, default=None)
     exact = truth(None)
-    eps = max((epsilon(record.dtype) for _, record in records if is_float(record.dtype)), default=2.0 ** -52)
+    floats = [record.dtype for _, record in records if is_float(record.dtype)] + list(ran_in)
+    eps = max((epsilon(name) for name in floats), default=2.0 ** -52)
     nudged = truth(_nudge(eps / 2))
     try:
         native = truth(NATIVE)
@@ -273,14 +282,17 @@ def _measure(source: StepSource, call: Call, head: str, truth, inputs: dict) -> 
         outputs[slot] = recorded
         expected = expected.detach().to(torch.float64)
         error = rel_error(recorded, expected)
-        slot_eps = epsilon(record.dtype)
+        dtype = record.dtype
+        if coarsest is not None and is_float(dtype) and epsilon(coarsest) > epsilon(dtype):
+            dtype = coarsest
+        slot_eps = epsilon(dtype)
         noise = rel_error(nudged[slot].detach().to(torch.float64), expected) if slot in nudged else 0.0
         if slot in native and tuple(native[slot].shape) == tuple(expected.shape):
             kernel = native[slot].detach().to(_torch_dtype(record.dtype)).to(torch.float64)
             noise = max(noise, rel_error(kernel, expected))
         excess = error / max(noise, slot_eps) if not math.isnan(error) else math.inf
         if worst is None or excess > worst.excess:
-            worst = SideResult(error, error / slot_eps, noise, excess, record.dtype, slot)
+            worst = SideResult(error, error / slot_eps, noise, excess, dtype, slot)
     worst.outputs, worst.inputs = outputs, inputs
     return worst
 
