@@ -209,11 +209,11 @@ def _place(tree: dict, parts: list, value) -> None:
 
 
 def _freeze(node):
-    """Nested dicts of positions -> lists (a list of tensors: torch.cat's, a foreach op's)."""
+    """Nested dicts of positions -> tuples (tensors of torch.cat or a foreach op; an index)."""
     if not isinstance(node, dict):
         return node
     if node and all(isinstance(key, int) for key in node):
         if sorted(node) != list(range(len(node))):
             raise NotReplayable("a list argument has items that were not recorded")
-        return [_freeze(node[position]) for position in range(len(node))]
+        return tuple(_freeze(node[position]) for position in range(len(node)))
     return {key: _freeze(value) for key, value in node.items()}

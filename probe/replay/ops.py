@@ -81,9 +81,9 @@ def resolve(op: str):
     spaces = _NAMESPACES.get(prefix)
     if spaces is None or not name:
         raise NotReplayable(f"unknown function: probe does not know how to call {op!r}")
-    if prefix == "Tensor":
-        name = _out_of_place(name)
     for space in spaces:
+        if is_in_place(op):
+            name = _out_of_place(space, name)
         function = getattr(space, name, None)
         if callable(function):
             return function
@@ -95,11 +95,11 @@ def is_in_place(op: str) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
-def _out_of_place(name: str) -> str:
-    if name.startswith("__i") and name.endswith("__") and hasattr(torch.Tensor, "__" + name[3:]):
+def _out_of_place(space, name: str) -> str:
+    if name.startswith("__i") and name.endswith("__") and hasattr(space, "__" + name[3:]):
         return "__" + name[3:]  # __iadd__ -> __add__
-    if name.endswith("_") and not name.endswith("__") and hasattr(torch.Tensor, name[:-1]):
-        return name[:-1]  # add_ -> add
+    if name.endswith("_") and not name.endswith("__") and hasattr(space, name[:-1]):
+        return name[:-1]  # add_ -> add, torch._foreach_mul_ -> torch._foreach_mul
     return name
 
 
