@@ -339,3 +339,27 @@ def test_capture_records_what_a_non_tensor_argument_was_and_replay_rebuilds_it(t
             assert side.ulp <= 0.5, (op, side)
     finally:
         source.close()
+
+
+def test_schema_1_dumps_still_compare_and_replay_says_what_it_lacks():
+    data = os.path.join(REPO, "tests", "data", "gpu_dumps")
+    result = probe.compare(os.path.join(data, "conv_cpu"), os.path.join(data, "conv_gpu"), replay=3)
+    assert result.evidence == "statistics"  # real H100/CPU dumps of schema 1, task statistics
+    assert any("replay needs full tensors" in note for note in result.notes)
+    for call in result.replay.calls:
+        assert call["replay"]["verdict"] == "not replayable" and "no saved inputs" in call["replay"]["reason"]
+
+
+def test_a_schema_1_tensor_dump_without_value_types_replays_with_dtypes_read_by_name(npu_dumps, tmp_path):
+    import shutil
+
+    import h5py
+
+    old = tmp_path / "old"
+    shutil.copytree(npu_dumps[0], old)
+    with h5py.File(old / "step0" / "rank0.h5", "r+") as handle:  # what a schema-1 writer left
+        handle.attrs["schema_version"] = 1
+        del handle["records"]["value_type"]
+    result = probe.compare(str(old), npu_dumps[1], replay=2)
+    first = result.first_divergence
+    assert result.replay.verdict_for(first.step, first.rank, first.key_a)["verdict"] == "introduced by B"
