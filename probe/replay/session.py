@@ -90,11 +90,16 @@ def _prefixes(key: str):
 
 
 def replay_result(result, count: int = DEFAULT_COUNT, budget: float = DEFAULT_BUDGET_S,
-                  progress: Callable[[int, int, str, dict | None], None] | None = None) -> ReplayReport:
-    """Replay the calls result points at; attach the report as result.replay and return it."""
+                  progress: Callable[[int, int, str, dict | None], None] | None = None,
+                  calls=()) -> ReplayReport:
+    """Replay the calls result points at; attach the report as result.replay and return it.
+
+    calls: more calls to replay, after those: (step, rank, key) with key a record key of A or
+    a call key ("module/op#index/phase"), e.g. every divergent optimizer call.
+    """
     report = ReplayReport(budget_s=budget)
     files = {(info["step"], info["rank"]): (info["file_a"], info["file_b"]) for info in result.steps}
-    targets = _targets(result, count)
+    targets = _targets(result, count, calls)
     if result.evidence != "tensor":
         report.notes.append(f"replay needs full tensors (task 'tensor'); these dumps hold {result.evidence} only")
     sources: dict[str, StepSource] = {}
@@ -156,7 +161,7 @@ def _call_prefix(key: str, slot: str) -> str | None:
     return key[: len(key) - len(slot)]
 
 
-def _targets(result, count: int) -> list[Target]:
+def _targets(result, count: int, calls=()) -> list[Target]:
     by_a: dict = {}  # (step, rank, A prefix) -> (row, B prefix)
     for row in result.rows:
         prefix_a, prefix_b = _call_prefix(row.key_a, row.slot), _call_prefix(row.key_b, row.slot)
@@ -183,6 +188,9 @@ def _targets(result, count: int) -> list[Target]:
                 add(row.step, row.rank, prefix, role)
     for rank_number, op in enumerate(_ranked(result, count), 1):
         add(op.step, op.rank, op.key + "/", f"top op {rank_number}")
+    for step, rank, key in calls:
+        for prefix in _prefixes(key):
+            add(step, rank, prefix, "asked")
     return list(targets.values())
 
 
