@@ -370,3 +370,15 @@ def test_a_schema_1_tensor_dump_without_value_types_replays_with_dtypes_read_by_
     result = probe.compare(str(old), npu_dumps[1], replay=2)
     first = result.first_divergence
     assert result.replay.verdict_for(first.step, first.rank, first.key_a)["verdict"] == "introduced by B"
+
+
+def test_without_replay_reports_have_no_replay_fields_and_bad_replay_arguments_are_refused(npu_dumps, capsys):
+    data = json.loads(probe.compare(*npu_dumps).to_json())
+    assert "replay" not in data and "replay" not in data["first_divergence"]
+    assert all("replay" not in entry for entry in data["top_ops"])
+    with pytest.raises(probe.ProbeError, match="replay must be an integer >= 0"):
+        probe.compare(*npu_dumps, replay=-1)
+    with pytest.raises(probe.ProbeError, match="replay_budget must be a number of seconds > 0"):
+        probe.compare(*npu_dumps, replay=1, replay_budget=0)
+    code, _, err = _cli(["compare", *npu_dumps, "--replay=-3"], capsys)
+    assert code == 2 and "--replay" in err
