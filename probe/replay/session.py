@@ -144,6 +144,8 @@ def _replay_target(target: Target, files: dict, sources: dict, report: ReplayRep
         return J.not_replayable(str(reason))
     except (MemoryError, RecursionError) as error:
         return J.not_replayable(f"replay ran out of resources: {type(error).__name__}")
+    except Exception as error:  # noqa: BLE001 - any op may fail in its own way; one call must not end the compare
+        return J.not_replayable(f"replay failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
     return J.judge(side_a, side_b)
 
 
