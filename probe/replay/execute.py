@@ -136,7 +136,7 @@ def _variant(load, variant):
             if not value.is_floating_point():
                 return value.clone()
             if variant == NATIVE:
-                return value.to(getattr(torch, record.dtype))
+                return value.to(getattr(torch, record.dtype), copy=True)  # in-place ops write copies
             return variant(value) if variant is not None else value.clone()
         return value if variant == NATIVE else to_float64_dtype(value)
 
