@@ -336,6 +336,8 @@ def test_capture_records_what_a_non_tensor_argument_was_and_replay_rebuilds_it(t
     assert value("/Tensor.to#0/forward/input.1") is torch.bfloat16
     assert value("/Tensor.__getitem__#0/forward/input.1.1") == slice(1, None, None)
     assert value("/Tensor.masked_fill#0/forward/input.2") == float("-inf")
+    # a GPU run's device, even given as a string, replays on the CPU
+    assert decode_value(Record("kwarg.device", "in", "api", "", "", '"cuda:0"', "", -1), True) == torch.device("cpu")
     # a schema-1 record has no value_type: a dtype name is still read as a dtype
     assert value("/Tensor.to#0/forward/input.1", typed=False) is torch.bfloat16
     source = StepSource(str(tmp_path / "step0" / "rank0.h5"))

@@ -30,6 +30,7 @@ _FLOAT_NAMES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e
 _COMPLEX_NAMES = frozenset({"complex32", "complex64", "complex128"})
 _NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 _SLICE = re.compile(r"^slice\((.*), (.*), (.*)\)$")
+_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|npu|hpu|meta)(:\d+)?$")
 
 
 def is_float(dtype_name: str) -> bool:
@@ -133,8 +134,9 @@ def decode_value(record: Record, typed: bool):
         raise NotReplayable(f"argument {record.slot} has the unreadable value {text!r}") from None
     if kind == "dtype" or (not typed and isinstance(value, str) and _is_dtype_name(value)):
         return getattr(torch, value)
-    if kind == "device" or (not typed and isinstance(value, str) and re.match(r"^(cpu|cuda|mps|xpu|npu)(:\d+)?$", value)):
-        return torch.device("cpu")  # replay runs on the CPU, whatever device the run used
+    if kind == "device" or (isinstance(value, str) and _DEVICE.match(value)):
+        # replay runs on the CPU, whatever device the run used ("cuda:0" given as a string too)
+        return torch.device("cpu")
     if kind in ("memory_format", "layout") or (not typed and isinstance(value, str) and value.startswith("torch.")
                                                 and value.endswith(("_format", "strided", "sparse_coo"))):
         return getattr(torch, value.removeprefix("torch."))
