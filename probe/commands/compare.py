@@ -52,7 +52,7 @@ Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or inp
               metavar="[N]",
               help="Re-run the first divergence, the likely cause and the top N ops (default 20) in float64 "
                    "from each side's dumped inputs (task 'tensor'): which side is right, and did the op "
-                   "introduce the error or only round and pass it on. Imports torch.")
+                   "introduce the error or only round and pass it on. Imports torch. Write it after A and B.")
 @click.option("--replay-budget", "replay_budget", type=click.FloatRange(min=0, min_open=True), default=60.0,
               show_default=True, metavar="SECONDS", help="Stop replaying after this long; a note lists what was left.")
 def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_file, mapping,

@@ -81,6 +81,7 @@ def _forward_call(source: StepSource, call: Call, op: str) -> SideResult:
 
     def truth(variant):
         args, kwargs = rebuild_arguments(call, _variant(load, variant))
+        ops.check_random(op, args, kwargs)
         with torch.no_grad():
             return _output_slots(_run(function, op, args, _for_replay(kwargs)))
 
@@ -203,6 +204,7 @@ def _backward_call(source: StepSource, forward: Call, backward: Call, op: str) -
 
         loaded = _variant(load, variant)
         args, kwargs = rebuild_arguments(forward, loaded, leaf)
+        ops.check_random(op, args, kwargs)
         with torch.enable_grad():
             produced = _output_slots(_run(function, op, args, _for_replay(kwargs)))
         outputs, grad_outputs = [], []

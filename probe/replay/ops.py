@@ -21,15 +21,27 @@ import torch.nn.functional as F
 RANDOM_OPS = frozenset({
     "torch.rand", "torch.rand_like", "torch.randn", "torch.randn_like", "torch.randint",
     "torch.randint_like", "torch.randperm", "torch.normal", "torch.poisson", "torch.bernoulli",
-    "torch.multinomial", "torch.dropout", "torch.dropout_", "torch.feature_dropout",
-    "torch.alpha_dropout", "torch.feature_alpha_dropout", "torch.native_dropout",
-    "torch.rrelu", "torch.rrelu_", "functional.rrelu", "functional.rrelu_",
-    "functional.dropout", "functional.dropout1d", "functional.dropout2d", "functional.dropout3d",
-    "functional.alpha_dropout", "functional.feature_alpha_dropout", "functional.gumbel_softmax",
+    "torch.multinomial", "torch.dropout_", "torch.native_dropout",
+    "torch.rrelu", "torch.rrelu_", "functional.rrelu", "functional.rrelu_", "functional.gumbel_softmax",
     "Tensor.random_", "Tensor.uniform_", "Tensor.normal_", "Tensor.bernoulli", "Tensor.bernoulli_",
     "Tensor.exponential_", "Tensor.geometric_", "Tensor.log_normal_", "Tensor.cauchy_",
     "Tensor.multinomial",
 })
+#: ops that draw random numbers only with a dropout probability > 0 (and, where they take one,
+#: training=True): op -> ((name, position, default) of the probability, of the training flag)
+_DROPOUT = (("p", 1, 0.5), ("training", 2, True))
+CONDITIONALLY_RANDOM = {
+    "functional.dropout": _DROPOUT, "functional.dropout1d": _DROPOUT, "functional.dropout2d": _DROPOUT,
+    "functional.dropout3d": _DROPOUT, "functional.alpha_dropout": _DROPOUT,
+    "functional.feature_alpha_dropout": _DROPOUT,
+    "torch.dropout": (("p", 1, 0.5), ("train", 2, True)),
+    "torch.alpha_dropout": (("p", 1, 0.5), ("train", 2, True)),
+    "torch.feature_dropout": (("p", 1, 0.5), ("train", 2, True)),
+    "torch.feature_alpha_dropout": (("p", 1, 0.5), ("train", 2, True)),
+    "functional.scaled_dot_product_attention": (("dropout_p", 4, 0.0), None),
+    "functional.multi_head_attention_forward": (("dropout_p", 10, 0.0), ("training", 13, True)),
+}
+
 #: module classes whose forward is a random draw in training
 RANDOM_MODULES = frozenset({"Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout",
                             "FeatureAlphaDropout", "RReLU"})
@@ -88,6 +100,25 @@ def resolve(op: str):
         if callable(function):
             return function
     raise NotReplayable(f"unknown function: torch {torch.__version__} has no {op}")
+
+
+def check_random(op: str, args, kwargs) -> None:
+    """NotReplayable when this call of a conditionally random op drew random numbers
+    (F.dropout in training with p > 0; eval-mode or p=0 dropout replays as the identity)."""
+    spec = CONDITIONALLY_RANDOM.get(op)
+    if spec is None:
+        return
+    (p_name, p_at, p_default), flag = spec
+    p = _argument(args, kwargs, p_name, p_at, p_default)
+    training = True if flag is None else _argument(args, kwargs, *flag)
+    if training and isinstance(p, (int, float)) and p > 0:
+        raise NotReplayable(f"random op: {op} with {p_name}={p:g} drops a random draw of elements")
+
+
+def _argument(args, kwargs, name, position, default):
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
 
 
 def is_in_place(op: str) -> bool:
