@@ -328,6 +328,8 @@ def test_capture_records_what_a_non_tensor_argument_was_and_replay_rebuilds_it(t
     torch.zeros(2, dtype=torch.float16, device=torch.device("cpu"))
     x[:, 1:]
     x.masked_fill(x > 2, float("-inf"))
+    y = x.clone()
+    y[0, 1:] = 7.0
     debugger.stop()
     debugger.step()
     debugger.close()
@@ -353,7 +355,8 @@ def test_capture_records_what_a_non_tensor_argument_was_and_replay_rebuilds_it(t
     source = StepSource(str(tmp_path / "step0" / "rank0.h5"))
     try:
         for prefix, op in (("/Tensor.to#0/forward/", "Tensor.to"), ("/Tensor.__getitem__#0/forward/", "Tensor.__getitem__"),
-                           ("/Tensor.masked_fill#0/forward/", "Tensor.masked_fill")):
+                           ("/Tensor.masked_fill#0/forward/", "Tensor.masked_fill"),
+                           ("/Tensor.__setitem__#0/forward/", "Tensor.__setitem__")):
             side = replay_call(source, prefix, "api", op, "forward")
             assert side.ulp <= 0.5, (op, side)
     finally:
