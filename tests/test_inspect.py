@@ -93,7 +93,7 @@ def test_json_output_is_strict_json_with_nan_as_null(capsys, dump):
     records = payload["records"]
     assert [record["seq"] for record in records] == [0, 1, 2, 3]
     assert records[1]["min"] is None and records[1]["max"] is None and records[1]["nan_count"] == 7
-    assert set(schema.COLUMN_NAMES) | {"step", "rank"} == set(records[0])
+    assert set(schema.COLUMN_NAMES + schema.OPTIONAL_COLUMN_NAMES) | {"step", "rank"} == set(records[0])
     assert payload["incomplete"] == [] and payload["records_not_shown"] == 0
 
 

@@ -31,7 +31,7 @@ import torch
 from probe.capture import stats
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
-from probe.capture.values import SourceLocator, encode_value, flatten
+from probe.capture.values import SourceLocator, encode_value, flatten, value_type
 from probe.config import Config
 from probe.dump.schema import COLUMN_NAMES
 from probe.errors import ProbeError
@@ -124,7 +124,7 @@ class Recorder:
                     entry = self._describe(value, cache_key)
             rows = self.rows
             rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
-                         source))
+                         source, ""))  # value_type: "" for tensors
             if entry[2] is not None:
                 self._pending.append((len(rows) - 1, entry[2]))
                 if len(self._pending) >= PENDING_LIMIT:
@@ -134,7 +134,8 @@ class Recorder:
         if text is not None:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", text,
-                              NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source))
+                              NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
+                              "" if type(value) in _PLAIN else value_type(value)))
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
         """Records for every leaf of a nested structure under prefix (see values.flatten)."""

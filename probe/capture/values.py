@@ -79,6 +79,42 @@ def encode_value(value) -> str | None:
     return None
 
 
+#: types whose JSON value says what they were (schema column value_type "")
+_SELF_DESCRIBING = frozenset({bool, int, float, str, type(None), list, tuple, torch.Size})
+
+
+def value_type(value) -> str:
+    """The schema's value_type of a recorded non-tensor value (schema 2): what its JSON text
+    alone does not say, so that replay can rebuild it ("dtype" for torch.float32, whose value
+    is the string "float32"). "" for numbers, bools, None, strings and lists."""
+    kind = type(value)
+    if kind in _SELF_DESCRIBING:
+        return ""
+    if kind is torch.dtype:
+        return "dtype"
+    if kind is torch.device:
+        return "device"
+    if isinstance(value, torch.memory_format):
+        return "memory_format"
+    if isinstance(value, torch.layout):
+        return "layout"
+    if isinstance(value, torch.qscheme):
+        return "qscheme"
+    if kind is slice:
+        return "slice"
+    if value is Ellipsis:
+        return "ellipsis"
+    if isinstance(value, enum.Enum):
+        return "enum"
+    if isinstance(value, (bool, numbers.Real)):  # numpy scalars: written as plain numbers
+        return ""
+    if isinstance(value, numbers.Complex):
+        return "complex"
+    if kind.__name__ in ("ReduceOp", "RedOpType"):
+        return "reduce_op"
+    return ""
+
+
 def _float_text(value: float) -> str:
     if math.isfinite(value):
         return repr(value)

@@ -18,6 +18,8 @@ Examples:
   probe compare ref/ new/ --csv rows.csv --html report.html
   probe compare fp32/ bf16/ --tol bfloat16=1e-2,1e-5 --top 20
   probe compare gpu/ npu/ --mapping map.yaml        # renamed modules / ops
+  probe compare gpu/ cpu/ --replay                  # which side is right? (task "tensor" dumps)
+  probe compare gpu/ cpu/ --replay 50 --replay-budget 300
 
 \b
 A is the reference: relative errors are relative to A. A tensor fails when
@@ -46,8 +48,15 @@ Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or inp
 @click.option("--rank", "ranks", multiple=True, type=int, metavar="N", help="Compare only this rank (repeatable).")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="How many top ops to list.")
 @click.option("--strict", is_flag=True, help="Records present on one side only count as a divergence.")
+@click.option("--replay", "replay", type=click.IntRange(min=0), is_flag=False, flag_value=20, default=None,
+              metavar="[N]",
+              help="Re-run the first divergence, the likely cause and the top N ops (default 20) in float64 "
+                   "from each side's dumped inputs (task 'tensor'): which side is right, and did the op "
+                   "introduce the error or only round and pass it on. Imports torch. Write it after A and B.")
+@click.option("--replay-budget", "replay_budget", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, metavar="SECONDS", help="Stop replaying after this long; a note lists what was left.")
 def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_file, mapping,
-            allow_missing, steps, ranks, top, strict):
+            allow_missing, steps, ranks, top, strict, replay, replay_budget):
     """Find where two dumps part: the first op beyond tolerance, introduced or inherited.
 
     A and B are dump folders (written by PrecisionDebugger) or single step files
@@ -69,10 +78,15 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
         result = run_compare(
             a, b, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, mapping=mapping,
             allow_missing=allow_missing, steps=steps or None, ranks=ranks or None, top=top,
-            strict=strict, progress=bar,
+            strict=strict, progress=bar, replay=replay, replay_budget=replay_budget,
+            replay_progress=_replay_progress if replay is not None else None,
         )
     finally:
         bar.close()
+    if result.replay is not None:
+        data = result.replay.to_dict()
+        click.echo(f"probe: replayed {data['replayed']} of {len(data['calls'])} calls in {data['elapsed_s']:.2f} s"
+                   + (f"; {len(data['left'])} left at the {replay_budget:g} s budget" if data["left"] else ""), err=True)
 
     if "csv" in destinations:
         from probe.report import csv_report
@@ -93,3 +107,12 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
 
         click.echo(terminal.render(result), nl=False)
     return EXIT_DIVERGED if result.diverged else EXIT_PASS
+
+
+def _replay_progress(done, total, name, verdict):
+    """One stderr line per replayed call."""
+    from probe.report.replay_text import progress_line
+
+    line = progress_line(done, total, name, verdict)
+    if line is not None:
+        click.echo(line, err=True)

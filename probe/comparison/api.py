@@ -40,6 +40,9 @@ def compare(
     top: int = DEFAULT_TOP,
     strict: bool = False,
     progress: Callable[[float, int], None] | None = None,
+    replay: int | None = None,
+    replay_budget: float = 60.0,
+    replay_progress: Callable | None = None,
 ) -> R.CompareResult:
     """Compare dump A (the reference) with dump B.
 
@@ -48,11 +51,16 @@ def compare(
     mapping: a YAML path, a dict {"modules": {...}, "ops": {...}} or a NameMapping.
     steps/ranks: compare only these. strict: records present on one side only count as a
     divergence. progress(fraction_done, tensor_bytes_read) is called as the compare goes.
+    replay: replay the first divergence, the likely cause and the top ``replay`` ops in
+    float64 from each side's dumped inputs (task "tensor"; imports torch), within
+    replay_budget seconds; the verdicts land in ``result.replay`` (probe.replay).
+    replay_progress(done, total, call_name, verdict_or_None) follows it.
     """
     from probe.dump.reader import load
 
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise CompareError(f"top must be an integer >= 0, found {top!r}")
+    _check_replay(replay, replay_budget)
     table = Tolerances.build(rtol=rtol, atol=atol, per_dtype=tol, tol_file=tol_file, overrides=tolerances)
     names = _mapping(mapping)
     path_a, path_b = os.fspath(a), os.fspath(b)
@@ -100,7 +108,21 @@ def compare(
             "verdict": _step_verdict(counts, strict),
             "counts": counts,
         })
-    return _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+    result = _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+    if replay is not None:
+        # torch is imported here only: a compare without replay stays torch-free
+        from probe.replay import replay_result
+
+        replay_result(result, count=replay, budget=replay_budget, progress=replay_progress)
+        result.notes.extend(result.replay.notes)
+    return result
+
+
+def _check_replay(replay, budget) -> None:
+    if replay is not None and (isinstance(replay, bool) or not isinstance(replay, int) or replay < 0):
+        raise CompareError(f"replay must be an integer >= 0 (how many top ops to replay), found {replay!r}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise CompareError(f"replay_budget must be a number of seconds > 0, found {budget!r}")
 
 
 def _mapping(mapping) -> NameMapping | None:

@@ -168,6 +168,9 @@ class CompareResult:
     notes: list[str] = field(default_factory=list)
     changes: list = field(default_factory=list)  # groups.Change: changed params/arguments, each once
     op_summaries: list[OpSummary] = field(default_factory=list)  # every call pair, before grouping
+    # issue 11 hook: probe.replay.ReplayReport when compare ran with replay=N (float64 replay
+    # verdicts per call; report/json_report.py, csv_report.py, html_report.py show them)
+    replay: object = None
 
     @property
     def diverged(self) -> bool:

@@ -22,7 +22,8 @@ import numpy as np
 from probe.dump import decode, schema
 from probe.errors import DumpFormatError
 
-_COLUMN_KINDS = dict(schema.RECORD_COLUMNS)
+_COLUMN_KINDS = dict(schema.ALL_COLUMNS)
+_ABSENT = {name: value for name, _, value in schema.OPTIONAL_COLUMNS}
 _ERROR_MESSAGE = re.compile(r"error message = '([^']*)'")
 
 
@@ -69,9 +70,8 @@ class RecordTable:
         self._count = count
         self._cache: dict[str, np.ndarray] = {}
         self._index: dict[str, int] | None = None
-        self.columns: tuple[str, ...] = schema.COLUMN_NAMES + tuple(
-            sorted(name for name in group if name not in schema.COLUMN_NAMES)
-        )
+        known = schema.COLUMN_NAMES + schema.OPTIONAL_COLUMN_NAMES
+        self.columns: tuple[str, ...] = known + tuple(sorted(name for name in group if name not in known))
 
     def __len__(self) -> int:
         return self._count
@@ -86,6 +86,12 @@ class RecordTable:
             raise KeyError(f"no record column {name!r}; columns are {', '.join(self.columns)}")
         if not self._group.id.valid:
             raise ValueError(f"{self._path} was closed; reopen it to read records")
+        if name in _ABSENT and name not in self._group:  # an older file: the column's default
+            values = np.empty(self._count, dtype=object if isinstance(_ABSENT[name], str) else None)
+            values[:] = _ABSENT[name]
+            values.setflags(write=False)
+            self._cache[name] = values
+            return values
         try:
             dataset = self._group[name]
             if h5py.check_string_dtype(dataset.dtype) is not None:  # variable-length strings

@@ -52,6 +52,15 @@ A record is one tensor (or one non-tensor argument) seen at one slot of one call
     checksum   hex digest of the raw bytes (task "checksum" and "tensor"), "" otherwise
     tensor_id  int64 index into /tensors (task "tensor"), -1 when no data stored
     source     "path/to/file.py:123" of the user code line that made the call, "" if unknown
+
+Optional columns (OPTIONAL_COLUMNS): added after schema 1, absent from older files; the reader
+gives them their "absent" value for files without them, and the writer accepts rows without them.
+
+    value_type (schema 2, issue 11: replay) what kind of Python value a non-tensor argument was,
+               where its JSON ``value`` alone does not say: "dtype" (value "float32"),
+               "device" ("cuda:0"), "memory_format", "layout", "qscheme" (value is the printed
+               name, "torch.preserve_format"), "slice", "ellipsis", "enum", "complex" and
+               "reduce_op". "" for tensors, numbers, bools, None, strings and lists.
 """
 
 from __future__ import annotations
@@ -59,7 +68,8 @@ from __future__ import annotations
 import os
 import re
 
-SCHEMA_VERSION = 1
+#: 2: optional column value_type (issue 11); other version-2 fields are listed with their columns
+SCHEMA_VERSION = 2
 FILE_SUFFIX = ".h5"
 #: a step file is written under this name and renamed to its final name only once complete,
 #: so a process killed mid-step never leaves a file that looks finished.
@@ -103,6 +113,16 @@ RECORD_COLUMNS: tuple[tuple[str, str], ...] = (
     ("source", "str"),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in RECORD_COLUMNS)
+
+#: Columns newer than schema 1: (name, kind, value for records of files without it). Rows
+#: written by capture carry them after the RECORD_COLUMNS; rows of RECORD_COLUMNS width alone
+#: (older writers, tests) are accepted and the column is then absent from the file.
+OPTIONAL_COLUMNS: tuple[tuple[str, str, object], ...] = (
+    ("value_type", "str", ""),  # schema 2: see the module docstring (replay, issue 11)
+)
+OPTIONAL_COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _, _ in OPTIONAL_COLUMNS)
+#: every column a row may hold, in row order
+ALL_COLUMNS: tuple[tuple[str, str], ...] = RECORD_COLUMNS + tuple((n, k) for n, k, _ in OPTIONAL_COLUMNS)
 
 KINDS = ("api", "module", "param")
 PHASES = ("forward", "backward")

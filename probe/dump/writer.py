@@ -170,12 +170,17 @@ class StepWriter:
         return tensor_id
 
     def add_rows(self, rows: list[tuple]) -> None:
-        """Keep records (tuples in schema.RECORD_COLUMNS order) until close()."""
+        """Keep records (tuples in schema.ALL_COLUMNS order) until close().
+
+        Rows of schema.RECORD_COLUMNS width (no optional columns) are accepted too; all rows
+        of one file must have the same width."""
         self._require_open("add_rows")
-        width = len(schema.RECORD_COLUMNS)
+        widths = (len(schema.ALL_COLUMNS), len(schema.RECORD_COLUMNS))
+        width = len(self._rows[0]) if self._rows else (len(rows[0]) if rows else widths[0])
         for row in rows:
-            if len(row) != width:
-                raise ValueError(f"a record row has {len(row)} values, expected {width}: {row!r}")
+            if len(row) != width or width not in widths:
+                raise ValueError(f"a record row has {len(row)} values, expected {widths[1]} "
+                                 f"(or {widths[0]} with the optional columns) like the file's other rows: {row!r}")
         self._rows.extend(rows)
 
     def close(self, extra_attrs: dict | None = None) -> str:
@@ -340,9 +345,10 @@ class StepWriter:
         # variable-length strings cost ~5 us per value; this costs ~0.1 us per value.
         group = self._file.require_group(schema.RECORDS_GROUP)
         count = len(self._rows)
-        columns = list(zip(*self._rows)) if self._rows else [()] * len(schema.RECORD_COLUMNS)
+        columns = list(zip(*self._rows)) if self._rows else [()] * len(schema.ALL_COLUMNS)
         vocabulary: dict[str, int] = {}
-        for (name, kind), values in zip(schema.RECORD_COLUMNS, columns):
+        # rows without the optional columns leave them out of the file (zip stops early)
+        for (name, kind), values in zip(schema.ALL_COLUMNS, columns):
             try:
                 if kind == "str":
                     if set(map(type, values)) - {str}:  # map(type) runs in C: 10x an isinstance loop

@@ -1,7 +1,9 @@
 """``probe compare --csv FILE``: one row per aligned record, in execution order.
 
 Columns are COLUMNS below; empty cells mean "does not apply" (no partner, no tensor data,
-...). Floats are written with repr precision; inf/nan as "inf"/"nan".
+...). Floats are written with repr precision; inf/nan as "inf"/"nan". The replay_* columns
+(``--replay``) hold the float64 replay verdict of the record's call, on every record of a
+replayed call, empty elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ COLUMNS = (
     "atol", "score", "rel_l2", "max_abs", "max_rel", "cosine", "within", "nan_mismatch",
     "inf_mismatch", "ulp_max", "bit_equal", "err_l2", "norm_a", "norm_b", "value_a", "value_b",
     "divergence", "origin", "cause", "reasons", "notes", "source", "paired_by",
+    "replay_verdict", "replay_error_a", "replay_error_b", "replay_ulp_a", "replay_ulp_b", "replay_closer",
 )
 
 
@@ -35,7 +38,7 @@ def _cell(value) -> str:
     return str(value)
 
 
-def row_cells(row: R.RecordRow) -> list[str]:
+def row_cells(row: R.RecordRow, replay: dict | None = None) -> list[str]:
     m = row.metrics
     values = {
         "step": row.step, "rank": row.rank, "status": row.status, "key": row.key, "key_b": row.key_b,
@@ -55,6 +58,9 @@ def row_cells(row: R.RecordRow) -> list[str]:
             "ulp_max": m.ulp_max, "bit_equal": m.bit_equal, "err_l2": m.err_l2,
             "norm_a": m.ref_norm, "norm_b": m.other_norm, "value_a": m.value_a, "value_b": m.value_b,
         })
+    if replay is not None:
+        values.update({"replay_" + name: replay.get(name) for name in
+                       ("verdict", "error_a", "error_b", "ulp_a", "ulp_b", "closer")})
     return [_cell(values.get(name)) for name in COLUMNS]
 
 
@@ -62,6 +68,10 @@ def render(result: R.CompareResult) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(COLUMNS)
+    replayed = result.replay is not None
+    if replayed:
+        from probe.report.replay_text import verdict_of
     for row in result.rows:
-        writer.writerow(row_cells(row))
+        verdict = verdict_of(result, row.step, row.rank, row.key_a) if replayed and row.key_a else None
+        writer.writerow(row_cells(row, verdict))
     return buffer.getvalue()

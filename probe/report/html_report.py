@@ -13,7 +13,7 @@ import math
 
 from probe.comparison import result as R
 from probe.comparison.groups import where_text
-from probe.report import terminal
+from probe.report import replay_html, terminal
 from probe.report.fmt import err, num
 
 MAX_POINTS = 4000  # chart points; more rows are bucketed (the worst of each bucket is kept)
@@ -301,6 +301,7 @@ def render(result: R.CompareResult) -> str:
         f"<title>probe compare: {_e(result.verdict)}</title><style>{_CSS}</style></head><body>"
         f'<h1 id="verdict" class="{css_class}">{_e(line)}</h1>'
         f"{_summary_html(result)}"
+        f"{replay_html.section(result)}"  # issue 11: replay verdicts (empty without --replay)
         "<h2>Error along execution order</h2>"
         '<div class="legend"><span><i class="dot" style="background:#1f6feb"></i> forward</span>'
         '<span><i class="dot" style="background:#e36209"></i> backward</span>'

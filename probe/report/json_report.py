@@ -3,7 +3,9 @@
 Fields (docs/compare.md lists them all): verdict, headline, first_divergence, likely_cause,
 counts, evidence, tolerances, top_ops, changes, steps, missing, notes, divergences (the first
 MAX_DIVERGENCES divergent records in execution order), and with rows=True every aligned
-record under "rows".
+record under "rows". With ``--replay``: ``first_divergence.replay``, ``likely_cause.replay``
+and each ``top_ops`` entry's ``replay`` ({verdict, error_a, error_b, ulp_a, ulp_b, closer, ...},
+null where the call was not replayed), and ``replay`` = the whole replay report.
 """
 
 from __future__ import annotations
@@ -24,7 +26,20 @@ def to_dict(result: R.CompareResult, rows: bool = False) -> dict:
     divergent = [row for row in result.rows if row.status == R.DIVERGED]
     data["divergences"] = [R.divergence_dict(row) for row in divergent[:MAX_DIVERGENCES]]
     data["divergences_total"] = len(divergent)
+    if result.replay is not None:
+        _add_replay(result, data)
     return data
+
+
+def _add_replay(result: R.CompareResult, data: dict) -> None:
+    from probe.report.replay_text import json_verdict, verdict_of
+
+    for name, row in (("first_divergence", result.first_divergence), ("likely_cause", result.likely_cause)):
+        if data.get(name) is not None and row is not None:
+            data[name]["replay"] = json_verdict(verdict_of(result, row.step, row.rank, row.key_a or row.key))
+    for entry, op in zip(data["top_ops"], result.top_ops):
+        entry["replay"] = json_verdict(verdict_of(result, op.step, op.rank, op.key))
+    data["replay"] = R.json_safe(result.replay.to_dict())
 
 
 def render(result: R.CompareResult, rows: bool = False) -> str:

@@ -38,7 +38,12 @@ def verdict_line(result: R.CompareResult) -> str:
         return "DIVERGED"
     origin = f" -- {first.origin}" if first.origin else f" -- {first.status}"
     module = first.module or "<root>"
-    return f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op} ({first.phase}, {first.slot}){origin}"
+    line = f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op} ({first.phase}, {first.slot}){origin}"
+    if result.replay is not None:  # issue 11 hook: the replay verdict of the first divergence
+        from probe.report.replay_text import headline_suffix
+
+        line += headline_suffix(result)
+    return line
 
 
 def metrics_line(row: R.RecordRow) -> str:
@@ -236,6 +241,10 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
             lines += _describe(cause, "    ")
     lines += changes_lines(result, max_divergences)
     lines += top_ops_lines(result)
+    if result.replay is not None:  # issue 11 hook: which side is right, per replayed call
+        from probe.report.replay_text import lines as replay_lines
+
+        lines += replay_lines(result)
     lines += counts_lines(result)
     for item in result.missing:
         lines.append(f"missing: {item}")
