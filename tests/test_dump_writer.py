@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from probe.dump import encode, reader, schema
-from probe.dump.writer import StepWriter, partial_path_for
+from probe.dump.writer import StepWriter
 from probe.errors import DumpError
 from scripts_dump.dumpkit import make_row, root_attrs, write_step
 
@@ -239,9 +239,10 @@ def test_file_is_partial_until_close_and_final_only_after(tmp_path):
     writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
     writer.add_tensor(torch.ones(8))
     final = os.path.join(str(tmp_path), "step0", "rank0.h5")
-    assert os.path.exists(partial_path_for(final)) and not os.path.exists(final)
+    assert os.path.exists(writer.partial_path) and not os.path.exists(final)
+    assert schema.parse_partial_file(os.path.basename(writer.partial_path)) == 0
     assert writer.close() == final
-    assert os.path.exists(final) and not os.path.exists(partial_path_for(final))
+    assert os.path.exists(final) and not os.path.exists(writer.partial_path)
 
 
 def test_close_replaces_an_existing_step_file_only_when_finished(tmp_path):
