@@ -169,3 +169,67 @@ def test_debugger_process_killed_mid_step_keeps_finished_steps_readable(tmp_path
                                capture_output=True, text=True, timeout=60)
     assert inspected.returncode == 0
     assert "step 2 rank 0 is incomplete (process killed mid-step?)" in inspected.stderr
+
+
+DISK_FULL_CHILD = os.path.join(REPO_ROOT, "tests", "scripts_dump", "disk_full_child.py")
+
+
+def _train_on_a_full_disk(tmp_path, dump_path, task, steps=12, fsize_limit=None, policy="raise"):
+    config = tmp_path / f"config-{task}-{policy}.json"
+    config.write_text(json.dumps({"task": task, "dump_path": str(dump_path), "level": "mix",
+                                  "on_write_error": policy}))
+    command = [sys.executable, DISK_FULL_CHILD, str(config), str(steps)]
+    if fsize_limit is not None:
+        command.append(str(fsize_limit))
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, f"the training process died (rc {result.returncode}): {result.stderr[-2000:]}"
+    return json.loads(result.stdout)
+
+
+def _assert_failed_cleanly(report, dump_path, steps):
+    # the disk filled up during the run: some steps were written, then the rest failed
+    assert report["errors"], "the disk never filled up: the scenario tests nothing"
+    assert report["steps_written"], "no step fit: the scenario does not show finished steps survive"
+    # never inside forward/backward/optimizer.step(): only at step(), one error per lost step
+    assert {error["where"] for error in report["errors"]} == {"step"}
+    assert all("was not written" in error["message"] for error in report["errors"])
+    assert report["optimizer_ok"], "an optimizer step was left half-applied"
+    assert report["open_h5"] == 0, "HDF5 objects leaked after the write errors"
+    assert sorted(report["steps_written"] + [e["step"] for e in report["errors"]]) == list(range(steps))
+    dump = probe.load(dump_path)
+    assert dump.steps == report["steps_written"] and dump.incomplete == []
+    for step in dump.steps:  # every finished step is intact: all records and tensors read back
+        with dump.open(step, 0) as step_file:
+            assert len(step_file.records) > 0
+            for tensor_id in range(step_file.tensor_count):
+                step_file.tensor(tensor_id)
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_disk_full_on_a_real_tmpfs_fails_at_step_without_crashing_or_leaking(tmp_path, tiny_tmpfs, task):
+    # statistics steps are ~20 KB: leave room for a few, then the 1 MiB tmpfs is full
+    if task == "statistics":
+        (tiny_tmpfs / "filler").write_bytes(b"\0" * (800 << 10))
+    steps = 8
+    report = _train_on_a_full_disk(tmp_path, tiny_tmpfs / "dump", task, steps)
+    _assert_failed_cleanly(report, tiny_tmpfs / "dump", steps)
+
+
+def test_file_size_limit_fails_at_step_without_crashing_or_leaking(tmp_path):
+    # the portable simulation: RLIMIT_FSIZE makes every write past the limit fail with EFBIG.
+    # The child's batch grows with the step: the first step files fit, the later ones do not.
+    steps = 6
+    report = _train_on_a_full_disk(tmp_path, tmp_path / "dump", "tensor", steps, fsize_limit=800_000)
+    _assert_failed_cleanly(report, tmp_path / "dump", steps)
+
+
+def test_on_write_error_warn_warns_once_and_training_goes_on(tmp_path):
+    steps = 4
+    report = _train_on_a_full_disk(tmp_path, tmp_path / "dump", "tensor", steps,
+                                   fsize_limit=800_000, policy="warn")
+    assert report["errors"] == [] and report["optimizer_ok"] and report["open_h5"] == 0
+    assert len(report["warnings"]) == 1
+    assert re.match(r"probe: step \d+ was not written: cannot write .*rank0\.h5: no space for \d+ "
+                    r"bytes \(File too large\) \(on_write_error is \"warn\"", report["warnings"][0])
+    dump = probe.load(tmp_path / "dump")
+    assert 0 < len(dump.steps) < steps and dump.steps == list(range(len(dump.steps)))

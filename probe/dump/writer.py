@@ -67,10 +67,11 @@ _NUMERIC_DTYPES = {"int64": np.int64, "float64": np.float64}
 
 #: bytes kept reserved beyond what the writer knows it will write next: HDF5's own metadata
 #: (object headers, B-tree nodes, heaps; ~0.5-1 KiB per dataset) is allocated as it goes
-RESERVE_SLACK = 64 << 10
+RESERVE_SLACK = 32 << 10
 #: estimated HDF5 metadata per dataset and per attribute, on top of their data bytes
-_DATASET_OVERHEAD = 2048
-_ATTR_OVERHEAD = 256
+#: (tests/test_dump_writer.py checks HDF5 never outgrows the reservation)
+_DATASET_OVERHEAD = 1024
+_ATTR_OVERHEAD = 128
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -93,6 +94,8 @@ class SpaceReservation:
         self.fd = fd
         self.path = path
         self.reserved = 0
+        #: most bytes HDF5 ever held beyond the reservation (seen at ensure()): must stay 0
+        self.overshoot = 0
 
     def ensure(self, size: int) -> None:
         if size <= self.reserved:
@@ -267,6 +270,7 @@ class StepWriter:
             self._write_records(self._root_attr_values(extra_attrs or {}))
             self._file.flush()
             size = self._file.id.get_filesize()  # HDF5's end of file: the rest is reservation
+            self._space.overshoot = max(self._space.overshoot, size - self._space.reserved)
             self._file.close()
             os.ftruncate(self._raw_fd, size)
             self._close_raw_fd(sync=self._fsync)
@@ -400,7 +404,9 @@ class StepWriter:
 
     def _reserve(self, extra: int) -> None:
         """Reserve HDF5's current end of file + extra + slack before HDF5 may write it."""
-        self._space.ensure(self._file.id.get_filesize() + extra + RESERVE_SLACK)
+        size = self._file.id.get_filesize()
+        self._space.overshoot = max(self._space.overshoot, size - self._space.reserved)
+        self._space.ensure(size + extra + RESERVE_SLACK)
 
     def _write_records(self, attrs: dict) -> None:
         # Text columns are dictionary-encoded (see schema.py): one int32 code per record and
@@ -429,7 +435,7 @@ class StepWriter:
         attr_bytes = sum(len(v) if isinstance(v, str) else 8 for v in attrs.values())
         self._reserve(sum(a.nbytes for a in arrays) + blob.nbytes + ends.nbytes
                       + (len(arrays) + 3) * _DATASET_OVERHEAD
-                      + 4 * attr_bytes + len(attrs) * _ATTR_OVERHEAD)
+                      + 2 * attr_bytes + len(attrs) * _ATTR_OVERHEAD)
         group = self._file.require_group(schema.RECORDS_GROUP)
         for (name, _), array in zip(schema.RECORD_COLUMNS, arrays):
             _create_array(group, name, array)
