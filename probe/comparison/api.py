@@ -13,7 +13,7 @@ import os
 from typing import Callable, Iterable
 
 from probe.comparison import result as R
-from probe.comparison import groups, verdict
+from probe.comparison import groups, run_info, verdict
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.records import Records
@@ -61,6 +61,8 @@ def compare(
 
     notes = [f"A: {message}" for message in dump_a.incomplete_messages()]
     notes += [f"B: {message}" for message in dump_b.incomplete_messages()]
+    notes += [note for note in (run_info.mixed_runs(dump_a, "A"), run_info.mixed_runs(dump_b, "B")) if note]
+    differences: list[dict] = []
     outcomes: list[StepOutcome] = []
     steps_info = []
     total_bytes = 0
@@ -73,6 +75,7 @@ def compare(
         with dump_a.open(*key_a) as file_a, dump_b.open(*key_b) as file_b:
             if position == 0:
                 notes += _attr_notes(file_a.attrs, file_b.attrs)
+                differences = run_info.run_differences(file_a.attrs, file_b.attrs)
             records_a = Records.from_table(file_a.records, file_a.path)
             outcome = compare_step(
                 records_a,
@@ -100,7 +103,9 @@ def compare(
             "verdict": _step_verdict(counts, strict),
             "counts": counts,
         })
-    return _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+    result = _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+    result.run_differences = differences
+    return result
 
 
 def _mapping(mapping) -> NameMapping | None:
@@ -139,6 +144,14 @@ def _pair_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks):
     missing = [f"step {s} rank {r} only in A" for s, r in only_a]
     missing += [f"step {s} rank {r} only in B" for s, r in only_b]
     common = sorted(keys_a & keys_b)
+    if missing and not common:
+        # --allow-missing would fail too: nothing in common. Two files compare whatever their steps.
+        example_a, example_b = files_a[min(keys_a)], files_b[min(keys_b)]
+        raise CompareError(
+            f"{path_a} (steps {dump_a.steps}, ranks {dump_a.ranks}) and {path_b} (steps {dump_b.steps}, "
+            f"ranks {dump_b.ranks}) have no step and rank in common; to compare two step files "
+            f"whatever their step numbers, name them: probe compare {example_a} {example_b}"
+        )
     if missing and not allow_missing:
         raise CompareError(
             f"the dumps hold different steps or ranks ({_describe(only_a, 'A')}{'; ' if only_a and only_b else ''}"

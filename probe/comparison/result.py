@@ -168,6 +168,8 @@ class CompareResult:
     notes: list[str] = field(default_factory=list)
     changes: list = field(default_factory=list)  # groups.Change: changed params/arguments, each once
     op_summaries: list[OpSummary] = field(default_factory=list)  # every call pair, before grouping
+    #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/run_info.py)
+    run_differences: list[dict] = field(default_factory=list)
 
     @property
     def diverged(self) -> bool:
@@ -228,6 +230,7 @@ class CompareResult:
             "steps": list(self.steps),
             "missing": list(self.missing),
             "notes": list(self.notes),
+            "run_differences": list(self.run_differences),
         }
         if rows:
             data["rows"] = [row.to_dict() for row in self.rows]

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from probe.comparison import result as R
+from probe.comparison import run_info
 from probe.comparison.groups import where_text
 from probe.report.fmt import err, num
 
@@ -234,6 +235,7 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
                 f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
+    lines += run_info.block_lines(getattr(result, "run_differences", []))
     lines += changes_lines(result, max_divergences)
     lines += top_ops_lines(result)
     lines += counts_lines(result)
