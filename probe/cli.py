@@ -32,7 +32,18 @@ _COMMANDS = {
 }
 
 
+class _StdoutClosed(Exception):
+    """stdout's reader went away. Not an OSError, so click's own EPIPE handling (exit 1,
+    which would read as "diverged") lets it through to main()."""
+
+
 class _LazyGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            raise _StdoutClosed() from None
+
     def list_commands(self, ctx):
         return sorted(_COMMANDS)
 
@@ -89,7 +100,7 @@ def main(argv=None):
         return _exit(EXIT_TROUBLE if error.exit_code != 0 else 0)
     except click.exceptions.Exit as exit_:
         return _exit(exit_.exit_code)
-    except BrokenPipeError:
+    except (BrokenPipeError, _StdoutClosed):
         _silence_stdout()
         return _exit(EXIT_BROKEN_PIPE)
     try:

@@ -148,9 +148,9 @@ def _pair_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks):
         # --allow-missing would fail too: nothing in common. Two files compare whatever their steps.
         example_a, example_b = files_a[min(keys_a)], files_b[min(keys_b)]
         raise CompareError(
-            f"{path_a} (steps {dump_a.steps}, ranks {dump_a.ranks}) and {path_b} (steps {dump_b.steps}, "
-            f"ranks {dump_b.ranks}) have no step and rank in common; to compare two step files "
-            f"whatever their step numbers, name them: probe compare {example_a} {example_b}"
+            f"the dumps have no step and rank in common ({_describe(only_a, 'A')}; {_describe(only_b, 'B')}); "
+            f"to compare two step files whatever their step numbers, name them: "
+            f"probe compare {example_a} {example_b}"
         )
     if missing and not allow_missing:
         raise CompareError(
@@ -185,7 +185,8 @@ def _unpaired_fails(counts: dict, strict: bool) -> bool:
     """Unmatched records fail a step with --strict, or when nothing at all could be paired
     (an empty or unrelated dump must never pass)."""
     unmatched = counts["only_a"] + counts["only_b"]
-    return bool(unmatched) and (strict or counts["matched"] == 0)
+    # nothing paired is never a pass: two empty dumps (a scope typo) compared nothing at all
+    return counts["matched"] == 0 or (bool(unmatched) and strict)
 
 
 def _step_verdict(counts: dict, strict: bool) -> str:
@@ -205,13 +206,19 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     if first is None and failing:
         lonely = [row for row in failing[0].rows if row.status in (R.ONLY_A, R.ONLY_B)]
         first = min(lonely, key=lambda row: row.order, default=None)
-        if failing[0].counts()["matched"] == 0:
+        if failing[0].counts()["matched"] == 0 and not lonely:
+            notes.append(
+                f"step {failing[0].step} rank {failing[0].rank}: nothing was compared, both step files "
+                "hold no records (did scope or list select nothing?); that is not a pass"
+            )
+        elif failing[0].counts()["matched"] == 0:
             notes.append(
                 f"step {failing[0].step} rank {failing[0].rank}: no record could be paired "
                 f"({failing[0].counts()['only_a']} in A, {failing[0].counts()['only_b']} in B): the dumps do not describe the same run"
             )
     used = set().union(*(outcome.evidence for outcome in outcomes)) if outcomes else set()
-    evidence = next((name for name in _EVIDENCE_ORDER if name in used), "tensor" if not used else "statistics")
+    # the weakest evidence any pair used; "none" when no tensor pair was measured at all
+    evidence = next((name for name in _EVIDENCE_ORDER if name in used), "none" if not used - {"value"} else "statistics")
     if evidence == "statistics":
         notes.append("statistics only: errors are lower bounds from min/max/mean/norm; dump with task 'tensor' for full evidence")
     elif evidence == "checksum":

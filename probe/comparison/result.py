@@ -199,19 +199,19 @@ class CompareResult:
         """Write to_json() to path; returns the absolute path."""
         from probe.report import output
 
-        return output.write_report(path, self.to_json(rows=rows), "write_json")
+        return output.write_report(path, self.to_json(rows=rows), "write_json", (self.path_a, self.path_b))
 
     def write_csv(self, path) -> str:
         """Write one CSV row per aligned record (``--csv``); returns the absolute path."""
         from probe.report import csv_report, output
 
-        return output.write_report(path, csv_report.render(self), "write_csv")
+        return output.write_report(path, csv_report.render(self), "write_csv", (self.path_a, self.path_b))
 
     def write_html(self, path) -> str:
         """Write the self-contained HTML page (``--html``); returns the absolute path."""
         from probe.report import html_report, output
 
-        return output.write_report(path, html_report.render(self), "write_html")
+        return output.write_report(path, html_report.render(self), "write_html", (self.path_a, self.path_b))
 
     def to_dict(self, rows: bool = False) -> dict:
         """The result's own fields (to_json() adds headline and divergences)."""

@@ -35,6 +35,9 @@ def verdict_line(result: R.CompareResult) -> str:
         extra += f"; {unmatched} without partner (not compared)" if unmatched else ""
         return f"PASS: {counts['matched']} records match within tolerance in {where} (evidence: {result.evidence}){extra}"
     first = result.first_divergence
+    if first is None and counts["matched"] == 0:
+        return (f"NOT A PASS: no record could be compared ({counts['only_a']} records in A, "
+                f"{counts['only_b']} in B)")
     if first is None:
         return "DIVERGED"
     origin = f" -- {first.origin}" if first.origin else f" -- {first.status}"
