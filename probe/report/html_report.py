@@ -38,7 +38,7 @@ _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222}
 h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 8px}
 .pass{color:#1a7f37}.diverged{color:#c62828} .muted{color:#666;font-size:13px}
-table{border-collapse:collapse;font-size:12px;width:100%;table-layout:fixed}
+table{border-collapse:collapse;font-size:12px;width:100%} #records{table-layout:fixed}
 th,td{border-bottom:1px solid #e3e3e3;padding:3px 6px;text-align:left;vertical-align:top;overflow-wrap:anywhere;overflow:hidden}
 dd{overflow-wrap:anywhere;margin:0} h1{overflow-wrap:anywhere}
 .controls[hidden]{display:none} #run-differences li{font-size:13px}
