@@ -19,7 +19,7 @@ import sys
 
 import click
 
-from probe.config import ENV_CONFIG, ENV_SEED, SEED_MAX, Config, load
+from probe.config import ENV_CONFIG, ENV_SEED, SEED_MAX, Config, check_dump_path, load
 from probe.errors import ProbeError
 
 USAGE = "probe run [-c config.json] [--seed N] -- python train.py [args...]"
@@ -180,6 +180,8 @@ def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[s
     if not command:
         raise ProbeError(f"run: no command given; usage: {USAGE}")
     config = load(config_path) if config_path is not None else None
+    if config is not None:
+        check_dump_path(config)  # now, not at the first dumped step hours into training
     env = build_env(config, seed, dict(os.environ))
     _check_executable(command[0], env)
     if not quiet:
