@@ -9,19 +9,10 @@ import sys
 import pytest
 import torch
 
-from probe.cli import main
 from probe.comparison import run_info
 from probe.dump.writer import StepWriter
 from scripts_dump.dumpkit import make_row, root_attrs
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _run(argv, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    out, err = capsys.readouterr()
-    return info.value.code, out, err
+from test_compare_cli import REPO, _run
 
 
 def _write(dump, step=0, task="statistics", rows=None, tensors=(), **attrs):
