@@ -438,3 +438,24 @@ def test_large_tensors_written_around_hdf5_read_back_bit_exact(tmp_path, dtype):
         for tensor_id, tensor in enumerate([big, small, big.t()]):
             stored, _ = step_file.stored_tensor(tensor_id)
             assert np.array_equal(stored.reshape(-1).view(np.uint8), _bits(tensor)), tensor_id
+
+
+@pytest.mark.parametrize("rows,small,large", [(1, 0, 0), (20_000, 0, 0), (0, 400, 0), (300, 30, 2)])
+def test_hdf5_never_outgrows_the_space_reserved_for_it(tmp_path, monkeypatch, rows, small, large):
+    # force the allocating path (as on a nearly full disk) and check HDF5 stayed inside it
+    from probe.dump import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "PLENTY_FREE_BYTES", 1 << 62)
+    writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
+    for i in range(small):
+        writer.add_tensor(torch.full((i % 50 + 1,), float(i)))
+    for _ in range(large):
+        writer.add_tensor(torch.ones(300_000))
+    writer.add_rows([make_row(module=f"m{i}", seq=i) for i in range(rows)])
+    path = writer.close()
+    assert writer._space.extended and writer._space.overshoot <= 0
+    with reader.open_step_file(path) as step_file:  # cut back to HDF5's size, and whole
+        assert len(step_file.records) == rows and step_file.tensor_count == small + large
+        for tensor_id in range(step_file.tensor_count):
+            step_file.tensor(tensor_id)
+    assert os.path.getsize(path) < writer._space.reserved
