@@ -179,7 +179,7 @@ def check_without_javascript(html_text: str) -> list[str]:
 def check(dom: Dom) -> list[str]:
     problems = []
     verdict = dom.text.get("verdict", "").strip()
-    if not verdict.startswith(("PASS:", "DIVERGED")):
+    if not verdict.startswith(("PASS:", "DIVERGED", "NOT A PASS")):
         problems.append(f"verdict heading missing or wrong: {verdict[:80]!r}")
     for ident in ("error-chart", "tolerance-line", "records", "filter-text", "filter-status"):
         if ident not in dom.ids:
