@@ -29,7 +29,7 @@ MAX_TABLE_ROWS = 3000  # table rows: divergent and unmatched first, then the res
 WIDTH, HEIGHT = 1000, 360
 LEFT, RIGHT, TOP, BOTTOM = 60, 20, 64, 40
 #: y of the lane for infinite scores (above the plot), and of the two label rows above it
-INF_LANE = TOP - 12
+INF_LANE = TOP - 18
 LABEL_ROWS = (14, 30)
 CHAR_WIDTH = 6.2  # px per character of an 11 px label, to keep labels apart
 Y_FLOOR = 1e-4
@@ -47,7 +47,7 @@ th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
 tr.status-diverged td{background:#fdecea} tr.status-changed td{background:#fff8e1} tr.status-only_a td,tr.status-only_b td{background:#f3f3f3;color:#555}
 tr.first td{outline:2px solid #c62828}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
-#records col.n{width:3.2em} #records col.s{width:4.2em} #records col.m{width:7em} #records col.w{width:16%}
+#records col.n{width:3.8em} #records col.s{width:5.8em} #records col.m{width:7em} #records col.w{width:16%}
 #records col.t{width:9%} #records col.x{width:6.5em}
 .controls{margin:8px 0;font-size:13px} .controls input{width:240px}
 .legend span{margin-right:14px;font-size:12px} .dot{display:inline-block;width:9px;height:9px;border-radius:50%}
