@@ -5,8 +5,12 @@ Subcommands live in probe/commands/, one module each, and are imported only when
 and exit code 2; answers go to stdout.
 
 Exit codes: 0 pass, 1 diverged (compare), 2 trouble (usage, config, unreadable input).
+A usage error is one line too (``probe: error: ...``, with click's "did you mean" kept).
+When the reader of stdout goes away (``probe inspect dump | head``) probe stops quietly
+with exit code 141 (128 + SIGPIPE, what a shell shows for a process SIGPIPE killed).
 """
 
+import os
 import sys
 from importlib import import_module
 
@@ -18,6 +22,7 @@ from probe.errors import ProbeError
 EXIT_PASS = 0
 EXIT_DIVERGED = 1
 EXIT_TROUBLE = 2
+EXIT_BROKEN_PIPE = 141
 
 # command name -> (module, click command attribute, one-line help for the listing)
 _COMMANDS = {
@@ -30,7 +35,18 @@ _COMMANDS = {
 }
 
 
+class _StdoutClosed(Exception):
+    """stdout's reader went away. Not an OSError, so click's own EPIPE handling (exit 1,
+    which would read as "diverged") lets it through to main()."""
+
+
 class _LazyGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            raise _StdoutClosed() from None
+
     def list_commands(self, ctx):
         return sorted(_COMMANDS)
 
@@ -39,6 +55,17 @@ class _LazyGroup(click.Group):
             return None
         module_name, attribute, _ = _COMMANDS[name]
         return getattr(import_module(module_name), attribute)
+
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in _COMMANDS:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(_COMMANDS), n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise click.UsageError(
+                f"no such command {name!r}{hint} (commands: {', '.join(sorted(_COMMANDS))})", ctx)
+        return super().resolve_command(ctx, args)
 
     def format_commands(self, ctx, formatter):
         rows = [(name, _COMMANDS[name][2]) for name in self.list_commands(ctx)]
@@ -71,11 +98,38 @@ def main(argv=None):
         click.echo("probe: aborted", err=True)
         return _exit(EXIT_TROUBLE)
     except click.ClickException as error:
-        error.show()
+        message = " ".join(error.format_message().split())  # one line: "did you mean" joins it
+        click.echo(f"probe: error: {_command_prefix(error)}{message}", err=True)
         return _exit(EXIT_TROUBLE if error.exit_code != 0 else 0)
     except click.exceptions.Exit as exit_:
         return _exit(exit_.exit_code)
+    except (BrokenPipeError, _StdoutClosed):
+        _silence_stdout()
+        return _exit(EXIT_BROKEN_PIPE)
+    try:
+        sys.stdout.flush()  # a broken pipe can also surface only here
+    except BrokenPipeError:
+        _silence_stdout()
+        return _exit(EXIT_BROKEN_PIPE)
     return _exit(code if isinstance(code, int) else 0)
+
+
+def _command_prefix(error: click.ClickException) -> str:
+    """'compare: ' for an error in a subcommand's arguments (the group's own: '')."""
+    ctx = getattr(error, "ctx", None)
+    if ctx is not None and ctx.parent is not None and ctx.info_name:
+        return f"{ctx.info_name}: "
+    return ""
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _exit(code):

@@ -36,6 +36,9 @@ INDEX_MAX = 2**31 - 1
 #: step/rank ranges expand to at most this many numbers, so "0-999999999999" cannot eat memory.
 MAX_SELECTED = 1_000_000
 BUFFER_MB_MAX = 1_048_576
+WRITE_ERROR_POLICIES = ("raise", "warn")
+#: a config file larger than this is refused before it is parsed (a 120 MB file took 50 s)
+MAX_CONFIG_BYTES = 1 << 20
 EXTENSIONS = (".json", ".yaml", ".yml")
 #: ``probe run`` exports the absolute config path under this name; the debugger reads it.
 ENV_CONFIG = "PROBE_CONFIG"
@@ -88,6 +91,9 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("stop_on_nonfinite", "bool", False, "false | true",
                 "raise NonfiniteError at step() after the first step whose records hold NaN/Inf "
                 "(the step file is written first)"),
+        KeySpec("on_write_error", "string", "raise", "raise | warn",
+                "when a step file cannot be written (disk full, ...): raise DumpError at "
+                "step(), or warn once and keep training; never raised inside forward/backward"),
     )
 }
 
@@ -212,7 +218,13 @@ def _mode(source: str, value: Any) -> bool | str:
     hint = _suggest(value, ["warn", "true", "false"]) if isinstance(value, str) else ""
     if isinstance(value, str) and value.lower() in ("true", "false"):
         hint = f"; write {value.lower()} without quotes"
-    raise _bad(source, "mode", value, 'false, true or "warn"', hint)
+    raise _bad(source, "mode", value, 'false, true or "warn"', hint or _yaml_word_hint(value))
+
+
+def _yaml_word_hint(value: Any) -> str:
+    if isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n"):
+        return " (yes/no/on/off are not booleans in a probe config: write true or false)"
+    return ""
 
 
 def _compile_list(source: str, entries: tuple[str, ...]) -> tuple[re.Pattern | None, ...]:
@@ -250,6 +262,7 @@ class Config:
     buffer_mb: int = 512
     random_on_cpu: bool = False
     stop_on_nonfinite: bool = False
+    on_write_error: str = "raise"
     source: str = field(default="<defaults>", compare=False)
     _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -270,6 +283,8 @@ class Config:
             "buffer_mb": _bounded_int(src, "buffer_mb", self.buffer_mb, 1, BUFFER_MB_MAX),
             "random_on_cpu": self._flag(src, "random_on_cpu", self.random_on_cpu),
             "stop_on_nonfinite": self._flag(src, "stop_on_nonfinite", self.stop_on_nonfinite),
+            "on_write_error": _choice(src, "on_write_error", self.on_write_error,
+                                      WRITE_ERROR_POLICIES),
             "source": src,
         }
         for name, value in values.items():
@@ -287,7 +302,7 @@ class Config:
     @staticmethod
     def _flag(src: str, key: str, value: Any) -> bool:
         if not isinstance(value, bool):
-            raise _bad(src, key, value, "true or false")
+            raise _bad(src, key, value, "true or false", _yaml_word_hint(value))
         return value
 
     def _data_mode(self, src: str) -> tuple[str, ...]:
@@ -407,7 +422,44 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config | None:
     return config
 
 
+def check_dump_path(config: Config) -> None:
+    """Raise ConfigError now when dump_path can never be written: an existing file, or a
+    folder (or nearest existing parent) where no file can be created. Called by
+    PrecisionDebugger(...) and ``probe run -c``, so the mistake surfaces before training,
+    not at the first selected step hours later."""
+    path = os.path.abspath(config.dump_path)
+    where = f"{config.source}: dump_path {_show(config.dump_path)}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{where} is an existing file, expected a folder (or a path to create)")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{where} cannot be created: {existing} is a file, expected a folder")
+    import tempfile  # a real probe: access() says yes to root on read-only mounts and /proc
+
+    try:
+        handle, probe_file = tempfile.mkstemp(prefix=".probe-write-check-", dir=existing)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(
+            f"{where} is not writable: cannot create a file in {existing} ({reason}); "
+            "expected a writable folder"
+        ) from None
+    os.close(handle)
+    os.remove(probe_file)
+
+
 def _read_text(path: str) -> str:
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        size = 0  # open() below says what is wrong
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path}: the config file is {size} bytes, expected at most {MAX_CONFIG_BYTES} "
+            "(a config is a few lines of keys; is this the right file?)"
+        )
     try:
         with open(path, encoding="utf-8-sig") as handle:
             return handle.read()
@@ -470,6 +522,15 @@ def _parse_yaml(source: str, text: str) -> Any:
         return loader.construct_mapping(node, deep=True)
 
     _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    # YAML 1.1 reads yes/no/on/off (any case) as booleans: `mode: on` would silently mean
+    # true. Only true/false are booleans here (YAML 1.2); the rest stay strings, and the
+    # key's own check then names the allowed values.
+    _StrictLoader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    _StrictLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
     except yaml.MarkedYAMLError as error:
@@ -483,5 +544,5 @@ def _parse_yaml(source: str, text: str) -> Any:
 
 __all__ = [
     "Config", "KeySpec", "KEYS", "load", "from_dict", "from_env", "ENV_CONFIG", "ENV_SEED",
-    "TASKS", "LEVELS", "MODES", "DATA_MODES",
+    "TASKS", "LEVELS", "MODES", "DATA_MODES", "WRITE_ERROR_POLICIES", "check_dump_path",
 ]

@@ -18,14 +18,22 @@ Rules (docs/capture.md):
 * step() writes ``{dump_path}/step{N}/rank{R}.h5`` (synchronously: a background thread
   was measured to be slower, because the HDF5 work holds the GIL the training thread
   needs); interpreter exit writes a step still open. A process killed mid-step leaves at
-  most ``rank{R}.h5.partial``, never a file that looks finished.
+  most ``rank{R}.<token>.h5.partial``, never a file that looks finished;
+* a step file that cannot be written (disk full, ...) never raises inside the user's
+  forward, backward or optimizer step: storing stops, the step runs to its end, and step()
+  raises DumpError (``on_write_error: raise``, the default) or warns once (``warn``);
+* one live debugger per dump_path and rank: the first selected start() takes a lock
+  (writer.RankLock) that close() or the death of the process releases;
+* every step file carries this debugger's ``run_id``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
 import os
+import secrets
 import sys
 import warnings
 import weakref
@@ -40,7 +48,7 @@ from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
 from probe.capture.values import SourceLocator
 from probe.dump.schema import COLUMN_NAMES, SCHEMA_VERSION
-from probe.errors import CaptureError, ProbeError
+from probe.errors import CaptureError, DumpError, ProbeError
 from probe.seed import determinism_state, seed_all
 
 _LIVE: "weakref.WeakSet[PrecisionDebugger]" = weakref.WeakSet()
@@ -57,6 +65,14 @@ class PrecisionDebugger:
     def __init__(self, config=None) -> None:
         self.config = _resolve_config(config)
         cfg = self.config
+        config_module.check_dump_path(cfg)
+        #: written into every step file: a dump folder mixing two runs' steps is detectable
+        self.run_id = secrets.token_hex(8)
+        self._lock = None  # writer.RankLock, taken by the first selected start()
+        self._warned_selection = False
+        self._warned_write = False
+        #: DumpErrors of steps that could not be written (with on_write_error "warn")
+        self.write_errors: list[DumpError] = []
         self.seed_report = seed_all(cfg.seed, cfg.mode, cfg.remove_dropout)
         self.current_step = 0
         self._model: torch.nn.Module | None = None
@@ -112,6 +128,7 @@ class PrecisionDebugger:
         if not self._selected():
             return
         try:
+            self._warn_if_scope_selects_nothing()
             recorder = self._recorder or self._open_step()
             recorder.active = True
             level = self.config.level
@@ -175,17 +192,58 @@ class PrecisionDebugger:
             self.step()
 
     def close(self) -> None:
-        """Stop if started and write the open step's file (what the exit handler does)."""
-        if self._started:
-            self.stop()
-        if self._recorder is not None:
-            self._finish_step()
+        """Stop if started, write the open step's file (what the exit handler does) and
+        release the dump folder's lock."""
+        try:
+            if self._started:
+                self.stop()
+            if self._recorder is not None:
+                self._finish_step()
+        finally:
+            lock, self._lock = self._lock, None
+            if lock is not None:
+                lock.release()
 
     # ------------------------------------------------------------------ internals
 
     def _selected(self) -> bool:
         cfg = self.config
         return cfg.wants_step(self.current_step) and cfg.wants_rank(_current_rank())
+
+    def _warn_if_scope_selects_nothing(self) -> None:
+        """A scope that matches no module of this model dumps empty files that compare
+        as equal: say so once, with the closest module path."""
+        scope = self.config.scope
+        if self._warned_selection or not scope or self._model is None:
+            return
+        names = [name for name, _ in self._model.named_modules() if name]
+        if any(self.config.in_scope(name) for name in names) or "" in scope:
+            return
+        self._warned_selection = True
+        close = difflib.get_close_matches(scope[0], names, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        warnings.warn(
+            f"probe: scope {list(scope)} selects no module of this "
+            f"{type(self._model).__name__} ({len(names)} modules){hint} the step files will "
+            "hold no records of modules in scope", UserWarning, stacklevel=3)
+
+    def _warn_if_selection_recorded_nothing(self, rows: list) -> None:
+        cfg = self.config
+        if self._warned_selection or rows or not (cfg.scope or cfg.list):
+            return
+        self._warned_selection = True
+        warnings.warn(
+            f"probe: step {self.current_step} recorded nothing: scope {list(cfg.scope)} and "
+            f"list {list(cfg.list)} select no call of this model (check them for typos); "
+            "two empty dumps compare as nothing, not as a pass", UserWarning, stacklevel=4)
+
+    def _take_lock(self, rank: int) -> None:
+        from probe.dump.writer import RankLock
+
+        if self._lock is None or self._lock.rank != rank:
+            if self._lock is not None:
+                self._lock.release()
+            self._lock = RankLock(self.config.dump_path, rank, self.run_id)
 
     def _open_step(self) -> Recorder:
         from probe.dump.writer import make_folder  # h5py, once something is dumped
@@ -194,7 +252,9 @@ class PrecisionDebugger:
         cfg = self.config
         make_folder(cfg.dump_path, "dump_path")
         rank = _current_rank()
+        self._take_lock(rank)
         attrs = {
+            "run_id": self.run_id,
             "schema_version": SCHEMA_VERSION,
             "probe_version": __version__,
             "torch_version": str(torch.__version__),
@@ -232,18 +292,43 @@ class PrecisionDebugger:
         self.last_step_calls = recorder.calls
         recorder.end_step()
 
-        target = writer or open_writer()
+        self._warn_if_selection_recorded_nothing(rows)
+        if recorder.write_error is not None:
+            if writer is not None:
+                writer.abort()
+            self._write_failed(recorder.write_error)
+            return
         try:
-            target.add_rows(rows)
-            self.last_file = target.close({"device": device})
-        except BaseException:
-            target.abort()
-            raise
+            target = writer or open_writer()
+            try:
+                target.add_rows(rows)
+                self.last_file = target.close({"device": device})
+            except BaseException:
+                target.abort()
+                raise
+        except DumpError as error:
+            self._write_failed(error)
+            return
         if self.config.stop_on_nonfinite:
             from probe.nonfinite import stop_error
 
             self._nonfinite_stop = stop_error(rows, COLUMN_NAMES, recorder.step_attrs["step"],
                                               recorder.step_attrs["rank"], self.last_file)
+
+    def _write_failed(self, error: DumpError) -> None:
+        """Apply on_write_error to a step that could not be written (its file is gone;
+        the steps finished before it are intact)."""
+        self.last_file = None
+        message = f"step {self.current_step} was not written: {error}"
+        if self.config.on_write_error == "raise":
+            raise DumpError(message) from error
+        self.write_errors.append(error)
+        if not self._warned_write:
+            self._warned_write = True
+            warnings.warn(f"probe: {message} (on_write_error is \"warn\": training goes on; "
+                          "later steps that cannot be written are skipped without another "
+                          "warning, see PrecisionDebugger.write_errors)",
+                          RuntimeWarning, stacklevel=4)
 
     def _uninstall(self) -> ProbeError | None:
         """Remove the mode and hooks; never leaves either behind, even when one fails."""

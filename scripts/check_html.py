@@ -10,6 +10,11 @@ is "diverged", the records table with rows, and the filter counter that only the
 fills in (so a page whose JS fails is caught). It never touches the network: the page must be
 self-contained, and Chromium runs with networking features off.
 
+Layout, measured in a 1400 x 900 window by a script this checker adds to a copy of the page:
+the document is no wider than the viewport (no horizontal scrollbar), and no chart label
+overlaps another label or a point. The page as written (what a browser without JavaScript
+shows) must say that filtering needs JavaScript and list the diverged records first.
+
 Needs Debian's chromium (``apt-get install -y chromium``); not part of the pytest suite.
 Exit codes: 0 all checks pass, 1 a check failed, 2 chromium missing or unusable input.
 """
@@ -93,10 +98,88 @@ class Dom(HTMLParser):
                 self.text[ident] = self.text.get(ident, "") + data
 
 
+VIEWPORT = (1400, 900)
+
+#: added to a copy of the page: measures what the user's window shows, into #probe-check
+_MEASURE = """
+<script>
+window.addEventListener('load', function(){
+  var doc=document.documentElement, svg=document.getElementById('error-chart');
+  function boxes(selector){return svg?Array.prototype.map.call(svg.querySelectorAll(selector),
+    function(e){return e.getBoundingClientRect();}):[];}
+  function hit(a,b){return a.left<b.right&&b.left<a.right&&a.top<b.bottom&&b.top<a.bottom;}
+  var labels=boxes('text'), points=boxes('.pt'), clashes=0;
+  for(var i=0;i<labels.length;i++){
+    for(var j=i+1;j<labels.length;j++){if(hit(labels[i],labels[j])) clashes++;}
+    for(var k=0;k<points.length;k++){if(hit(labels[i],points[k])) clashes++;}}
+  var mark=document.createElement('div'); mark.id='probe-check';
+  mark.setAttribute('data-doc-width', Math.max(doc.scrollWidth, document.body.scrollWidth));
+  mark.setAttribute('data-viewport', window.innerWidth);
+  mark.setAttribute('data-label-clashes', clashes);
+  document.body.appendChild(mark);
+});
+</script>
+"""
+
+
+def measured_copy(page: str, work: str) -> str:
+    """A copy of the page with the measuring script added before </body>."""
+    with open(page, encoding="utf-8") as handle:
+        text = handle.read()
+    position = text.rfind("</body>")
+    text = text[:position] + _MEASURE + text[position:] if position >= 0 else text + _MEASURE
+    copy = os.path.join(work, "measured.html")
+    with open(copy, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    return copy
+
+
+def check_layout(dom: Dom) -> list[str]:
+    mark = dom.ids.get("probe-check")
+    if mark is None:
+        return ["the layout could not be measured (the measuring script did not run)"]
+    problems = []
+    width, viewport = int(mark["data-doc-width"]), int(mark["data-viewport"])
+    if width > viewport:
+        problems.append(f"the page is {width} px wide in a {viewport} px window: it scrolls sideways")
+    clashes = int(mark["data-label-clashes"])
+    if clashes:
+        problems.append(f"{clashes} chart label(s) overlap another label or a point")
+    return problems
+
+
+class _RowOrder(HTMLParser):
+    """data-status of the records table's rows, in page order, and whether the no-JS note is there."""
+
+    def __init__(self):
+        super().__init__()
+        self.statuses: list[str] = []
+        self.no_script_note = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "tr" and "data-status" in attrs:
+            self.statuses.append(attrs["data-status"])
+        if attrs.get("id") == "no-script":
+            self.no_script_note = True
+
+
+def check_without_javascript(html_text: str) -> list[str]:
+    order = _RowOrder()
+    order.feed(html_text)
+    problems = []
+    if not order.no_script_note:
+        problems.append("without JavaScript the page does not say that filtering needs it")
+    diverged = [position for position, status in enumerate(order.statuses) if status == "diverged"]
+    if diverged and diverged != list(range(len(diverged))):
+        problems.append("without JavaScript the diverged records are not listed first")
+    return problems
+
+
 def check(dom: Dom) -> list[str]:
     problems = []
     verdict = dom.text.get("verdict", "").strip()
-    if not verdict.startswith(("PASS:", "DIVERGED")):
+    if not verdict.startswith(("PASS:", "DIVERGED", "NOT A PASS")):
         problems.append(f"verdict heading missing or wrong: {verdict[:80]!r}")
     for ident in ("error-chart", "tolerance-line", "records", "filter-text", "filter-status"):
         if ident not in dom.ids:
@@ -149,23 +232,33 @@ def main(argv=None) -> int:
         if not os.path.isfile(page):
             print(f"check_html: {page} does not exist", file=sys.stderr)
             return 2
-        url = "file://" + os.path.abspath(page)
-        rendered = run_browser(browser, url, ["--dump-dom", "--virtual-time-budget=5000"])
+        url = "file://" + os.path.abspath(measured_copy(page, work))
+        window = f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}"
+        rendered = run_browser(browser, url, ["--dump-dom", "--virtual-time-budget=5000", window])
         if rendered.returncode != 0 or "<html" not in rendered.stdout:
             print(f"check_html: chromium failed ({rendered.returncode}): {rendered.stderr.strip()[-300:]}", file=sys.stderr)
             return 2
         dom = Dom()
         dom.feed(rendered.stdout)
-        problems = check(dom)
+        problems = check(dom) + check_layout(dom)
+        # without JavaScript the browser shows the page as written (chromium's --dump-dom
+        # needs scripts itself, so the page's own text is what is checked)
+        with open(page, encoding="utf-8") as handle:
+            problems += check_without_javascript(handle.read())
         if args.screenshot:
-            shot = run_browser(browser, url, [f"--screenshot={os.path.abspath(args.screenshot)}", "--window-size=1280,1400"])
+            shot = run_browser(browser, "file://" + os.path.abspath(page),
+                               [f"--screenshot={os.path.abspath(args.screenshot)}", f"--window-size={VIEWPORT[0]},1400"])
             if shot.returncode != 0 or not os.path.isfile(args.screenshot):
                 problems.append(f"screenshot failed: {shot.stderr.strip()[-200:]}")
     for problem in problems:
         print(f"FAIL: {problem}")
     if not problems:
+        mark = dom.ids["probe-check"]
         print(f"OK: {page} renders: verdict, chart ({dom.classes.get('pt', 0)} points), "
-              f"{dom.record_rows} table rows, script ran" + (f"; screenshot {args.screenshot}" if args.screenshot else ""))
+              f"{dom.record_rows} table rows, script ran; {mark['data-doc-width']} px wide in a "
+              f"{mark['data-viewport']} px window, no chart label overlaps; without JavaScript the "
+              "diverged records come first and the page says so"
+              + (f"; screenshot {args.screenshot}" if args.screenshot else ""))
     return 1 if problems else 0
 
 

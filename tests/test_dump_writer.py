@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from probe.dump import encode, reader, schema
-from probe.dump.writer import StepWriter, partial_path_for
+from probe.dump.writer import StepWriter
 from probe.errors import DumpError
 from scripts_dump.dumpkit import make_row, root_attrs, write_step
 
@@ -239,9 +239,10 @@ def test_file_is_partial_until_close_and_final_only_after(tmp_path):
     writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
     writer.add_tensor(torch.ones(8))
     final = os.path.join(str(tmp_path), "step0", "rank0.h5")
-    assert os.path.exists(partial_path_for(final)) and not os.path.exists(final)
+    assert os.path.exists(writer.partial_path) and not os.path.exists(final)
+    assert schema.parse_partial_file(os.path.basename(writer.partial_path)) == 0
     assert writer.close() == final
-    assert os.path.exists(final) and not os.path.exists(partial_path_for(final))
+    assert os.path.exists(final) and not os.path.exists(writer.partial_path)
 
 
 def test_close_replaces_an_existing_step_file_only_when_finished(tmp_path):
@@ -437,3 +438,24 @@ def test_large_tensors_written_around_hdf5_read_back_bit_exact(tmp_path, dtype):
         for tensor_id, tensor in enumerate([big, small, big.t()]):
             stored, _ = step_file.stored_tensor(tensor_id)
             assert np.array_equal(stored.reshape(-1).view(np.uint8), _bits(tensor)), tensor_id
+
+
+@pytest.mark.parametrize("rows,small,large", [(1, 0, 0), (20_000, 0, 0), (0, 400, 0), (300, 30, 2)])
+def test_hdf5_never_outgrows_the_space_reserved_for_it(tmp_path, monkeypatch, rows, small, large):
+    # force the allocating path (as on a nearly full disk) and check HDF5 stayed inside it
+    from probe.dump import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "PLENTY_FREE_BYTES", 1 << 62)
+    writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
+    for i in range(small):
+        writer.add_tensor(torch.full((i % 50 + 1,), float(i)))
+    for _ in range(large):
+        writer.add_tensor(torch.ones(300_000))
+    writer.add_rows([make_row(module=f"m{i}", seq=i) for i in range(rows)])
+    path = writer.close()
+    assert writer._space.extended and writer._space.overshoot <= 0
+    with reader.open_step_file(path) as step_file:  # cut back to HDF5's size, and whole
+        assert len(step_file.records) == rows and step_file.tensor_count == small + large
+        for tensor_id in range(step_file.tensor_count):
+            step_file.tensor(tensor_id)
+    assert os.path.getsize(path) < writer._space.reserved

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -126,6 +127,9 @@ def test_probe_run_help_teaches_with_examples():
     (signal.SIGTERM, True, 7),
     (signal.SIGTERM, False, 128 + signal.SIGTERM),
     (signal.SIGINT, True, 7),  # no terminal here, so the SIGINT must be forwarded
+    (signal.SIGHUP, True, 7),
+    (signal.SIGUSR1, True, 7),
+    (signal.SIGUSR2, True, 7),
 ])
 def test_probe_run_forwards_signals_to_the_child(signum, handles_it, expected):
     handler = f"signal.signal({int(signum)}, lambda *a: sys.exit(7)); " if handles_it else ""
@@ -144,3 +148,39 @@ def test_probe_run_forwards_signals_to_the_child(signum, handles_it, expected):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _alive(pid: int) -> bool:
+    """True while pid runs (a zombie waiting for its new parent to reap it counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_probe_run_killed_with_sigkill_takes_its_child_along():
+    child = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-m", "probe", "run", "-q", "--",
+                                sys.executable, "-c", child],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=_clean_env(), cwd=REPO_ROOT)
+    try:
+        grandchild = int(process.stdout.readline())
+        assert _alive(grandchild)
+        process.kill()  # SIGKILL: no handler of probe run can forward anything
+        process.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while _alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(grandchild), "the training process outlived probe run (orphaned)"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_probe_run_unknown_option_is_a_usage_error_with_a_suggestion():
+    result = probe("run", "--sed", "42", "--", "python", "-c", "pass")
+    _assert_one_line_error(result, "No such option '--sed'", "Did you mean '--seed'?")

@@ -34,7 +34,7 @@ from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, encode_value, flatten, value_type
 from probe.config import Config
 from probe.dump.schema import COLUMN_NAMES
-from probe.errors import ProbeError
+from probe.errors import DumpError, ProbeError
 
 Tensor = torch.Tensor
 NAN = float("nan")
@@ -82,6 +82,8 @@ class Recorder:
         self.active = False
         self.generation = 0
         self.calls = 0  # captured API and module calls (for the benchmark)
+        #: the first DumpError of this step's tensor writes; storing stops after it
+        self.write_error: DumpError | None = None
         self._defer = defer_stats  # None: defer on non-CPU devices only
         self._pending: list[tuple[int, tuple]] = []
         self._cache: dict = {}
@@ -208,11 +210,19 @@ class Recorder:
     def _store(self, tensor: Tensor) -> int:
         if not _storable(tensor):
             return -1
-        if self.writer is None:
-            if self._open_writer is None:
-                return -1
-            self.writer = self._open_writer()
-        return self.writer.add_tensor(tensor.detach().clone())
+        if self.write_error is not None:
+            return -1  # storing stopped at the first failed write (disk full, ...)
+        try:
+            if self.writer is None:
+                if self._open_writer is None:
+                    return -1
+                self.writer = self._open_writer()
+            return self.writer.add_tensor(tensor.detach().clone())
+        except DumpError as error:
+            # never raise inside the user's forward/backward/optimizer step: remember it,
+            # stop storing, and let the debugger report it at stop()/step() (on_write_error)
+            self.write_error = error
+            return -1
 
     # ------------------------------------------------------------------ step end
 

@@ -67,11 +67,11 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     from probe.report import output, progress
 
     # fail on unwritable destinations before the (possibly long) compare
-    destinations = {}
-    if csv_path is not None:
-        destinations["csv"] = output.check_destination(csv_path, "--csv")
-    if html_path is not None:
-        destinations["html"] = output.check_destination(html_path, "--html")
+    # and on a report that would overwrite an input or another report: nothing is written
+    requested = {option: path for option, path in (("--csv", csv_path), ("--html", html_path))
+                 if path is not None}
+    destinations = {option.lstrip("-"): full for option, full in
+                    output.check_destinations(requested, inputs=(a, b)).items()}
 
     bar = progress.Progress(sys.stderr)
     try:

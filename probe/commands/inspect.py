@@ -80,7 +80,7 @@ def summary_line(step_file: reader.StepDump) -> str:
         f"  records {len(step_file.records)}  tensors {step_file.tensor_count}  task {attrs.get('task', '?')}"
         f"  level {attrs.get('level', '?')}  torch {attrs.get('torch_version', '?')}"
         f"  device {attrs.get('device', '?')}  seed {seed if seed is not None else '-'}"
-        f"  created {attrs.get('created', '?')}"
+        f"  created {attrs.get('created', '?')}  run {attrs.get('run_id') or '-'}"
     )
 
 
@@ -110,6 +110,11 @@ def inspect(dump, step, rank, key, limit, as_json):
     loaded = reader.load(dump)
     for message in loaded.incomplete_messages():
         click.echo(f"probe: warning: {message}", err=True)
+    from probe.comparison.run_info import mixed_runs
+
+    mixed = mixed_runs(loaded)
+    if mixed:
+        click.echo(f"probe: warning: {mixed}", err=True)
     selected = [(s, r) for (s, r) in loaded.files if (step is None or s == step) and (rank is None or r == rank)]
     if not selected:
         wanted = " ".join(f"{name} {value}" for name, value in (("step", step), ("rank", rank)) if value is not None)
@@ -145,6 +150,7 @@ def inspect(dump, step, rank, key, limit, as_json):
                            for path, message in zip(loaded.incomplete, loaded.incomplete_messages())],
             "records": shown,
             "records_not_shown": hidden,
+            "mixed_runs": mixed or None,
         }
         click.echo(json.dumps(_json_safe(payload), allow_nan=False, ensure_ascii=False))
         return 0

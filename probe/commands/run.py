@@ -2,8 +2,11 @@
 
 PYTHONHASHSEED is read once, when an interpreter starts; CUBLAS_WORKSPACE_CONFIG once, when
 cuBLAS starts. seed_all() inside the script is too late for both, so this command sets them
-for the child and then gets out of the way: stdio is inherited, SIGTERM/SIGINT are forwarded
-and the child's exit code is returned. This module does not import torch.
+for the child and then gets out of the way: stdio is inherited, SIGINT, SIGTERM, SIGHUP,
+SIGUSR1 and SIGUSR2 are forwarded, and the child's exit code is returned. The child never
+outlives this process: on Linux it asks the kernel (prctl PR_SET_PDEATHSIG) to send it SIGKILL
+when its parent dies, even when the parent is killed with SIGKILL. This module does not
+import torch.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 
 import click
 
-from probe.config import ENV_CONFIG, ENV_SEED, SEED_MAX, Config, load
+from probe.config import ENV_CONFIG, ENV_SEED, SEED_MAX, Config, check_dump_path, load
 from probe.errors import ProbeError
 
 USAGE = "probe run [-c config.json] [--seed N] -- python train.py [args...]"
@@ -56,12 +59,39 @@ def _check_executable(program: str, env: dict[str, str]) -> None:
         raise ProbeError(f"run: command not found: {program!r} (not on PATH)")
 
 
+#: signals passed on to the child (SIGINT only when the terminal did not deliver it already)
+FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in
+                          ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent_hook():
+    """A preexec_fn making the child die with this process (Linux); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def die_with_parent():
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return die_with_parent
+
+
 def run_child(command: list[str], env: dict[str, str], stdout=None) -> int:
-    """Run ``command`` with ``env``; forward SIGINT/SIGTERM; return its exit code (128+N if killed).
+    """Run ``command`` with ``env``; forward FORWARDED_SIGNALS; return its exit code (128+N if killed).
 
     stdout: where the child's stdout goes (None: inherited; probe determinism sends it to stderr)."""
     try:
-        child = subprocess.Popen(command, env=env, stdout=stdout)
+        child = subprocess.Popen(command, env=env, stdout=stdout, preexec_fn=_die_with_parent_hook())
     except FileNotFoundError:
         raise ProbeError(f"run: command not found: {command[0]!r}") from None
     except PermissionError:
@@ -76,7 +106,7 @@ def run_child(command: list[str], env: dict[str, str], stdout=None) -> int:
             child.send_signal(signum)
 
     previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in FORWARDED_SIGNALS:
         try:
             previous[signum] = signal.signal(signum, forward)
         except ValueError:  # not the main thread: cannot install handlers, just wait
@@ -89,8 +119,37 @@ def run_child(command: list[str], env: dict[str, str], stdout=None) -> int:
     return 128 - code if code < 0 else code
 
 
+class _RunCommand(click.Command):
+    """``probe run [options] [--] COMMAND...``: an unknown option before the command is a
+    usage error (``--sed 42`` is a typo of ``--seed``, not a program to run)."""
+
+    def parse_args(self, ctx, args):
+        takes_value, flags = set(), set()
+        for param in self.get_params(ctx):
+            if isinstance(param, click.Option):
+                (flags if param.is_flag else takes_value).update(param.opts + param.secondary_opts)
+        position = 0
+        while position < len(args):
+            arg = args[position]
+            if arg == "--" or not arg.startswith("-") or arg == "-":
+                break
+            name = arg.split("=", 1)[0]
+            if name in takes_value:
+                position += 1 if "=" in arg else 2
+            elif name in flags:
+                position += 1
+            else:
+                import difflib
+
+                known = sorted(opt for opt in takes_value | flags if opt.startswith("--"))
+                raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, known),
+                                         ctx=ctx)
+        return super().parse_args(ctx, args)
+
+
 @click.command(
     "run",
+    cls=_RunCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     short_help="Run a training script with seeding env vars set.",
 )
@@ -123,6 +182,8 @@ def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[s
     if not command:
         raise ProbeError(f"run: no command given; usage: {USAGE}")
     config = load(config_path) if config_path is not None else None
+    if config is not None:
+        check_dump_path(config)  # now, not at the first dumped step hours into training
     env = build_env(config, seed, dict(os.environ))
     _check_executable(command[0], env)
     if not quiet:

@@ -13,7 +13,7 @@ import os
 from typing import Callable, Iterable
 
 from probe.comparison import result as R
-from probe.comparison import groups, verdict
+from probe.comparison import groups, run_info, verdict
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.records import Records
@@ -69,6 +69,8 @@ def compare(
 
     notes = [f"A: {message}" for message in dump_a.incomplete_messages()]
     notes += [f"B: {message}" for message in dump_b.incomplete_messages()]
+    notes += [note for note in (run_info.mixed_runs(dump_a, "A"), run_info.mixed_runs(dump_b, "B")) if note]
+    differences: list[dict] = []
     outcomes: list[StepOutcome] = []
     steps_info = []
     total_bytes = 0
@@ -81,6 +83,7 @@ def compare(
         with dump_a.open(*key_a) as file_a, dump_b.open(*key_b) as file_b:
             if position == 0:
                 notes += _attr_notes(file_a.attrs, file_b.attrs)
+                differences = run_info.run_differences(file_a.attrs, file_b.attrs)
             records_a = Records.from_table(file_a.records, file_a.path)
             outcome = compare_step(
                 records_a,
@@ -109,6 +112,7 @@ def compare(
             "counts": counts,
         })
     result = _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+    result.run_differences = differences
     if replay is not None:
         # torch is imported here only: a compare without replay stays torch-free
         from probe.replay import replay_result
@@ -161,6 +165,14 @@ def _pair_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks):
     missing = [f"step {s} rank {r} only in A" for s, r in only_a]
     missing += [f"step {s} rank {r} only in B" for s, r in only_b]
     common = sorted(keys_a & keys_b)
+    if missing and not common:
+        # --allow-missing would fail too: nothing in common. Two files compare whatever their steps.
+        example_a, example_b = files_a[min(keys_a)], files_b[min(keys_b)]
+        raise CompareError(
+            f"the dumps have no step and rank in common ({_describe(only_a, 'A')}; {_describe(only_b, 'B')}); "
+            f"to compare two step files whatever their step numbers, name them: "
+            f"probe compare {example_a} {example_b}"
+        )
     if missing and not allow_missing:
         raise CompareError(
             f"the dumps hold different steps or ranks ({_describe(only_a, 'A')}{'; ' if only_a and only_b else ''}"
@@ -194,7 +206,8 @@ def _unpaired_fails(counts: dict, strict: bool) -> bool:
     """Unmatched records fail a step with --strict, or when nothing at all could be paired
     (an empty or unrelated dump must never pass)."""
     unmatched = counts["only_a"] + counts["only_b"]
-    return bool(unmatched) and (strict or counts["matched"] == 0)
+    # nothing paired is never a pass: two empty dumps (a scope typo) compared nothing at all
+    return counts["matched"] == 0 or (bool(unmatched) and strict)
 
 
 def _step_verdict(counts: dict, strict: bool) -> str:
@@ -214,13 +227,19 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     if first is None and failing:
         lonely = [row for row in failing[0].rows if row.status in (R.ONLY_A, R.ONLY_B)]
         first = min(lonely, key=lambda row: row.order, default=None)
-        if failing[0].counts()["matched"] == 0:
+        if failing[0].counts()["matched"] == 0 and not lonely:
+            notes.append(
+                f"step {failing[0].step} rank {failing[0].rank}: nothing was compared, both step files "
+                "hold no records (did scope or list select nothing?); that is not a pass"
+            )
+        elif failing[0].counts()["matched"] == 0:
             notes.append(
                 f"step {failing[0].step} rank {failing[0].rank}: no record could be paired "
                 f"({failing[0].counts()['only_a']} in A, {failing[0].counts()['only_b']} in B): the dumps do not describe the same run"
             )
     used = set().union(*(outcome.evidence for outcome in outcomes)) if outcomes else set()
-    evidence = next((name for name in _EVIDENCE_ORDER if name in used), "tensor" if not used else "statistics")
+    # the weakest evidence any pair used; "none" when no tensor pair was measured at all
+    evidence = next((name for name in _EVIDENCE_ORDER if name in used), "none" if not used - {"value"} else "statistics")
     if evidence == "statistics":
         notes.append("statistics only: errors are lower bounds from min/max/mean/norm; dump with task 'tensor' for full evidence")
     elif evidence == "checksum":

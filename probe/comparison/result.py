@@ -171,6 +171,8 @@ class CompareResult:
     # issue 11 hook: probe.replay.ReplayReport when compare ran with replay=N (float64 replay
     # verdicts per call; report/json_report.py, csv_report.py, html_report.py show them)
     replay: object = None
+    #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/run_info.py)
+    run_differences: list[dict] = field(default_factory=list)
 
     @property
     def diverged(self) -> bool:
@@ -200,19 +202,19 @@ class CompareResult:
         """Write to_json() to path; returns the absolute path."""
         from probe.report import output
 
-        return output.write_report(path, self.to_json(rows=rows), "write_json")
+        return output.write_report(path, self.to_json(rows=rows), "write_json", (self.path_a, self.path_b))
 
     def write_csv(self, path) -> str:
         """Write one CSV row per aligned record (``--csv``); returns the absolute path."""
         from probe.report import csv_report, output
 
-        return output.write_report(path, csv_report.render(self), "write_csv")
+        return output.write_report(path, csv_report.render(self), "write_csv", (self.path_a, self.path_b))
 
     def write_html(self, path) -> str:
         """Write the self-contained HTML page (``--html``); returns the absolute path."""
         from probe.report import html_report, output
 
-        return output.write_report(path, html_report.render(self), "write_html")
+        return output.write_report(path, html_report.render(self), "write_html", (self.path_a, self.path_b))
 
     def to_dict(self, rows: bool = False) -> dict:
         """The result's own fields (to_json() adds headline and divergences)."""
@@ -231,6 +233,7 @@ class CompareResult:
             "steps": list(self.steps),
             "missing": list(self.missing),
             "notes": list(self.notes),
+            "run_differences": list(self.run_differences),
         }
         if rows:
             data["rows"] = [row.to_dict() for row in self.rows]

@@ -49,7 +49,7 @@ def _plain(value):
 def describe_incomplete(partial_path: str) -> str:
     """'step 3 rank 0 is incomplete (process killed?): <path>'."""
     name = os.path.basename(partial_path)
-    rank = schema.parse_rank_file(name[: -len(schema.PARTIAL_SUFFIX)] + schema.FILE_SUFFIX)
+    rank = schema.parse_partial_file(name)
     step = schema.parse_step_dir(os.path.basename(os.path.dirname(partial_path)))
     where = f"step {step} rank {rank}" if step is not None and rank is not None else "a step file"
     return f"{where} is incomplete (process killed mid-step?): {partial_path}"

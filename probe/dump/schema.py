@@ -68,11 +68,14 @@ from __future__ import annotations
 import os
 import re
 
-#: 2: optional column value_type (issue 11); other version-2 fields are listed with their columns
+#: 2: optional column value_type (issue 11), root attribute run_id and unique partial names
+#: (issue 13); other version-2 fields are listed with their columns
 SCHEMA_VERSION = 2
 FILE_SUFFIX = ".h5"
-#: a step file is written under this name and renamed to its final name only once complete,
-#: so a process killed mid-step never leaves a file that looks finished.
+#: a step file is written under a temporary name ending in this suffix and renamed to its
+#: final name only once complete, so a process killed mid-step never leaves a file that looks
+#: finished. Since schema 2 the temporary name is unique per writer,
+#: ``rank{R}.{token}.h5.partial`` (created with O_EXCL); schema 1 wrote ``rank{R}.h5.partial``.
 PARTIAL_SUFFIX = ".h5.partial"
 
 RECORDS_GROUP = "records"
@@ -146,7 +149,11 @@ ROOT_ATTRS = {
     "threads, relevant environment variables, at the time of the step",
     "record_count": "int: number of records (a check against truncation)",
     "tensor_count": "int: number of datasets under /tensors",
+    "run_id": "str (schema 2, optional on read): random id of the PrecisionDebugger that wrote "
+    "the file; step files of one dump folder with different run ids come from different runs",
 }
+#: root attributes a reader must not require: absent in files of older schema versions.
+OPTIONAL_ATTRS = ("run_id",)
 JSON_ATTRS = ("config", "seed_report", "determinism")
 
 #: How tensor dtypes without a numpy equivalent are stored bit-exact: same-width unsigned
@@ -164,6 +171,7 @@ STORAGE_DTYPES = {
 
 _STEP_DIR = re.compile(r"^step(\d+)$")
 _RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
+_PARTIAL_FILE = re.compile(r"^rank(\d+)(?:\.[0-9A-Za-z_-]+)?\.h5\.partial$")
 
 
 def step_dir_name(step: int) -> str:
@@ -185,6 +193,12 @@ def parse_step_dir(name: str) -> int | None:
 
 def parse_rank_file(name: str) -> int | None:
     match = _RANK_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_partial_file(name: str) -> int | None:
+    """The rank of a temporary step file name (either schema's form), else None."""
+    match = _PARTIAL_FILE.match(name)
     return int(match.group(1)) if match else None
 
 

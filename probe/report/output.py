@@ -4,6 +4,9 @@ check_destination() runs before the compare, so an unwritable --csv/--html path 
 a second instead of after a long compare; write_atomic() writes a temporary file next to
 the destination and renames it over the destination only once it is complete.
 write_report() does both, for CompareResult.write_html/write_csv/write_json.
+check_destinations() also refuses a report that would overwrite one of the compared inputs
+(a dump file, or anything that would land among an input folder's step files) and two
+reports sharing one path: exit 2 before anything is written.
 """
 
 from __future__ import annotations
@@ -32,6 +35,47 @@ def check_destination(path: str, option: str) -> str:
     if os.path.exists(full) and not os.access(full, os.W_OK):
         raise ReportError(f"{option} {path} exists and is not writable")
     return full
+
+
+def check_destinations(destinations: dict[str, str], inputs=()) -> dict[str, str]:
+    """{option: path} -> {option: absolute path}, after check_destination() on each and
+    refusing (ReportError, nothing written) a path given to two options, a path that is one
+    of the inputs, and a path inside an input folder's step folders or named like a step file."""
+    checked: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for option, path in destinations.items():
+        full = check_destination(path, option)
+        real = os.path.realpath(full)
+        if real in seen:
+            raise ReportError(f"{seen[real]} and {option} both name {path}: give each report its own file")
+        seen[real] = option
+        for source in inputs:
+            problem = _overwrites_input(real, os.path.realpath(os.fspath(source)))
+            if problem:
+                raise ReportError(f"{option} {path} {problem} {source}: refusing to overwrite an input")
+        checked[option] = full
+    return checked
+
+
+def _overwrites_input(target: str, source: str) -> str:
+    """Why writing target would damage the input at source ("" when it would not)."""
+    from probe.dump import schema
+
+    if target == source or (os.path.exists(target) and os.path.exists(source)
+                            and os.path.samefile(target, source)):
+        return "is the input"
+    if not os.path.isdir(source):
+        return ""
+    relative = os.path.relpath(target, source)
+    if relative.startswith(os.pardir + os.sep) or relative == os.pardir:
+        return ""
+    parts = relative.split(os.sep)
+    name = parts[-1]
+    in_step_folder = any(schema.parse_step_dir(part) is not None for part in parts[:-1])
+    looks_like_dump = schema.parse_rank_file(name) is not None or name.endswith(schema.PARTIAL_SUFFIX)
+    if in_step_folder or looks_like_dump or schema.parse_step_dir(os.path.basename(source)) is not None:
+        return "lies among the step files of the input"
+    return ""
 
 
 def write_atomic(path: str, text: str, option: str = "report") -> None:
@@ -69,8 +113,9 @@ def write_atomic(path: str, text: str, option: str = "report") -> None:
         raise
 
 
-def write_report(path, text: str, option: str) -> str:
-    """Check the destination, write text to it atomically, return its absolute path."""
-    full = check_destination(os.fspath(path), option)
+def write_report(path, text: str, option: str, inputs=()) -> str:
+    """Check the destination (against the inputs too), write text to it atomically, return
+    its absolute path."""
+    full = check_destinations({option: os.fspath(path)}, inputs)[option]
     write_atomic(full, text, option)
     return full

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from probe.comparison import result as R
+from probe.comparison import run_info
 from probe.comparison.groups import where_text
 from probe.report.fmt import err, num
 
@@ -34,6 +35,9 @@ def verdict_line(result: R.CompareResult) -> str:
         extra += f"; {unmatched} without partner (not compared)" if unmatched else ""
         return f"PASS: {counts['matched']} records match within tolerance in {where} (evidence: {result.evidence}){extra}"
     first = result.first_divergence
+    if first is None and counts["matched"] == 0:
+        return (f"NOT A PASS: no record could be compared ({counts['only_a']} records in A, "
+                f"{counts['only_b']} in B)")
     if first is None:
         return "DIVERGED"
     origin = f" -- {first.origin}" if first.origin else f" -- {first.status}"
@@ -239,6 +243,7 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
                 f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
+    lines += run_info.block_lines(getattr(result, "run_differences", []))
     lines += changes_lines(result, max_divergences)
     lines += top_ops_lines(result)
     if result.replay is not None:  # issue 11 hook: which side is right, per replayed call
