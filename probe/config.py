@@ -36,6 +36,8 @@ INDEX_MAX = 2**31 - 1
 #: step/rank ranges expand to at most this many numbers, so "0-999999999999" cannot eat memory.
 MAX_SELECTED = 1_000_000
 BUFFER_MB_MAX = 1_048_576
+#: sketch_size: numbers per tensor of the random-projection sketch (probe/capture/sketch.py)
+SKETCH_SIZE_MAX = 1024
 EXTENSIONS = (".json", ".yaml", ".yml")
 #: ``probe run`` exports the absolute config path under this name; the debugger reads it.
 ENV_CONFIG = "PROBE_CONFIG"
@@ -82,6 +84,9 @@ KEYS: dict[str, KeySpec] = {
                 "which phases and directions to record"),
         KeySpec("buffer_mb", "int", 512, f"1 .. {BUFFER_MB_MAX}",
                 "MiB of tensor data allowed to wait for the writer (task tensor)"),
+        KeySpec("sketch_size", "int", 16, f"0 .. {SKETCH_SIZE_MAX}",
+                "numbers per tensor of the random-projection sketch that lets compare measure "
+                "errors from a statistics dump; 0 = no sketch"),
     )
 }
 
@@ -242,6 +247,7 @@ class Config:
     list: tuple[str, ...] = ()
     data_mode: tuple[str, ...] = ("all",)
     buffer_mb: int = 512
+    sketch_size: int = 16
     source: str = field(default="<defaults>", compare=False)
     _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -260,6 +266,7 @@ class Config:
             "list": _strings(src, "list", self.list, "op names or 're:<regex>'"),
             "data_mode": self._data_mode(src),
             "buffer_mb": _bounded_int(src, "buffer_mb", self.buffer_mb, 1, BUFFER_MB_MAX),
+            "sketch_size": _bounded_int(src, "sketch_size", self.sketch_size, 0, SKETCH_SIZE_MAX),
             "source": src,
         }
         for name, value in values.items():

@@ -13,6 +13,10 @@ Layout of one file, ``{dump_path}/step{N}/rank{R}.h5``::
                            and concatenated (lone surrogates stored backslash-escaped)
     /record_text_ends      int64: end offset of each string in /record_text (exclusive);
                            string c is record_text[ends[c-1]:ends[c]], starting at 0 for c = 0
+    /records/sketch        schema 2, optional: float64 of shape (records, k), row i = record
+                           i's random-projection sketch (probe/capture/sketch.py); a row of
+                           NaN where the record has none (a non-tensor, an empty tensor).
+                           Absent when config sketch_size is 0, and in schema-1 files.
     /tensors/<tensor_id>   task "tensor" only: one dataset per distinct tensor of the step,
                            stored bit-exact in its storage dtype (see STORAGE_DTYPES) with the
                            attributes "dtype" (torch dtype name) and "shape", and optionally
@@ -52,6 +56,13 @@ A record is one tensor (or one non-tensor argument) seen at one slot of one call
     checksum   hex digest of the raw bytes (task "checksum" and "tensor"), "" otherwise
     tensor_id  int64 index into /tensors (task "tensor"), -1 when no data stored
     source     "path/to/file.py:123" of the user code line that made the call, "" if unknown
+    sketch     (the 2-D dataset above) k numbers y = R x, R a fixed +-1 matrix the same in
+               every run and on every device, x the tensor's values flattened row-major
+               (complex as (real, imag) pairs, ints and bool as their values). Compare
+               estimates ||a - b|| from y_a - y_b (probe/comparison/sketch.py).
+
+Schema history: 1 = the first release; 2 adds /records/sketch (optional on read, so a
+schema-1 file still opens and compares, with the statistics' lower bounds as evidence).
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ from __future__ import annotations
 import os
 import re
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FILE_SUFFIX = ".h5"
 #: a step file is written under this name and renamed to its final name only once complete,
 #: so a process killed mid-step never leaves a file that looks finished.
@@ -103,6 +114,14 @@ RECORD_COLUMNS: tuple[tuple[str, str], ...] = (
     ("source", "str"),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in RECORD_COLUMNS)
+
+#: the optional 2-D record dataset of sketches (float64, one row per record); not one of
+#: RECORD_COLUMNS, which are 1-D and required
+SKETCH = "sketch"
+SKETCH_DTYPE = "float64"
+#: a record row as the capture side hands it to the writer: the RECORD_COLUMNS values, then
+#: the sketch (a tuple of floats, or None). Rows of len(RECORD_COLUMNS) have no sketch.
+ROW_WIDTH = len(RECORD_COLUMNS) + 1
 
 KINDS = ("api", "module", "param")
 PHASES = ("forward", "backward")

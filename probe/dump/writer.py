@@ -170,12 +170,13 @@ class StepWriter:
         return tensor_id
 
     def add_rows(self, rows: list[tuple]) -> None:
-        """Keep records (tuples in schema.RECORD_COLUMNS order) until close()."""
+        """Keep records (tuples in schema.RECORD_COLUMNS order, optionally followed by the
+        record's sketch: schema.ROW_WIDTH) until close()."""
         self._require_open("add_rows")
         width = len(schema.RECORD_COLUMNS)
         for row in rows:
-            if len(row) != width:
-                raise ValueError(f"a record row has {len(row)} values, expected {width}: {row!r}")
+            if len(row) != width and len(row) != schema.ROW_WIDTH:
+                raise ValueError(f"a record row has {len(row)} values, expected {width} or {schema.ROW_WIDTH}: {row!r}")
         self._rows.extend(rows)
 
     def close(self, extra_attrs: dict | None = None) -> str:
@@ -356,6 +357,8 @@ class StepWriter:
                     _create_array(group, name, np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1))
             except (TypeError, ValueError, OverflowError) as error:
                 raise DumpError(f"cannot write {self.path}: record column {name!r} {error}") from error
+        if len(columns) > len(schema.RECORD_COLUMNS):
+            _write_sketches(group, columns[len(schema.RECORD_COLUMNS)], self.path)
         blob, ends = _encode_texts(list(vocabulary))
         _create_array(self._file, schema.TEXT_BYTES, blob)
         _create_array(self._file, schema.TEXT_ENDS, ends)
@@ -391,6 +394,22 @@ class StepWriter:
             os.remove(self.partial_path)
         except OSError:
             pass
+
+
+def _write_sketches(group, sketches, path: str) -> None:
+    """/records/sketch: (records, k) float64, NaN rows for records without a sketch; not
+    written at all when no record has one (sketch_size 0)."""
+    width = max((len(item) for item in sketches if item is not None), default=0)
+    if not width:
+        return
+    table = np.full((len(sketches), width), np.nan)
+    for position, item in enumerate(sketches):
+        if item is not None:
+            if len(item) != width:
+                raise DumpError(f"cannot write {path}: record {position} has a sketch of {len(item)} numbers, "
+                                f"the others {width}")
+            table[position] = item
+    _create_array(group, schema.SKETCH, table)
 
 
 def _create_array(parent, name: str, array: np.ndarray) -> h5py.h5d.DatasetID:
