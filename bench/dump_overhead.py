@@ -3,6 +3,7 @@
     python bench/dump_overhead.py                       # all four models, 15 repeats
     python bench/dump_overhead.py --models mlp,convnet --repeats 20
     python bench/dump_overhead.py --quick               # smoke run: 2 small models, 5 repeats
+    python bench/dump_overhead.py --sketch-only         # baseline, stats api with/without sketch
 
 One training step = forward + cross-entropy + backward + SGD step (lr 0.01, torch's default
 per-parameter loop on CPU), examples.models.train_step. A captured step also includes
@@ -21,7 +22,9 @@ Columns:
   baseline ms        median step time without probe
   not started        a PrecisionDebugger was constructed (seed_all ran) and never started
   unselected         start()/stop()/step() on steps the config's step list excludes
-  stats api/module/mix   task statistics at each level
+  stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
+  no sketch          stats api with sketch_size 0
+  sketch cost        stats api / no sketch: what the sketches add to a captured step
   tensor api         task tensor at level api (every distinct tensor stored once)
   (no write)         stats api without step(), i.e. without writing the HDF5 file
   calls/step         API calls captured per step (statistics, api)
@@ -119,7 +122,7 @@ def _dump_ratio(path: str) -> float:
     return os.path.getsize(path) / max(distinct, 1)
 
 
-def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> dict:
+def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketch_only: bool = False) -> dict:
     import torch
 
     import examples.models as models
@@ -132,13 +135,14 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
     make = lambda name, **kw: Variant(name, model, optimizer, batch, dump_root, **kw)  # noqa: E731
     variants = [
         make("baseline"),
-        make("not started", construct=True),
-        make("unselected", config={"level": "api"}, select=False),
         make("stats api", config={"level": "api"}),
-        make("stats module", config={"level": "module"}),
-        make("stats mix", config={"level": "mix"}),
+        make("no sketch", config={"level": "api", "sketch_size": 0}),
     ]
-    if with_tensor:
+    if not sketch_only:
+        variants[1:1] = [make("not started", construct=True),
+                         make("unselected", config={"level": "api"}, select=False)]
+        variants += [make("stats module", config={"level": "module"}), make("stats mix", config={"level": "mix"})]
+    if with_tensor and not sketch_only:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
     times = {variant.name: [] for variant in variants}
     capture_times = {variant.name: [] for variant in variants}
@@ -168,6 +172,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
     result = {"model": key, "label": label, "baseline_ms": base * 1e3, "repeats": repeats}
     for variant in variants[1:]:
         result[variant.name] = statistics.median(times[variant.name]) / base
+    result["sketch cost"] = statistics.median(times["stats api"]) / statistics.median(times["no sketch"])
     capture_only = statistics.median(capture_times["stats api"])
     result["stats api capture"] = capture_only / base
     calls = by_name["stats api"].calls
@@ -175,7 +180,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
     extra = (statistics.median(times["stats api"]) - base) * 1e6
     result["us_per_call"] = extra / calls if calls else float("nan")
     result["us_per_call_capture"] = (capture_only - base) * 1e6 / calls if calls else float("nan")
-    result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if with_tensor else None
+    result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if "tensor api" in by_name else None
     return result
 
 
@@ -185,6 +190,8 @@ COLUMNS = [
     ("not started", "{:.3f}x", "not started"),
     ("unselected", "{:.3f}x", "unselected"),
     ("stats api", "{:.2f}x", "stats api"),
+    ("no sketch", "{:.2f}x", "no sketch"),
+    ("sketch cost", "{:.3f}x", "sketch cost"),
     ("(no write)", "{:.2f}x", "stats api capture"),
     ("stats module", "{:.2f}x", "stats module"),
     ("stats mix", "{:.2f}x", "stats mix"),
@@ -224,6 +231,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tensor-models", default=",".join(TENSOR_MODELS),
                         help="models that also run the tensor-mode variant")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--sketch-only", action="store_true",
+                        help="only baseline, stats api and stats api without sketch (the sketch's cost)")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     repeats = args.repeats
@@ -245,7 +254,7 @@ def main(argv=None) -> int:
     try:
         for key in models:
             print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
-            results.append(bench_model(key, repeats, key in tensor_models, dump_root))
+            results.append(bench_model(key, repeats, key in tensor_models, dump_root, args.sketch_only))
     finally:
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
