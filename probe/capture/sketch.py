@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 #: columns of the (rows, BLOCK) view: the inner products that run in the accumulation dtype
-BLOCK = 256
+BLOCK = 251
 #: sketch sizes must stay below 2**20 for the sign hash; config.SKETCH_SIZE_MAX (1024) is the limit
 DEFAULT_SIZE = 16
 _SEED_COLUMNS = 0x5EED_0001

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 #: two-sided confidence of the band reports give
 CONFIDENCE = 0.95
 #: values per row of the capture's projection (probe.capture.sketch.BLOCK; a test ties them)
-BLOCK = 256
+BLOCK = 251
 #: the rounding floor in units of eps * sqrt(BLOCK) * norm, per side
 FLOOR_FACTOR = 4.0
 _EPS64 = 2.0 ** -52
