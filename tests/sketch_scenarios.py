@@ -161,3 +161,22 @@ def dump(path, scenario, faulty, task, level=None, sketch_size=16, threads=None,
         torch.set_num_threads(saved)
         debugger.close()
     return str(path)
+
+
+def main(argv=None) -> int:
+    """Write a scenario's reference and faulty dumps, for `probe compare OUT/a OUT/b`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--task", default="statistics", choices=("statistics", "checksum", "tensor"))
+    parser.add_argument("--sketch-size", type=int, default=16)
+    parser.add_argument("--out", default="out/sketch")
+    args = parser.parse_args(argv)
+    for name, faulty in (("a", False), ("b", True)):
+        print(dump(f"{args.out}/{name}", args.scenario, faulty, args.task, sketch_size=args.sketch_size))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -70,7 +70,8 @@ def metrics_line(row: R.RecordRow) -> str:
         parts.append("bit-equal" if m.bit_equal else "not bit-equal")
     if m.stat_rel:
         changes = ", ".join(f"{name} {err(value)}" for name, value in m.stat_rel.items())
-        parts.append(f"(lower bounds from the statistics; relative change of {changes})")
+        what = "statistics" if m.sketch is not None else "lower bounds from the statistics"  # issue 10
+        parts.append(f"({what}; relative change of {changes})")
     return "  ".join(parts)
 
 
