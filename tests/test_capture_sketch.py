@@ -120,3 +120,13 @@ def test_a_bad_sketch_size_is_one_config_error_naming_the_key(value):
     with pytest.raises(ConfigError) as info:
         from_dict({"sketch_size": value}, "config.json")
     assert "sketch_size" in str(info.value) and "0 .. 1024" in str(info.value)
+
+
+def test_values_a_sketch_cannot_read_give_no_sketch_instead_of_an_error():
+    quantized = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8)
+    assert sketch.host_sketch(quantized, 16) is None
+    values, _ = stats.device_stats(torch.randn(5), 16)
+    assert values.numel() == 4 + 16
+    # a complex tensor with its negative bit set (a lazy view) is read through its values
+    plain = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    assert sketch.host_sketch(torch._neg_view(plain), 4) == pytest.approx(sketch.host_sketch(-plain, 4))

@@ -117,7 +117,7 @@ def sketch_values(tensor: torch.Tensor) -> torch.Tensor:
     x = tensor.detach()
     dtype = x.dtype
     if dtype.is_complex:
-        x = torch.view_as_real(x.resolve_conj())
+        x = torch.view_as_real(x.resolve_conj().resolve_neg())
         dtype = x.dtype
     if dtype == torch.float64:
         accumulate = torch.float64
@@ -163,9 +163,17 @@ _NUMPY_MAX = 64 * BLOCK
 
 
 def host_sketch(tensor: torch.Tensor, k: int) -> tuple | None:
-    """sketch() of a CPU tensor as a tuple of Python floats; None when k is 0."""
+    """sketch() of a CPU tensor as a tuple of Python floats; None when k is 0 or the values
+    cannot be read as numbers (a quantized tensor): the record keeps its statistics."""
     if k <= 0:
         return None
+    try:
+        return _host_sketch(tensor, k)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
     dtype = tensor.dtype
     if (dtype is torch.float32 or dtype is torch.float64) and tensor.numel() <= _NUMPY_MAX:
         flat = tensor.detach().reshape(-1)  # the common case, without sketch_values' dispatches

@@ -155,7 +155,10 @@ def device_stats(tensor: torch.Tensor, sketch_size: int = 0) -> tuple[torch.Tens
          torch.linalg.vector_norm(x, dtype=accumulate))
     ).to(torch.float64)
     if sketch_size > 0:
-        values = torch.cat((values, sketch.sketch(tensor, sketch_size)))
+        try:
+            values = torch.cat((values, sketch.sketch(tensor, sketch_size)))
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            pass  # values a sketch cannot read (quantized): the statistics stay, without a sketch
     counts = torch.stack((torch.isnan(x).sum(), torch.isinf(x).sum()))
     return values, counts
 
