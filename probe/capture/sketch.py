@@ -86,24 +86,23 @@ def _column_table(device: torch.device, dtype: torch.dtype, k: int) -> torch.Ten
 
 
 def _numpy_tables(dtype: np.dtype, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(P in dtype, S float64 with at least `rows` rows) for the CPU path."""
+    """(P, S with at least `rows` rows), both in dtype, for the CPU path: a sign flip is exact
+    in any dtype, and one dtype keeps numpy on its fast loops."""
     key = ("numpy", dtype, k)
-    columns = _columns.get(key)
-    if columns is None:
-        columns = _columns[key] = column_signs(k).astype(dtype)
-    key = ("numpy", k)
-    table = _rows.get(key)
-    if table is None or table.shape[0] < rows:
-        size = max(rows, 64, 2 * (table.shape[0] if table is not None else 0))
-        table = _rows[key] = row_signs(size, k)
-    return columns, table
+    found = _columns.get(key)
+    if found is None or found[1].shape[0] < rows:
+        size = max(rows, 256, 2 * (found[1].shape[0] if found is not None else 0))
+        found = _columns[key] = (column_signs(k).astype(dtype), row_signs(size, k).astype(dtype))
+    return found
 
 
 def _row_table(device: torch.device, rows: int, k: int) -> torch.Tensor:
     key = (device, k)
     table = _rows.get(key)
     if table is None or table.shape[0] < rows:
-        size = max(rows, 64, 2 * (table.shape[0] if table is not None else 0))
+        # grown by doubling from 4096 rows (1M elements): the host-to-device copy (which
+        # synchronises) happens a handful of times per process, never per tensor
+        size = max(rows, 4096, 2 * (table.shape[0] if table is not None else 0))
         table = _rows[key] = torch.from_numpy(row_signs(size, k)).to(device)
     return table
 
@@ -157,8 +156,9 @@ def _project(flat: torch.Tensor, k: int) -> torch.Tensor:
     return result
 
 
-#: CPU tensors up to this many elements are sketched with numpy: a few us instead of ~15 us of
-#: torch dispatch. Larger ones go through torch, whose BLAS honours torch.set_num_threads.
+#: CPU tensors up to this many elements are projected with numpy (a few us instead of ~15 us
+#: of torch dispatch; OpenBLAS stays on one thread below 16 * 16384 multiply-adds). Larger
+#: ones are projected by torch, whose BLAS honours torch.set_num_threads.
 _NUMPY_MAX = 64 * BLOCK
 
 
@@ -180,14 +180,19 @@ def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
     else:
         flat = sketch_values(tensor)
     n = flat.numel()
-    if n > _NUMPY_MAX:
-        return tuple(_project(flat, k).tolist())
     values = flat.numpy()
     full, tail = divmod(n, BLOCK)
     columns, rows = _numpy_tables(values.dtype, full + 1, k)
-    result = np.zeros(k)
-    if full:
-        result += (values[: full * BLOCK].reshape(full, BLOCK) @ columns * rows[:full]).sum(0)
+    if not full:
+        return tuple(((values @ columns[:tail]) * rows[0]).tolist())
+    if n > _NUMPY_MAX:
+        # torch's BLAS honours torch.set_num_threads; numpy's OpenBLAS would take every core
+        products = torch.nn.functional.linear(flat[: full * BLOCK].view(full, BLOCK),
+                                              _column_table(flat.device, flat.dtype, k)).numpy()
+    else:
+        products = values[: full * BLOCK].reshape(full, BLOCK) @ columns
+    # products in the tensor's dtype, signed rows summed in float64
+    result = (products * rows[:full]).sum(0, dtype=np.float64)
     if tail:
         result += (values[full * BLOCK:] @ columns[:tail]) * rows[full]
     return tuple(result.tolist())
