@@ -6,32 +6,40 @@ numbers: see ``sketch_values``) and R is a k x n matrix of +-1. Two runs use the
 either tensor (probe/comparison/sketch.py turns that into a rel L2 with a confidence band).
 
 The matrix is never built. Element i sits at row r = i // BLOCK, column c = i % BLOCK of
-the tensor viewed as (ceil(n / BLOCK), BLOCK), zero-padded at the end, and
-``R[j, i] = S[r, j] * P[c, j]`` with two fixed +-1 tables:
+the tensor viewed as (rows, BLOCK), zero-padded at the end; row r belongs to group
+g = r % GROUPS of super-row m = r // GROUPS, and
 
-    y = sum_r S[r, :] * (X[r, :] @ P)        X: (rows, BLOCK), P: (BLOCK, k), S: (rows, k)
+    R[j, i] = F[m] * S[g, j] * P[c, j]          F, S, P: fixed +-1 tables
 
-so a sketch is one matrix product (k multiply-adds per element, one pass over the data)
-and one small row combination, on the tensor's own device with no host synchronisation.
-Properties the comparison relies on:
+Computed in two steps, both one pass or less over the data:
 
-* Deterministic and device-independent: the signs are a hash of (row or column, j), made
-  with numpy on the CPU, never a random generator (capture must not move any RNG state).
-* The coefficient of element i depends on i only, not on n: padding is zeros, the tail
-  row uses the first (n % BLOCK) rows of P. So a bulk pass can sketch many tensors at once
-  by stacking their rows (each tensor padded to a whole row) and summing each tensor's rows
-  (docs/format.md, "Sketch").
-* Prefix-stable in k: the first k numbers of a size-k' sketch (k' > k) are the size-k
-  sketch, so sketches of two sizes compare on their common prefix.
-* E[(R d)_j^2] = ||d||^2 for every j and the k rows are independent, so the mean of k
-  squares is an unbiased estimate whose spread is close to chi-square with k degrees of
-  freedom over k (exactly so for Gaussian-like differences).
+    Z = sum_m F[m] * X[m]          fold: X viewed as (super-rows, GROUPS, BLOCK); a
+                                    matrix-vector product, one multiply-add per element
+    y = sum_g S[g, :] * (Z[g, :] @ P)   a (GROUPS, BLOCK) @ (BLOCK, k) product: constant cost
 
-Accumulation: the product runs in float64 for float64 and integer/bool tensors, in float32
-otherwise (float16, bfloat16 and float8 are widened to float32 exactly); the row
-combination always in float64. On CUDA, when TF32 matmuls are allowed, the product runs in
-float64 instead, because TF32 would round the values to 10 bits first. The rounding of
-the float32 product is the sketch's own error floor: about eps32 * sqrt(BLOCK) of ||x||
+A dense k-row projection would cost k multiply-adds per element (2.5x the statistics on
+CPU); the fold costs one. Tensors of at most GROUPS rows are not folded (F[0] only), so
+their sketch is the plain dense projection. Properties the comparison relies on:
+
+* Deterministic and device-independent: the signs are a hash of (index, j), made with
+  numpy on the CPU, never a random generator (capture must not move any RNG state).
+* The coefficient of element i depends on i only, not on n: padding is zeros. So a bulk
+  pass can sketch many tensors at once (docs/format.md, "Sketch").
+* Prefix-stable in k: the first k numbers of a size-k' sketch (k' > k) are the size-k one.
+* Unbiased: two distinct elements' coefficients are uncorrelated over the tables (they
+  differ in c, in g, or in m), and E[(R d)_j^2] = ||d||^2 for every j. The k numbers are
+  independent given F, so the mean of their squares spreads like chi-square(k)/k times the
+  folded ||Z_d||^2 / ||d||^2, which is 1 up to a spread that shrinks with the number of
+  columns the difference covers (worst, every row of d equal: chi-square(GROUPS)/GROUPS;
+  that case, a constant offset, is what the mean statistic measures exactly).
+* BLOCK = 251 is prime, so the (rows, BLOCK) view never lines up with power-of-two tensor
+  dimensions and structured differences do not factor into products of the tables.
+
+Accumulation: in float64 for float64, complex128, integer and bool tensors, in float32
+otherwise (float16, bfloat16 and float8 are widened to float32 exactly); the final sum over
+groups in float64. On CUDA, when TF32 matmuls are allowed, float32 values are projected in
+float64 instead (TF32 would round them to 10 bits first). The float32 rounding is the
+sketch's own error floor: about eps32 * (sqrt(BLOCK) + sqrt(super-rows)) of ||x||
 (comparison/sketch.py, ``rounding_floor``).
 """
 
@@ -42,15 +50,17 @@ import torch
 
 #: columns of the (rows, BLOCK) view: the inner products that run in the accumulation dtype
 BLOCK = 251
+#: rows per super-row: the fold keeps GROUPS x BLOCK numbers, whatever the tensor's size
+GROUPS = 16
 #: sketch sizes must stay below 2**20 for the sign hash; config.SKETCH_SIZE_MAX (1024) is the limit
 DEFAULT_SIZE = 16
 _SEED_COLUMNS = 0x5EED_0001
 _SEED_ROWS = 0x5EED_0002
+_SEED_FOLD = 0x5EED_0003
 _MASK = (1 << 64) - 1
 
-#: (device, dtype, k) -> P (BLOCK, k); (device, k) -> S (rows, k) float64, grown by doubling
-_columns: dict = {}
-_rows: dict = {}
+#: ("numpy" | device, dtype, k) -> (P (BLOCK, k), S (GROUPS, k)); (... , "fold") -> F
+_tables: dict = {}
 
 
 def signs(seed: int, count: int, k: int) -> np.ndarray:
@@ -66,44 +76,45 @@ def signs(seed: int, count: int, k: int) -> np.ndarray:
 
 
 def column_signs(k: int) -> np.ndarray:
-    """P, the (BLOCK, k) table every row of the tensor is multiplied by."""
+    """P, the (BLOCK, k) table every folded row is multiplied by."""
     return signs(_SEED_COLUMNS, BLOCK, k)
 
 
-def row_signs(rows: int, k: int) -> np.ndarray:
-    """S, the (rows, k) table that combines the rows' products."""
-    return signs(_SEED_ROWS, rows, k)
+def row_signs(k: int) -> np.ndarray:
+    """S, the (GROUPS, k) table that combines the folded rows' products."""
+    return signs(_SEED_ROWS, GROUPS, k)
 
 
-def _column_table(device: torch.device, dtype: torch.dtype, k: int) -> torch.Tensor:
-    """P transposed, (k, BLOCK): the layout torch's linear() takes without a copy."""
-    key = (device, dtype, k)
-    table = _columns.get(key)
-    if table is None:
-        table = torch.from_numpy(column_signs(k).T.copy()).to(device=device, dtype=dtype)
-        _columns[key] = table
-    return table
+def fold_signs(count: int) -> np.ndarray:
+    """F, one sign per super-row (GROUPS x BLOCK elements)."""
+    return signs(_SEED_FOLD, count, 1)[:, 0]
 
 
-def _numpy_tables(dtype: np.dtype, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(P, S with at least `rows` rows), both in dtype, for the CPU path: a sign flip is exact
-    in any dtype, and one dtype keeps numpy on its fast loops."""
-    key = ("numpy", dtype, k)
-    found = _columns.get(key)
-    if found is None or found[1].shape[0] < rows:
-        size = max(rows, 256, 2 * (found[1].shape[0] if found is not None else 0))
-        found = _columns[key] = (column_signs(k).astype(dtype), row_signs(size, k).astype(dtype))
+def _projection_tables(where, dtype, k: int):
+    """(P, S) in the values' dtype (a sign flip is exact in any dtype) on a device or numpy."""
+    key = (where, dtype, k)
+    found = _tables.get(key)
+    if found is None:
+        columns, rows = column_signs(k), row_signs(k)
+        if where == "numpy":
+            found = (columns.astype(dtype), rows.astype(dtype))
+        else:
+            found = (torch.from_numpy(columns).to(device=where, dtype=dtype),
+                     torch.from_numpy(rows).to(device=where, dtype=dtype))
+        _tables[key] = found
     return found
 
 
-def _row_table(device: torch.device, rows: int, k: int) -> torch.Tensor:
-    key = (device, k)
-    table = _rows.get(key)
-    if table is None or table.shape[0] < rows:
-        # grown by doubling from 4096 rows (1M elements): the host-to-device copy (which
-        # synchronises) happens a handful of times per process, never per tensor
-        size = max(rows, 4096, 2 * (table.shape[0] if table is not None else 0))
-        table = _rows[key] = torch.from_numpy(row_signs(size, k)).to(device)
+def _fold_table(where, dtype, count: int):
+    """F with at least `count` entries, grown by doubling from 4096 (16M elements): the copy
+    to a device (which synchronises) happens a handful of times per process, never per tensor."""
+    key = (where, dtype, "fold")
+    table = _tables.get(key)
+    if table is None or table.shape[0] < count:
+        size = max(count, 4096, 2 * (table.shape[0] if table is not None else 0))
+        values = fold_signs(size)
+        table = values.astype(dtype) if where == "numpy" else torch.from_numpy(values).to(device=where, dtype=dtype)
+        _tables[key] = table
     return table
 
 
@@ -133,33 +144,38 @@ def _tf32_allowed() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
+def _fold(x, fold, zeros):
+    """Z = sum over super-rows m of F[m] * (super-row m of x, zero-padded), as (rows, BLOCK)
+    with rows = min(GROUPS, the tensor's rows): the rows a small tensor leaves empty are
+    skipped. Works on numpy arrays and torch tensors alike (zeros(size) makes the output)."""
+    n = x.shape[0]
+    span = GROUPS * BLOCK
+    supers, rest = divmod(n, span)
+    used = GROUPS if supers else -(-rest // BLOCK)
+    folded = zeros(used * BLOCK)
+    if supers:
+        # one matrix-vector product: a multiply-add per element, in the values' dtype
+        folded += fold[:supers] @ x[: supers * span].reshape(supers, span)
+    if rest:
+        folded[:rest] += fold[supers] * x[supers * span:]
+    return folded.reshape(used, BLOCK)
+
+
+def _combine(folded, columns, rows):
+    """y = sum_g S[g, :] * (Z[g, :] @ P): a (rows, BLOCK) @ (BLOCK, k) product."""
+    return (folded @ columns) * rows[: folded.shape[0]]
+
+
 def sketch(tensor: torch.Tensor, k: int = DEFAULT_SIZE) -> torch.Tensor:
     """The (k,) float64 sketch of a tensor, on its device, without a host synchronisation.
 
     The caller guards numel() == 0 (an empty tensor has no sketch)."""
-    return _project(sketch_values(tensor), k)
-
-
-def _project(flat: torch.Tensor, k: int) -> torch.Tensor:
-    n = flat.numel()
-    full, tail = divmod(n, BLOCK)
-    columns = _column_table(flat.device, flat.dtype, k)
-    rows = _row_table(flat.device, full + (1 if tail else 0), k)
-    result = None
-    if full:
-        # linear(), not mm(): on CPU it takes MKL's fast path for this narrow shape (10x mm)
-        products = torch.nn.functional.linear(flat[: full * BLOCK].view(full, BLOCK), columns)
-        result = (products.to(torch.float64) * rows[:full]).sum(0)
-    if tail:
-        last = torch.nn.functional.linear(flat[full * BLOCK:], columns[:, :tail]).to(torch.float64) * rows[full]
-        result = last if result is None else result + last
-    return result
-
-
-#: CPU tensors up to this many elements are projected with numpy (a few us instead of ~15 us
-#: of torch dispatch; OpenBLAS stays on one thread below 16 * 16384 multiply-adds). Larger
-#: ones are projected by torch, whose BLAS honours torch.set_num_threads.
-_NUMPY_MAX = 64 * BLOCK
+    flat = sketch_values(tensor)
+    device, dtype = flat.device, flat.dtype
+    columns, rows = _projection_tables(device, dtype, k)
+    fold = _fold_table(device, dtype, flat.numel() // (GROUPS * BLOCK) + 1)
+    folded = _fold(flat, fold, lambda size: torch.zeros(size, device=device, dtype=dtype))
+    return _combine(folded, columns, rows).sum(0, dtype=torch.float64)
 
 
 def host_sketch(tensor: torch.Tensor, k: int) -> tuple | None:
@@ -173,26 +189,44 @@ def host_sketch(tensor: torch.Tensor, k: int) -> tuple | None:
         return None
 
 
+#: CPU tensors up to this many elements are folded with numpy (a few us instead of ~15 us of
+#: torch dispatch; OpenBLAS stays on one thread for such small products). Larger ones are
+#: folded by torch, whose BLAS honours torch.set_num_threads.
+_NUMPY_MAX = 1 << 18
+
+
+def _first_rows(dtype, k: int) -> np.ndarray:
+    """F[0] * S: the row table of a tensor that fits in one super-row."""
+    key = ("first", dtype, k)
+    table = _tables.get(key)
+    if table is None:
+        table = _tables[key] = (fold_signs(1)[0] * row_signs(k)).astype(dtype)
+    return table
+
+
 def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
     dtype = tensor.dtype
-    if (dtype is torch.float32 or dtype is torch.float64) and tensor.numel() <= _NUMPY_MAX:
+    if dtype is torch.float32 or dtype is torch.float64:
         flat = tensor.detach().reshape(-1)  # the common case, without sketch_values' dispatches
     else:
         flat = sketch_values(tensor)
-    n = flat.numel()
     values = flat.numpy()
-    full, tail = divmod(n, BLOCK)
-    columns, rows = _numpy_tables(values.dtype, full + 1, k)
-    if not full:
-        return tuple(((values @ columns[:tail]) * rows[0]).tolist())
+    columns, rows = _projection_tables("numpy", values.dtype, k)
+    n = values.size
+    if n <= GROUPS * BLOCK:
+        # one super-row (most tensors of a small model): no fold, F[0] applied to S instead
+        used = -(-n // BLOCK)
+        if n != used * BLOCK:
+            padded = np.zeros(used * BLOCK, dtype=values.dtype)
+            padded[:n] = values
+            values = padded
+        first = _first_rows(values.dtype, k)
+        products = values.reshape(used, BLOCK) @ columns
+        return tuple(np.einsum("gj,gj->j", products, first[:used], dtype=np.float64).tolist())
     if n > _NUMPY_MAX:
-        # torch's BLAS honours torch.set_num_threads; numpy's OpenBLAS would take every core
-        products = torch.nn.functional.linear(flat[: full * BLOCK].view(full, BLOCK),
-                                              _column_table(flat.device, flat.dtype, k)).numpy()
+        fold = _fold_table(flat.device, flat.dtype, values.size // (GROUPS * BLOCK) + 1)
+        folded = _fold(flat, fold, lambda size: torch.zeros(size, dtype=flat.dtype)).numpy()
     else:
-        products = values[: full * BLOCK].reshape(full, BLOCK) @ columns
-    # products in the tensor's dtype, signed rows summed in float64
-    result = (products * rows[:full]).sum(0, dtype=np.float64)
-    if tail:
-        result += (values[full * BLOCK:] @ columns[:tail]) * rows[full]
-    return tuple(result.tolist())
+        fold = _fold_table("numpy", values.dtype, values.size // (GROUPS * BLOCK) + 1)
+        folded = _fold(values, fold, lambda size: np.zeros(size, dtype=values.dtype))
+    return tuple(_combine(folded, columns, rows).sum(0, dtype=np.float64).tolist())

@@ -36,8 +36,9 @@ from dataclasses import asdict, dataclass
 
 #: two-sided confidence of the band reports give
 CONFIDENCE = 0.95
-#: values per row of the capture's projection (probe.capture.sketch.BLOCK; a test ties them)
+#: the capture's row length and rows per super-row (probe.capture.sketch; a test ties them)
 BLOCK = 251
+GROUPS = 16
 #: the rounding floor in units of eps * sqrt(BLOCK) * norm, per side
 FLOOR_FACTOR = 4.0
 _EPS64 = 2.0 ** -52
@@ -137,9 +138,12 @@ def accumulation_eps(dtype: str) -> float:
     return _EPS32
 
 
-def rounding_floor(dtype_a: str, norm_a: float, dtype_b: str, norm_b: float) -> float:
-    """Largest ||y_a - y_b|| / sqrt(k) the sketches' own rounding can make (see module doc)."""
-    scale = FLOOR_FACTOR * math.sqrt(BLOCK)
+def rounding_floor(dtype_a: str, norm_a: float, dtype_b: str, norm_b: float, numel: int = 0) -> float:
+    """Largest ||y_a - y_b|| / sqrt(k) the sketches' own rounding can make (see module doc):
+    the fold sums numel / (GROUPS * BLOCK) super-rows, the projection BLOCK values."""
+    values = 2 * numel if dtype_a.startswith("complex") else numel  # (real, imag) pairs
+    supers = values / (GROUPS * BLOCK)
+    scale = FLOOR_FACTOR * (math.sqrt(BLOCK) + math.sqrt(supers))
     return scale * (accumulation_eps(dtype_a) * abs(norm_a) + accumulation_eps(dtype_b) * abs(norm_b))
 
 
@@ -172,7 +176,8 @@ class SketchEstimate:
         return data
 
 
-def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dtype_b: str) -> SketchEstimate | None:
+def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dtype_b: str,
+             numel: int = 0) -> SketchEstimate | None:
     """The estimate from two sketches (sequences of floats), or None when either is missing,
     empty or not finite (a NaN/Inf in the tensor: the NaN/Inf counts speak then). Sketches
     of two sizes compare on their common prefix (capture/sketch.py keeps prefixes stable)."""
@@ -190,7 +195,7 @@ def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dty
     raw = math.sqrt(total / k)
     norm_a = norm_a if math.isfinite(norm_a) else 0.0
     norm_b = norm_b if math.isfinite(norm_b) else 0.0
-    floor = rounding_floor(dtype_a, norm_a, dtype_b, norm_b)
+    floor = rounding_floor(dtype_a, norm_a, dtype_b, norm_b, numel)
     err = 0.0 if raw <= floor else raw
     if norm_a > 0:
         rel = err / norm_a
@@ -209,7 +214,7 @@ def refine(metrics, sketch_a, sketch_b, dtype_a: str, dtype_b: str):
     stay exactly zero. Returns metrics (changed in place)."""
     if metrics.evidence not in ("statistics", "checksum") or metrics.bit_equal:
         return metrics
-    found = estimate(sketch_a, sketch_b, metrics.ref_norm, metrics.other_norm, dtype_a, dtype_b)
+    found = estimate(sketch_a, sketch_b, metrics.ref_norm, metrics.other_norm, dtype_a, dtype_b, metrics.numel)
     if found is None:
         return metrics
     data = found.to_dict()
