@@ -14,14 +14,15 @@ For k = 16 at 95%: [0.75, 1.52] x the estimate; reports write the larger side, "
 (The quantiles are computed here, without scipy: ``chi2_quantile``.) A difference confined
 to one element is measured exactly (every row sees it with weight +-1).
 
-Floor: the sketch is itself computed with rounding (a float32 inner product over BLOCK
-values per row for float32/16/bfloat16 tensors, float64 for float64 and integer tensors),
-about eps * sqrt(BLOCK) * ||x|| per number, and a little more where two devices or two BLAS
-libraries order the sums differently. ``rounding_floor`` bounds it generously
-(FLOOR_FACTOR times that, for both sides). An estimate at or below the floor says "no
-difference the sketch can see": it counts as zero, so sketches never turn rounding into an
-error (two identical runs, threads 1 vs 2, float32 vs float64 stay PASS). For float32 the
-floor is 4 * 2**-23 * 16 = 7.6e-6 of the norm, under the float32 rtol of 2e-5.
+Floor: the sketch is itself computed with rounding (a float32 fold over n / (GROUPS *
+BLOCK) super-rows and float32 inner products over BLOCK values for float32/16/bfloat16
+tensors, float64 for float64 and integer tensors), about eps * (sqrt(BLOCK) +
+sqrt(super-rows)) * ||x|| per number, and a little more where two devices or two BLAS
+libraries order the sums differently. ``rounding_floor`` bounds it generously (FLOOR_FACTOR
+times that, for both sides). An estimate at or below the floor says "no difference the
+sketch can see": it counts as zero, so sketches never turn rounding into an error (two
+identical runs, threads 1 vs 2, float32 vs float64 stay PASS). For float32 the floor is
+1.5e-5 of the norm up to 4016 values and 3e-5 at 1M values (the float32 rtol is 2e-5).
 
 How compare uses it (``refine``): for statistics and checksum evidence the error becomes the
 larger of the statistics' lower bound and this estimate; the estimate (not the bound) is
