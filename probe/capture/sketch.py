@@ -195,12 +195,19 @@ def host_sketch(tensor: torch.Tensor, k: int) -> tuple | None:
 _NUMPY_MAX = 1 << 18
 
 
-def _first_rows(dtype, k: int) -> np.ndarray:
-    """F[0] * S: the row table of a tensor that fits in one super-row."""
-    key = ("first", dtype, k)
+#: CPU tensors up to this many values skip the fold (k multiply-adds per value, but fewer calls)
+_DENSE_MAX = 64 * BLOCK
+
+
+def _row_signs_table(dtype, k: int, rows: int) -> np.ndarray:
+    """(rows, k): F[r // GROUPS] * S[r % GROUPS], the sign each unfolded row's products get."""
+    key = ("rows", dtype, k)
     table = _tables.get(key)
-    if table is None:
-        table = _tables[key] = (fold_signs(1)[0] * row_signs(k)).astype(dtype)
+    if table is None or table.shape[0] < rows:
+        size = max(rows, -(-_DENSE_MAX // BLOCK))
+        r = np.arange(size)
+        table = (fold_signs(size // GROUPS + 1)[r // GROUPS][:, None] * row_signs(k)[r % GROUPS]).astype(dtype)
+        _tables[key] = table
     return table
 
 
@@ -213,16 +220,17 @@ def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
     values = flat.numpy()
     columns, rows = _projection_tables("numpy", values.dtype, k)
     n = values.size
-    if n <= GROUPS * BLOCK:
-        # one super-row (most tensors of a small model): no fold, F[0] applied to S instead
+    if n <= _DENSE_MAX:
+        # small tensors (most records of a small model): no fold; each row's products get
+        # their sign F[r // GROUPS] * S[r % GROUPS] directly, in fewer numpy calls
         used = -(-n // BLOCK)
         if n != used * BLOCK:
             padded = np.zeros(used * BLOCK, dtype=values.dtype)
             padded[:n] = values
             values = padded
-        first = _first_rows(values.dtype, k)
         products = values.reshape(used, BLOCK) @ columns
-        return tuple(np.einsum("gj,gj->j", products, first[:used], dtype=np.float64).tolist())
+        signed = _row_signs_table(values.dtype, k, used)
+        return tuple(np.einsum("rj,rj->j", products, signed[:used], dtype=np.float64).tolist())
     if n > _NUMPY_MAX:
         fold = _fold_table(flat.device, flat.dtype, values.size // (GROUPS * BLOCK) + 1)
         folded = _fold(flat, fold, lambda size: torch.zeros(size, dtype=flat.dtype)).numpy()
