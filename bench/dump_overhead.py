@@ -25,6 +25,9 @@ Columns:
   stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
+  sketch share       time inside the sketch function over the rest of a stats api step (CPU):
+                     the same cost measured inside one step, so it is far less sensitive to
+                     other processes' load than the ratio of two medians
   tensor api         task tensor at level api (every distinct tensor stored once)
   (no write)         stats api without step(), i.e. without writing the HDF5 file
   calls/step         API calls captured per step (statistics, api)
@@ -62,6 +65,25 @@ MODELS = {
 TENSOR_MODELS = ("mlp", "convnet")
 
 
+_SKETCH_TIME = [0.0]  # seconds spent in the recorder's host_sketch during the current step
+
+
+def _time_sketches() -> None:
+    """Wrap the recorder's sketch function with a timer (about 0.2 us per call)."""
+    from probe.capture import recorder
+
+    inner = recorder.host_sketch
+
+    def timed(tensor, k):
+        begin = time.perf_counter()
+        try:
+            return inner(tensor, k)
+        finally:
+            _SKETCH_TIME[0] += time.perf_counter() - begin
+
+    recorder.host_sketch = timed
+
+
 class Variant:
     """One way of running a step: baseline, or with a debugger in some configuration."""
 
@@ -90,6 +112,7 @@ class Variant:
     def run(self) -> float:
         """One step; returns seconds. self.last_capture: the same without step()'s file write."""
         debugger = self.debugger
+        _SKETCH_TIME[0] = 0.0
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
@@ -100,6 +123,7 @@ class Variant:
         else:
             self._train()
         elapsed = time.perf_counter() - start
+        self.last_sketch = _SKETCH_TIME[0]
         if not self._captures:
             self.last_capture = elapsed
         if self._captures and debugger.last_file:
@@ -146,6 +170,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
     times = {variant.name: [] for variant in variants}
     capture_times = {variant.name: [] for variant in variants}
+    shares = []
     for _ in range(2):  # warm-up
         for variant in variants:
             variant.run()
@@ -167,12 +192,15 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
             for _ in range(block - 1):
                 times[variant.name].append(variant.run())
                 capture_times[variant.name].append(variant.last_capture)
+                if variant.name == "stats api":
+                    shares.append(variant.last_sketch / (times[variant.name][-1] - variant.last_sketch))
     base = statistics.median(times["baseline"])
     by_name = {variant.name: variant for variant in variants}
     result = {"model": key, "label": label, "baseline_ms": base * 1e3, "repeats": repeats}
     for variant in variants[1:]:
         result[variant.name] = statistics.median(times[variant.name]) / base
     result["sketch cost"] = statistics.median(times["stats api"]) / statistics.median(times["no sketch"])
+    result["sketch share"] = statistics.median(shares)
     capture_only = statistics.median(capture_times["stats api"])
     result["stats api capture"] = capture_only / base
     calls = by_name["stats api"].calls
@@ -192,6 +220,7 @@ COLUMNS = [
     ("stats api", "{:.2f}x", "stats api"),
     ("no sketch", "{:.2f}x", "no sketch"),
     ("sketch cost", "{:.3f}x", "sketch cost"),
+    ("sketch share", "{:.1%}", "sketch share"),
     ("(no write)", "{:.2f}x", "stats api capture"),
     ("stats module", "{:.2f}x", "stats module"),
     ("stats mix", "{:.2f}x", "stats mix"),
@@ -248,6 +277,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    _time_sketches()
     tensor_models = set(args.tensor_models.split(","))
     dump_root = tempfile.mkdtemp(prefix="probe-bench-")
     results = []

@@ -402,13 +402,14 @@ def _write_sketches(group, sketches, path: str) -> None:
     width = max((len(item) for item in sketches if item is not None), default=0)
     if not width:
         return
-    table = np.full((len(sketches), width), np.nan)
-    for position, item in enumerate(sketches):
-        if item is not None:
-            if len(item) != width:
-                raise DumpError(f"cannot write {path}: record {position} has a sketch of {len(item)} numbers, "
-                                f"the others {width}")
-            table[position] = item
+    missing = (np.nan,) * width
+    try:  # one C call for the whole table
+        table = np.array([missing if item is None else item for item in sketches], dtype=np.float64)
+    except ValueError:
+        table = None
+    if table is None or table.shape != (len(sketches), width):
+        sizes = sorted({len(item) for item in sketches if item is not None})
+        raise DumpError(f"cannot write {path}: record sketches of different sizes {sizes} in one step")
     _create_array(group, schema.SKETCH, table)
 
 
