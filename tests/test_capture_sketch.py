@@ -133,3 +133,21 @@ def test_values_a_sketch_cannot_read_give_no_sketch_instead_of_an_error():
     # a complex tensor with its negative bit set (a lazy view) is read through its values
     plain = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
     assert sketch.host_sketch(torch._neg_view(plain), 4) == pytest.approx(sketch.host_sketch(-plain, 4))
+
+
+def test_sketches_of_two_sizes_in_one_step_are_one_dump_error_and_no_file(tmp_path):
+    from scripts_dump.dumpkit import root_attrs
+
+    from probe.dump.writer import StepWriter
+    from probe.errors import DumpError
+
+    rows = []
+    for k in (4, 8):
+        recorder = Recorder(Config(sketch_size=k))
+        recorder.add(recorder.call("api", "", "torch.neg", 0, "forward", "", 1), f"input.{k}", "in", torch.ones(3))
+        rows += recorder.rows
+    writer = StepWriter(str(tmp_path), 0, 0, root_attrs(task="statistics"))
+    writer.add_rows(rows)
+    with pytest.raises(DumpError, match=r"sketches of different sizes \[4, 8\]"):
+        writer.close()
+    assert not list(tmp_path.rglob("*.h5*"))

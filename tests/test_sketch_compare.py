@@ -8,19 +8,16 @@ with rel L2 errors within a factor of 2 of each other.
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
+from sketch_scenarios import SCENARIOS, dump
 
-sys.path.insert(0, os.path.dirname(__file__))
-from sketch_scenarios import SCENARIOS, dump  # noqa: E402
-
-from probe.comparison import sketch as estimator  # noqa: E402
-from probe.comparison.api import compare  # noqa: E402
-from probe.dump.reader import load  # noqa: E402
-from probe.report.terminal import metrics_line  # noqa: E402
+from probe.comparison import sketch as estimator
+from probe.comparison.api import compare
+from probe.dump.reader import load
+from probe.report.terminal import metrics_line
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gpu_dumps")
 
