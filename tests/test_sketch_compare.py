@@ -71,14 +71,19 @@ def test_without_sketches_the_bf16_rotary_fault_hides_under_the_lower_bounds(dum
 
 
 def test_a_changed_conv_weight_is_the_source_at_the_op_that_reads_it(dumps):
-    """Weight noise: the weight's sketch shows it changed, so the conv introduced the error
-    from its parameter (with lower bounds the weight looked unchanged and the conv 'inherited')."""
+    """Weight noise: the weight's sketch shows it changed, so it is a source and the conv that
+    reads it introduced the error. With lower bounds alone the weight looked unchanged, the
+    conv 'inherited', and the likely cause moved to a later, innocent op."""
     result = compare(dumps("conv-weight-noise", "statistics", False), dumps("conv-weight-noise", "statistics", True))
     first = result.first_divergence
     assert (first.module, first.op, first.origin) == ("conv2", "torch.conv2d", "introduced")
     assert "parameter conv2.weight differs" in first.cause
+    assert (result.likely_cause.module, result.likely_cause.op) == ("conv2", "torch.conv2d")
     weight = [e for e in first.input_errors if e["status"] == "diverged"]
     assert weight and all(e["source"] == "param" for e in weight)
+    bounded = compare(dumps("conv-weight-noise", "statistics", False, sketch_size=0),
+                      dumps("conv-weight-noise", "statistics", True, sketch_size=0))
+    assert bounded.first_divergence.origin == "inherited" and bounded.likely_cause.module != "conv2"
 
 
 def test_sketch_estimates_agree_with_the_exact_errors_of_tensor_dumps(dumps):
