@@ -52,7 +52,7 @@ import torch
 BLOCK = 251
 #: rows per super-row: the fold keeps GROUPS x BLOCK numbers, whatever the tensor's size
 GROUPS = 16
-#: sketch sizes must stay below 2**20 for the sign hash; config.SKETCH_SIZE_MAX (1024) is the limit
+#: the config default; sizes must stay below 2**20 for the sign hash (config.SKETCH_SIZE_MAX is 1024)
 DEFAULT_SIZE = 16
 _SEED_COLUMNS = 0x5EED_0001
 _SEED_ROWS = 0x5EED_0002
@@ -144,7 +144,16 @@ def _tf32_allowed() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
-def _fold(x, fold, zeros):
+def _matvec(vector, matrix):
+    return vector @ matrix
+
+
+def _numpy_matvec(vector, matrix):
+    # einsum's own single-threaded loop: OpenBLAS's gemv would take every core from 9216 values
+    return np.einsum("m,mc->c", vector, matrix)
+
+
+def _fold(x, fold, zeros, matvec=_matvec):
     """Z = sum over super-rows m of F[m] * (super-row m of x, zero-padded), as (rows, BLOCK)
     with rows = min(GROUPS, the tensor's rows): the rows a small tensor leaves empty are
     skipped. Works on numpy arrays and torch tensors alike (zeros(size) makes the output)."""
@@ -155,7 +164,7 @@ def _fold(x, fold, zeros):
     folded = zeros(used * BLOCK)
     if supers:
         # one matrix-vector product: a multiply-add per element, in the values' dtype
-        folded += fold[:supers] @ x[: supers * span].reshape(supers, span)
+        folded += matvec(fold[:supers], x[: supers * span].reshape(supers, span))
     if rest:
         folded[:rest] += fold[supers] * x[supers * span:]
     return folded.reshape(used, BLOCK)
@@ -190,8 +199,8 @@ def host_sketch(tensor: torch.Tensor, k: int) -> tuple | None:
 
 
 #: CPU tensors up to this many elements are folded with numpy (a few us instead of ~15 us of
-#: torch dispatch; OpenBLAS stays on one thread for such small products). Larger ones are
-#: folded by torch, whose BLAS honours torch.set_num_threads.
+#: torch dispatch, on one thread). Larger ones are folded by torch, whose BLAS honours
+#: torch.set_num_threads. (The dense path's products stay under OpenBLAS's threading threshold.)
 _NUMPY_MAX = 1 << 18
 
 
@@ -236,5 +245,5 @@ def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
         folded = _fold(flat, fold, lambda size: torch.zeros(size, dtype=flat.dtype)).numpy()
     else:
         fold = _fold_table("numpy", values.dtype, values.size // (GROUPS * BLOCK) + 1)
-        folded = _fold(values, fold, lambda size: np.zeros(size, dtype=values.dtype))
+        folded = _fold(values, fold, lambda size: np.zeros(size, dtype=values.dtype), _numpy_matvec)
     return tuple(_combine(folded, columns, rows).sum(0, dtype=np.float64).tolist())
