@@ -151,3 +151,17 @@ def test_sketches_of_two_sizes_in_one_step_are_one_dump_error_and_no_file(tmp_pa
     with pytest.raises(DumpError, match=r"sketches of different sizes \[4, 8\]"):
         writer.close()
     assert not list(tmp_path.rglob("*.h5*"))
+
+
+def test_a_sketch_table_of_the_wrong_length_is_one_dump_format_error(tmp_path):
+    import h5py
+
+    from probe.errors import DumpFormatError
+
+    path = _one_step(tmp_path, "statistics").files[(0, 0)]
+    with h5py.File(path, "r+") as handle:
+        del handle["records/sketch"]
+        handle["records/sketch"] = np.zeros((1, 16))
+    with load(path).open(0, 0) as step:
+        with pytest.raises(DumpFormatError, match=r"sketches have shape \(1, 16\)"):
+            step.records.sketches()
