@@ -3,6 +3,7 @@
     python bench/dump_overhead.py                       # all four models, 15 repeats
     python bench/dump_overhead.py --models mlp,convnet --repeats 20
     python bench/dump_overhead.py --quick               # smoke run: 2 small models, 5 repeats
+    python bench/dump_overhead.py --sketch-only         # baseline, stats api with/without sketch
 
 One training step = forward + cross-entropy + backward + SGD step (lr 0.01, torch's default
 per-parameter loop on CPU), examples.models.train_step. A captured step also includes
@@ -21,7 +22,12 @@ Columns:
   baseline ms        median step time without probe
   not started        a PrecisionDebugger was constructed (seed_all ran) and never started
   unselected         start()/stop()/step() on steps the config's step list excludes
-  stats api/module/mix   task statistics at each level
+  stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
+  no sketch          stats api with sketch_size 0
+  sketch cost        stats api / no sketch: what the sketches add to a captured step
+  sketch share       time inside the sketch function over the rest of a stats api step (CPU):
+                     the same cost measured inside one step, so it is far less sensitive to
+                     other processes' load than the ratio of two medians
   tensor api         task tensor at level api (every distinct tensor stored once)
   (no write)         stats api without step(), i.e. without writing the HDF5 file
   calls/step         API calls captured per step (statistics, api)
@@ -59,6 +65,25 @@ MODELS = {
 TENSOR_MODELS = ("mlp", "convnet")
 
 
+_SKETCH_TIME = [0.0]  # seconds spent in the recorder's host_sketch during the current step
+
+
+def _time_sketches() -> None:
+    """Wrap the recorder's sketch function with a timer (about 0.2 us per call)."""
+    from probe.capture import recorder
+
+    inner = recorder.host_sketch
+
+    def timed(tensor, k):
+        begin = time.perf_counter()
+        try:
+            return inner(tensor, k)
+        finally:
+            _SKETCH_TIME[0] += time.perf_counter() - begin
+
+    recorder.host_sketch = timed
+
+
 class Variant:
     """One way of running a step: baseline, or with a debugger in some configuration."""
 
@@ -87,6 +112,7 @@ class Variant:
     def run(self) -> float:
         """One step; returns seconds. self.last_capture: the same without step()'s file write."""
         debugger = self.debugger
+        _SKETCH_TIME[0] = 0.0
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
@@ -97,6 +123,7 @@ class Variant:
         else:
             self._train()
         elapsed = time.perf_counter() - start
+        self.last_sketch = _SKETCH_TIME[0]
         if not self._captures:
             self.last_capture = elapsed
         if self._captures and debugger.last_file:
@@ -119,7 +146,7 @@ def _dump_ratio(path: str) -> float:
     return os.path.getsize(path) / max(distinct, 1)
 
 
-def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> dict:
+def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketch_only: bool = False) -> dict:
     import torch
 
     import examples.models as models
@@ -132,16 +159,18 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
     make = lambda name, **kw: Variant(name, model, optimizer, batch, dump_root, **kw)  # noqa: E731
     variants = [
         make("baseline"),
-        make("not started", construct=True),
-        make("unselected", config={"level": "api"}, select=False),
         make("stats api", config={"level": "api"}),
-        make("stats module", config={"level": "module"}),
-        make("stats mix", config={"level": "mix"}),
+        make("no sketch", config={"level": "api", "sketch_size": 0}),
     ]
-    if with_tensor:
+    if not sketch_only:
+        variants[1:1] = [make("not started", construct=True),
+                         make("unselected", config={"level": "api"}, select=False)]
+        variants += [make("stats module", config={"level": "module"}), make("stats mix", config={"level": "mix"})]
+    if with_tensor and not sketch_only:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
     times = {variant.name: [] for variant in variants}
     capture_times = {variant.name: [] for variant in variants}
+    shares = []
     for _ in range(2):  # warm-up
         for variant in variants:
             variant.run()
@@ -163,11 +192,15 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
             for _ in range(block - 1):
                 times[variant.name].append(variant.run())
                 capture_times[variant.name].append(variant.last_capture)
+                if variant.name == "stats api":
+                    shares.append(variant.last_sketch / (times[variant.name][-1] - variant.last_sketch))
     base = statistics.median(times["baseline"])
     by_name = {variant.name: variant for variant in variants}
     result = {"model": key, "label": label, "baseline_ms": base * 1e3, "repeats": repeats}
     for variant in variants[1:]:
         result[variant.name] = statistics.median(times[variant.name]) / base
+    result["sketch cost"] = statistics.median(times["stats api"]) / statistics.median(times["no sketch"])
+    result["sketch share"] = statistics.median(shares)
     capture_only = statistics.median(capture_times["stats api"])
     result["stats api capture"] = capture_only / base
     calls = by_name["stats api"].calls
@@ -175,7 +208,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str) -> di
     extra = (statistics.median(times["stats api"]) - base) * 1e6
     result["us_per_call"] = extra / calls if calls else float("nan")
     result["us_per_call_capture"] = (capture_only - base) * 1e6 / calls if calls else float("nan")
-    result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if with_tensor else None
+    result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if "tensor api" in by_name else None
     return result
 
 
@@ -185,6 +218,9 @@ COLUMNS = [
     ("not started", "{:.3f}x", "not started"),
     ("unselected", "{:.3f}x", "unselected"),
     ("stats api", "{:.2f}x", "stats api"),
+    ("no sketch", "{:.2f}x", "no sketch"),
+    ("sketch cost", "{:.3f}x", "sketch cost"),
+    ("sketch share", "{:.1%}", "sketch share"),
     ("(no write)", "{:.2f}x", "stats api capture"),
     ("stats module", "{:.2f}x", "stats module"),
     ("stats mix", "{:.2f}x", "stats mix"),
@@ -224,6 +260,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tensor-models", default=",".join(TENSOR_MODELS),
                         help="models that also run the tensor-mode variant")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--sketch-only", action="store_true",
+                        help="only baseline, stats api and stats api without sketch (the sketch's cost)")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     repeats = args.repeats
@@ -239,13 +277,14 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    _time_sketches()
     tensor_models = set(args.tensor_models.split(","))
     dump_root = tempfile.mkdtemp(prefix="probe-bench-")
     results = []
     try:
         for key in models:
             print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
-            results.append(bench_model(key, repeats, key in tensor_models, dump_root))
+            results.append(bench_model(key, repeats, key in tensor_models, dump_root, args.sketch_only))
     finally:
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

@@ -39,6 +39,8 @@ BUFFER_MB_MAX = 1_048_576
 WRITE_ERROR_POLICIES = ("raise", "warn")
 #: a config file larger than this is refused before it is parsed (a 120 MB file took 50 s)
 MAX_CONFIG_BYTES = 1 << 20
+#: sketch_size: numbers per tensor of the random-projection sketch (probe/capture/sketch.py)
+SKETCH_SIZE_MAX = 1024
 EXTENSIONS = (".json", ".yaml", ".yml")
 #: ``probe run`` exports the absolute config path under this name; the debugger reads it.
 ENV_CONFIG = "PROBE_CONFIG"
@@ -94,6 +96,9 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("on_write_error", "string", "raise", "raise | warn",
                 "when a step file cannot be written (disk full, ...): raise DumpError at "
                 "step(), or warn once and keep training; never raised inside forward/backward"),
+        KeySpec("sketch_size", "int", 16, f"0 .. {SKETCH_SIZE_MAX}",
+                "numbers per tensor of the random-projection sketch that lets compare measure "
+                "errors from a statistics dump; 0 = no sketch"),
     )
 }
 
@@ -263,6 +268,7 @@ class Config:
     random_on_cpu: bool = False
     stop_on_nonfinite: bool = False
     on_write_error: str = "raise"
+    sketch_size: int = 16
     source: str = field(default="<defaults>", compare=False)
     _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -285,6 +291,7 @@ class Config:
             "stop_on_nonfinite": self._flag(src, "stop_on_nonfinite", self.stop_on_nonfinite),
             "on_write_error": _choice(src, "on_write_error", self.on_write_error,
                                       WRITE_ERROR_POLICIES),
+            "sketch_size": _bounded_int(src, "sketch_size", self.sketch_size, 0, SKETCH_SIZE_MAX),
             "source": src,
         }
         for name, value in values.items():

@@ -95,14 +95,13 @@ def test_mixed_precision_lists_the_ops_that_add_the_most_bf16_error(tmp_path):
 
 
 def test_find_the_bug_points_at_each_changed_layer_with_checksums(tmp_path):
-    """Checksum dumps: the transposed weight keeps its min, max, mean and norm; only its
-    checksum tells, and it is named as the cause, not passed as a match."""
+    """Checksum dumps: the transposed weight keeps its min, max, mean and norm; its sketch
+    (issue 10) measures the change, and it is named as the cause, not passed as a match."""
     stdout, out = run_example("find_the_bug", tmp_path, "--task", "checksum")
     found = dict(re.findall(r"probe points at layer: (\S+) -- expected (\S+): CORRECT", stdout))
     assert found == {"blocks.3.norm": "blocks.3.norm", "blocks.3.act": "blocks.3.act",
                      "blocks.3.fc": "blocks.3.fc"}, stdout
-    assert ("cause: parameter blocks.3.fc.weight changed (checksum differs; statistics agree, size unknown)"
-            in stdout), stdout
+    assert re.search(r"cause: parameter blocks\.3\.fc\.weight differs \(rel L2 1\.\d+e\+00\)", stdout), stdout
     assert "RESULT: probe located 3 of 3 injected bug(s)" in stdout
     assert (out / "transpose" / "report.html").read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
 
@@ -144,8 +143,10 @@ def test_distributed_compares_each_rank_and_blames_rank_1(tmp_path):
     stdout, out = run_example("distributed", tmp_path)
     for rank in (0, 1):
         assert (out / "reference" / "step0" / f"rank{rank}.h5").is_file()
-    assert re.search(r"^  rank 0: pass$", stdout, re.M), stdout
+    # issue 10: rank 0's sketches measure the gradients DDP averaged in from rank 1 (about 4x the
+    # float32 tolerance): they differ, inherited from outside rank 0's recorded ops
+    assert re.search(r"^  rank 0: diverged; first divergence at step 0: \S+ \(inherited\)$", stdout, re.M), stdout
     assert re.search(r"^  rank 1: diverged; first divergence at step 0: "
                      r"module\.blocks\.1\.act/functional\.gelu#0/forward/output\.0 \(introduced\)$",
                      stdout, re.M), stdout
-    assert "first divergence: step 0, rank 1" in stdout
+    assert "whole runs (all steps and ranks): verdict diverged" in stdout

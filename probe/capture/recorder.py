@@ -17,9 +17,10 @@ storage's Python object alive exactly as long as the storage; measured: 232 of D
 64-bit hash rather than the tuple because every object the cache keeps alive is work for
 Python's garbage collector during the step (measured: docs/performance.md).
 
-Rows are tuples in schema.RECORD_COLUMNS order. On CPU the statistics are computed at once;
-on other devices they stay on the device (stats.device_stats) and are filled in by
-``resolve()`` with one host copy per batch.
+Rows are tuples in schema.RECORD_COLUMNS order followed by the record's sketch (a tuple of
+config.sketch_size floats, or None; schema.ROW_WIDTH). On CPU the statistics and the sketch
+are computed at once; on other devices they stay on the device (stats.device_stats) and are
+filled in by ``resolve()`` with one host copy per batch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import weakref
 import torch
 
 from probe.capture import stats
+from probe.capture.sketch import host_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, encode_value, flatten, value_type
@@ -91,6 +93,7 @@ class Recorder:
         self._want_tensor = config.task == "tensor"
         self._plain = not (self._want_checksum or self._want_tensor)
         self._heads: dict = {}  # (device, dtype, shape) -> payload head, see _compute
+        self._sketch_size = getattr(config, "sketch_size", 0)
 
     # ------------------------------------------------------------------ rows
     #
@@ -126,7 +129,7 @@ class Recorder:
                     entry = self._describe(value, cache_key)
             rows = self.rows
             rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
-                         source, ""))  # value_type: "" for tensors
+                         source, "", entry[3]))  # value_type "" for tensors, then the sketch
             if entry[2] is not None:
                 self._pending.append((len(rows) - 1, entry[2]))
                 if len(self._pending) >= PENDING_LIMIT:
@@ -137,7 +140,7 @@ class Recorder:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", text,
                               NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
-                              "" if type(value) in _PLAIN else value_type(value)))
+                              "" if type(value) in _PLAIN else value_type(value), None))
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
         """Records for every leaf of a nested structure under prefix (see values.flatten)."""
@@ -159,22 +162,23 @@ class Recorder:
     # ------------------------------------------------------------------ tensors
 
     def _describe(self, tensor: Tensor, cache_key: int | None) -> tuple:
-        """A cache entry (weakref, payload columns dtype..tensor_id, pending device stats)."""
+        """A cache entry (weakref, payload columns dtype..tensor_id, pending device stats,
+        sketch)."""
         try:
-            payload, pending = self._compute(tensor)
+            payload, pending, sketched = self._compute(tensor)
         except ProbeError:
             raise  # the writer failed (disk full, ...): the user must hear about it
         except Exception:  # a tensor type the statistics cannot read: never break training
-            payload, pending = _opaque_payload(tensor), None
+            payload, pending, sketched = _opaque_payload(tensor), None, None
         try:
-            entry = (_ref(_lifetime(tensor)), payload, pending)
+            entry = (_ref(_lifetime(tensor)), payload, pending, sketched)
         except TypeError:  # a tensor type without weak references
-            return (_DEAD, payload, pending)
+            return (_DEAD, payload, pending, sketched)
         if cache_key is not None:
             self._cache[cache_key] = entry
         return entry
 
-    def _compute(self, tensor: Tensor) -> tuple[tuple, tuple | None]:
+    def _compute(self, tensor: Tensor) -> tuple[tuple, tuple | None, tuple | None]:
         device = tensor.device
         # (dtype, shape, device, "") per layout: built once, not three lookups per tensor
         layout = (device, tensor.dtype, tensor.shape)
@@ -187,25 +191,27 @@ class Recorder:
         if self.device is None:
             self.device = head[2]
         if tensor.is_meta:  # (is_meta/is_cpu: device.type costs 0.25 us, these 0.05)
-            return head + (*_UNKNOWN_STATS, tensor.numel(), "", -1), None
+            return head + (*_UNKNOWN_STATS, tensor.numel(), "", -1), None, None
         values = tensor
         if tensor.layout is not _STRIDED:
             values = _stored_values(tensor)
         numel = values.numel()
-        pending = None
+        pending = sketched = None
         if numel == 0:
             numbers = stats.EMPTY_STATS
         elif self._defer if self._defer is not None else not tensor.is_cpu:
             numbers = _UNKNOWN_STATS
-            values_t, counts_t = stats.device_stats(values)
+            values_t, counts_t = stats.device_stats(values, self._sketch_size)
             pending = (values_t, counts_t, numel)
         else:
             numbers = stats.host_stats(values)
+            if self._sketch_size:
+                sketched = host_sketch(values, self._sketch_size)
         if self._plain:
-            return head + numbers + (numel, "", -1), pending
+            return head + numbers + (numel, "", -1), pending, sketched
         digest = stats.checksum(tensor) if self._want_checksum else ""
         tensor_id = self._store(tensor) if self._want_tensor else -1
-        return head + numbers + (numel, digest, tensor_id), pending
+        return head + numbers + (numel, digest, tensor_id), pending, sketched
 
     def _store(self, tensor: Tensor) -> int:
         if not _storable(tensor):
@@ -241,13 +247,15 @@ class Recorder:
         rows = self.rows
         for position, item in pending:
             row = rows[position]
-            rows[position] = row[:_STATS_AT] + numbers[unique[id(item)]] + row[_STATS_END:]
+            resolved, sketched = numbers[unique[id(item)]]
+            rows[position] = row[:_STATS_AT] + resolved + row[_STATS_END:-1] + (sketched,)
         # cache entries keep the resolved numbers so later hits need no device work
         resolved = {id(item): numbers[unique[id(item)]] for _, item in pending}
-        for key, (ref, payload, item) in list(self._cache.items()):
+        for key, (ref, payload, item, _) in list(self._cache.items()):
             if item is not None and id(item) in resolved:
-                payload = payload[:4] + resolved[id(item)] + payload[10:]
-                self._cache[key] = (ref, payload, None)
+                found, sketched = resolved[id(item)]
+                payload = payload[:4] + found + payload[10:]
+                self._cache[key] = (ref, payload, None, sketched)
 
     def resolve(self) -> None:
         """Fill in the statistics still on a device (one host copy per device)."""

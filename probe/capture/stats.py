@@ -22,6 +22,10 @@ Other devices (``device_stats``): the statistics stay on the device as two small
 record and no host synchronisation happens per tensor; ``resolve_device_stats`` copies a
 whole batch to the host at once (the debugger does it at stop()/step()).
 
+Sketches (sketch.py) are computed next to the statistics: ``host_sketch`` on CPU, and on
+other devices inside ``device_stats``, appended to the same small tensor, so they reach the
+host in the same single copy.
+
 ``checksum``: CRC-32 (zlib) of the tensor's raw bytes in its own dtype, row-major, as
 8 hex digits. It reads the bytes on the host: for a GPU tensor that is a copy and a sync per
 tensor (checksum mode is for exactness, not speed).
@@ -34,6 +38,8 @@ import zlib
 
 import numpy as np
 import torch
+
+from probe.capture import sketch
 
 NAN = float("nan")
 EMPTY_STATS = (NAN, NAN, NAN, NAN, 0, 0)
@@ -133,8 +139,9 @@ def _count_nonfinite(x: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
 
 
-def device_stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Statistics left on the tensor's device: (float64[min, max, sum, norm], int64[nan, inf]).
+def device_stats(tensor: torch.Tensor, sketch_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Statistics left on the tensor's device: (float64[min, max, sum, norm, *sketch],
+    int64[nan, inf]); the sketch (sketch.py) has sketch_size numbers, none when 0.
 
     No host synchronisation; the caller must guard numel() == 0 itself.
     """
@@ -147,12 +154,18 @@ def device_stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (low.to(accumulate), high.to(accumulate), x.sum(dtype=accumulate),
          torch.linalg.vector_norm(x, dtype=accumulate))
     ).to(torch.float64)
+    if sketch_size > 0:
+        try:
+            values = torch.cat((values, sketch.sketch(tensor, sketch_size)))
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            pass  # values a sketch cannot read (quantized): the statistics stay, without a sketch
     counts = torch.stack((torch.isnan(x).sum(), torch.isinf(x).sum()))
     return values, counts
 
 
 def resolve_device_stats(pending: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[tuple]:
-    """[(values, counts, numel)] from device_stats -> [(min, max, mean, norm, nan, inf)].
+    """[(values, counts, numel)] from device_stats -> [((min, max, mean, norm, nan, inf), sketch)]
+    where sketch is a tuple of floats, or None when device_stats made none.
 
     One stacked copy to the host per device (one synchronisation), however many records.
     """
@@ -161,10 +174,16 @@ def resolve_device_stats(pending: list[tuple[torch.Tensor, torch.Tensor, int]]) 
     for position, (values, counts, numel) in enumerate(pending):
         by_device.setdefault(values.device, []).append(position)
     for positions in by_device.values():
-        values = torch.stack([pending[p][0] for p in positions]).cpu().tolist()
+        # one concatenation, not a stack: records may carry sketches of different sizes
+        sizes = [pending[p][0].numel() for p in positions]
+        flat = torch.cat([pending[p][0] for p in positions]).cpu().tolist()
         counts = torch.stack([pending[p][1] for p in positions]).cpu().tolist()
-        for p, (low, high, total, norm), (nans, infs) in zip(positions, values, counts):
-            results[p] = (low, high, total / pending[p][2], norm, nans, infs)
+        start = 0
+        for p, size, (nans, infs) in zip(positions, sizes, counts):
+            low, high, total, norm = flat[start:start + 4]
+            sketched = tuple(flat[start + 4:start + size]) if size > 4 else None
+            start += size
+            results[p] = ((low, high, total / pending[p][2], norm, nans, infs), sketched)
     return results
 
 

@@ -17,6 +17,7 @@ from probe.comparison import groups, run_info, verdict
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.records import Records
+from probe.comparison.sketch import sketch_note
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
@@ -240,7 +241,9 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     used = set().union(*(outcome.evidence for outcome in outcomes)) if outcomes else set()
     # the weakest evidence any pair used; "none" when no tensor pair was measured at all
     evidence = next((name for name in _EVIDENCE_ORDER if name in used), "none" if not used - {"value"} else "statistics")
-    if evidence == "statistics":
+    if "sketch" in used:  # issue 10
+        notes.append(sketch_note("tensor" in used))
+    elif evidence == "statistics":
         notes.append("statistics only: errors are lower bounds from min/max/mean/norm; dump with task 'tensor' for full evidence")
     elif evidence == "checksum":
         notes.append("checksums tell bit-equal or not; magnitudes are lower bounds from the statistics")

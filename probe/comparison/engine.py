@@ -21,6 +21,7 @@ from probe.comparison.mapping import NameMapping
 from probe.comparison.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
 from probe.comparison.prefetch import Prefetcher
 from probe.comparison.records import Call, Records, build_calls, is_param_slot
+from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.tolerances import Tolerances, tolerance_dtype
 
 
@@ -457,7 +458,12 @@ class _Measurer:
         stats_a = {name: a[name][row_a] for name in _STAT_COLUMNS}
         stats_b = {name: b[name][row_b] for name in _STAT_COLUMNS}
         evidence = "checksum" if stats_a["checksum"] and stats_b["checksum"] else "statistics"
-        return statistics_metrics(stats_a, stats_b, evidence)
+        found = statistics_metrics(stats_a, stats_b, evidence)
+        if "sketch" in a and "sketch" in b:  # issue 10: sketches measure what statistics only bound
+            refine_with_sketch(found, a["sketch"][row_a], b["sketch"][row_b], stats_a["dtype"], stats_b["dtype"])
+            if found.sketch is not None:
+                self.evidence.add("sketch")
+        return found
 
 
 def _same_shape(text_a: str, text_b: str) -> bool:

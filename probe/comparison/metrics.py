@@ -51,10 +51,12 @@ class Metrics:
     value_a: str | None = None  # non-tensor values
     value_b: str | None = None
     notes: list[str] = field(default_factory=list)
+    # issue 10: what the records' sketches measured (comparison/sketch.py SketchEstimate + lower_bound, text)
+    sketch: dict | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        for name in ("value_a", "value_b", "stat_rel", "ulp_max", "bit_equal"):
+        for name in ("value_a", "value_b", "stat_rel", "ulp_max", "bit_equal", "sketch"):
             if data[name] is None:
                 del data[name]
         if not data["notes"]:

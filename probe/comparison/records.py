@@ -50,13 +50,20 @@ class Records:
     @classmethod
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
-        return cls({name: table.column(name).tolist() for name in schema.COLUMN_NAMES}, source)
+        columns = {name: table.column(name).tolist() for name in schema.COLUMN_NAMES}
+        sketches = table.sketches() if hasattr(table, "sketches") else None  # issue 10: schema 2
+        if sketches is not None:
+            columns[schema.SKETCH] = list(sketches)
+        return cls(columns, source)
 
     @classmethod
     def from_dicts(cls, rows: list[dict], source: str = "") -> "Records":
         """From record dicts; missing columns get the schema's 'not recorded' values."""
         filled = [_fill(row) for row in rows]
-        return cls({name: [row[name] for row in filled] for name in schema.COLUMN_NAMES}, source)
+        columns = {name: [row[name] for row in filled] for name in schema.COLUMN_NAMES}
+        if any(schema.SKETCH in row for row in rows):  # issue 10: optional sketches
+            columns[schema.SKETCH] = [row.get(schema.SKETCH) for row in rows]
+        return cls(columns, source)
 
 
 def _fill(row: dict) -> dict:

@@ -60,6 +60,8 @@ class RecordTable:
 
     len(table), table.column(name) -> numpy array (object array of str for text columns),
     table.row(i) -> dict, iter(table) -> dicts, table.index_of(key) -> row number.
+    table.sketches() -> (records, k) float64 array of the sketches, or None (schema 1, or
+    dumped with sketch_size 0); the 2-D sketch dataset is not one of the columns.
     """
 
     def __init__(self, group: h5py.Group, path: str, count: int, handle: h5py.File | None = None):
@@ -71,7 +73,27 @@ class RecordTable:
         self._cache: dict[str, np.ndarray] = {}
         self._index: dict[str, int] | None = None
         known = schema.COLUMN_NAMES + schema.OPTIONAL_COLUMN_NAMES
-        self.columns: tuple[str, ...] = known + tuple(sorted(name for name in group if name not in known))
+        self.columns: tuple[str, ...] = known + tuple(
+            sorted(name for name in group if name not in known and name != schema.SKETCH))
+        self._sketches: np.ndarray | None = None
+
+    def sketches(self) -> np.ndarray | None:
+        """The /records/sketch dataset as a (records, k) float64 array; None when absent."""
+        if self._sketches is not None or schema.SKETCH not in self._group:
+            return self._sketches
+        try:
+            dataset = self._group[schema.SKETCH]
+            if dataset.ndim != 2 or dataset.shape[0] != self._count:
+                raise DumpFormatError(
+                    f"{self._path} record sketches have shape {dataset.shape}, expected ({self._count}, k)")
+            values = np.asarray(dataset[()], dtype=np.float64)
+        except (OSError, KeyError, ValueError, RuntimeError) as error:
+            raise DumpFormatError(
+                f"cannot read the record sketches of {self._path}: {_reason(error)} (truncated or corrupt file)"
+            ) from error
+        values.setflags(write=False)
+        self._sketches = values
+        return values
 
     def __len__(self) -> int:
         return self._count

@@ -13,6 +13,10 @@ Layout of one file, ``{dump_path}/step{N}/rank{R}.h5``::
                            and concatenated (lone surrogates stored backslash-escaped)
     /record_text_ends      int64: end offset of each string in /record_text (exclusive);
                            string c is record_text[ends[c-1]:ends[c]], starting at 0 for c = 0
+    /records/sketch        schema 2, optional: float64 of shape (records, k), row i = record
+                           i's random-projection sketch (probe/capture/sketch.py); a row of
+                           NaN where the record has none (a non-tensor, an empty tensor).
+                           Absent when config sketch_size is 0, and in schema-1 files.
     /tensors/<tensor_id>   task "tensor" only: one dataset per distinct tensor of the step,
                            stored bit-exact in its storage dtype (see STORAGE_DTYPES) with the
                            attributes "dtype" (torch dtype name) and "shape", and optionally
@@ -61,6 +65,15 @@ gives them their "absent" value for files without them, and the writer accepts r
                "device" ("cuda:0"), "memory_format", "layout", "qscheme" (value is the printed
                name, "torch.preserve_format"), "slice", "ellipsis", "enum", "complex" and
                "reduce_op". "" for tensors, numbers, bools, None, strings and lists.
+
+    sketch     (the 2-D dataset above) k numbers y = R x, R a fixed +-1 matrix the same in
+               every run and on every device, x the tensor's values flattened row-major
+               (complex as (real, imag) pairs, ints and bool as their values). Compare
+               estimates ||a - b|| from y_a - y_b (probe/comparison/sketch.py).
+
+Schema history: 1 = the first release; 2 adds /records/sketch, the optional column value_type,
+the root attribute run_id and unique partial names; all of them are optional on read, so a
+schema-1 file still opens and compares, with the statistics' lower bounds as evidence.
 """
 
 from __future__ import annotations
@@ -126,6 +139,14 @@ OPTIONAL_COLUMNS: tuple[tuple[str, str, object], ...] = (
 OPTIONAL_COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _, _ in OPTIONAL_COLUMNS)
 #: every column a row may hold, in row order
 ALL_COLUMNS: tuple[tuple[str, str], ...] = RECORD_COLUMNS + tuple((n, k) for n, k, _ in OPTIONAL_COLUMNS)
+#: the optional 2-D record dataset of sketches (float64, one row per record); not one of
+#: RECORD_COLUMNS, which are 1-D and required
+SKETCH = "sketch"
+SKETCH_DTYPE = "float64"
+#: a record row as the capture side hands it to the writer: the ALL_COLUMNS values, then the
+#: sketch (a tuple of floats, or None). Rows of len(RECORD_COLUMNS) or len(ALL_COLUMNS) have
+#: no sketch.
+ROW_WIDTH = len(ALL_COLUMNS) + 1
 
 KINDS = ("api", "module", "param")
 PHASES = ("forward", "backward")

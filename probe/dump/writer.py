@@ -268,17 +268,18 @@ class StepWriter:
         return tensor_id
 
     def add_rows(self, rows: list[tuple]) -> None:
-        """Keep records (tuples in schema.ALL_COLUMNS order) until close().
-
-        Rows of schema.RECORD_COLUMNS width (no optional columns) are accepted too; all rows
-        of one file must have the same width."""
+        """Keep records until close(): tuples in schema.ALL_COLUMNS order, optionally followed
+        by the record's sketch (schema.ROW_WIDTH values). Rows of schema.RECORD_COLUMNS width
+        (no optional columns, no sketch) are accepted too; all rows of one file have one width."""
         self._require_open("add_rows")
-        widths = (len(schema.ALL_COLUMNS), len(schema.RECORD_COLUMNS))
+        widths = (schema.ROW_WIDTH, len(schema.ALL_COLUMNS), len(schema.RECORD_COLUMNS))
         width = len(self._rows[0]) if self._rows else (len(rows[0]) if rows else widths[0])
         for row in rows:
             if len(row) != width or width not in widths:
-                raise ValueError(f"a record row has {len(row)} values, expected {widths[1]} "
-                                 f"(or {widths[0]} with the optional columns) like the file's other rows: {row!r}")
+                raise ValueError(
+                    f"a record row has {len(row)} values, expected {widths[2]} (the record columns), "
+                    f"{widths[1]} (with the optional columns) or {widths[0]} (and the sketch), "
+                    f"the same for every row of the file: {row!r}")
         self._rows.extend(rows)
 
     def close(self, extra_attrs: dict | None = None) -> str:
@@ -467,14 +468,20 @@ class StepWriter:
                     arrays.append(np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1))
             except (TypeError, ValueError, OverflowError) as error:
                 raise DumpError(f"cannot write {self.path}: record column {name!r} {error}") from error
+        sketches = None
+        if len(columns) == schema.ROW_WIDTH:
+            sketches = _sketch_table(columns[len(schema.ALL_COLUMNS)], self.path)
         blob, ends = _encode_texts(list(vocabulary))
         attr_bytes = sum(len(v) if isinstance(v, str) else 8 for v in attrs.values())
         self._reserve(sum(a.nbytes for a in arrays) + blob.nbytes + ends.nbytes
+                      + (0 if sketches is None else sketches.nbytes + _DATASET_OVERHEAD)
                       + (len(arrays) + 3) * _DATASET_OVERHEAD
                       + 2 * attr_bytes + len(attrs) * _ATTR_OVERHEAD)
         group = self._file.require_group(schema.RECORDS_GROUP)
         for (name, _), array in zip(schema.ALL_COLUMNS, arrays):
             _create_array(group, name, array)
+        if sketches is not None:
+            _create_array(group, schema.SKETCH, sketches)
         _create_array(self._file, schema.TEXT_BYTES, blob)
         _create_array(self._file, schema.TEXT_ENDS, ends)
         for name, value in attrs.items():
@@ -585,6 +592,23 @@ def _read_owner(fd: int) -> str:
     if len(text) >= 2 and text[0] == "pid":
         return f" (pid {text[1]}" + (f", run id {text[3]})" if len(text) >= 4 else ")")
     return ""
+
+
+def _sketch_table(sketches, path: str) -> np.ndarray | None:
+    """The /records/sketch table: (records, k) float64, NaN rows for records without a sketch;
+    None (no dataset at all) when no record has one (sketch_size 0)."""
+    width = max((len(item) for item in sketches if item is not None), default=0)
+    if not width:
+        return None
+    missing = (np.nan,) * width
+    try:  # one C call for the whole table
+        table = np.array([missing if item is None else item for item in sketches], dtype=np.float64)
+    except ValueError:
+        table = None
+    if table is None or table.shape != (len(sketches), width):
+        sizes = sorted({len(item) for item in sketches if item is not None})
+        raise DumpError(f"cannot write {path}: record sketches of different sizes {sizes} in one step")
+    return table
 
 
 def _create_array(parent, name: str, array: np.ndarray) -> h5py.h5d.DatasetID:

@@ -58,7 +58,11 @@ def metrics_line(row: R.RecordRow) -> str:
         return f"value {m.value_a} in A, {m.value_b} in B"
     bound = ">= " if m.evidence == "statistics" or (m.evidence == "checksum" and not m.bit_equal) else ""
     parts = [R.SIZE_UNKNOWN + ":"] if row.size_unknown else []
-    parts += [f"rel L2 {bound}{err(m.rel_l2)}", f"max abs {bound}{err(m.max_abs)}"]
+    if m.sketch is not None:  # issue 10: measured by the sketches, not bounded
+        parts += [f"rel L2 ~{err(m.rel_l2)} {m.sketch['text']}"]
+    else:
+        parts += [f"rel L2 {bound}{err(m.rel_l2)}"]
+    parts += [f"max abs {bound}{err(m.max_abs)}"]
     if m.max_rel is not None:
         parts.append(f"max rel {err(m.max_rel)}")
     if m.cosine is not None:
@@ -75,7 +79,8 @@ def metrics_line(row: R.RecordRow) -> str:
         parts.append("bit-equal" if m.bit_equal else "not bit-equal")
     if m.stat_rel:
         changes = ", ".join(f"{name} {err(value)}" for name, value in m.stat_rel.items())
-        parts.append(f"(lower bounds from the statistics; relative change of {changes})")
+        what = "statistics" if m.sketch is not None else "lower bounds from the statistics"  # issue 10
+        parts.append(f"({what}; relative change of {changes})")
     return "  ".join(parts)
 
 

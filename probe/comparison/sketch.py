@@ -1,0 +1,240 @@
+"""Measure ||a - b|| / ||a|| of a record pair from the two runs' sketches (no tensors needed).
+
+Each record of a schema-2 dump carries a sketch y = R x (probe/capture/sketch.py): k inner
+products of the tensor's values with fixed +-1 vectors, the same in every run and on every
+device. So y_a - y_b = R (a - b), and for each of the k rows E[(R d)_j^2] = ||d||^2:
+
+    estimate  ||a - b||  ~  sqrt( mean_j (y_a[j] - y_b[j])^2 )         (Johnson-Lindenstrauss)
+
+Confidence: k * estimate^2 / ||d||^2 follows (for differences spread over many elements, and
+closely otherwise) a chi-square distribution with k degrees of freedom, so with probability
+CONFIDENCE the true ||d|| lies in [estimate * low, estimate * high],
+low = sqrt(k / q(1 - alpha/2)), high = sqrt(k / q(alpha/2)), q the chi-square quantiles.
+For k = 16 at 95%: [0.75, 1.52] x the estimate; reports write the larger side, "+-52%".
+(The quantiles are computed here, without scipy: ``chi2_quantile``.) A difference confined
+to one element is measured exactly (every row sees it with weight +-1).
+
+Floor: the sketch is itself computed with rounding (a float32 fold over n / (GROUPS *
+BLOCK) super-rows and float32 inner products over BLOCK values for float32/16/bfloat16
+tensors, float64 for float64 and integer tensors), about eps * (sqrt(BLOCK) +
+sqrt(super-rows)) * ||x|| per number, and a little more where two devices or two BLAS
+libraries order the sums differently. ``rounding_floor`` bounds it generously (FLOOR_FACTOR
+times that, for both sides). An estimate at or below the floor says "no difference the
+sketch can see": it counts as zero, so sketches never turn rounding into an error (two
+identical runs, threads 1 vs 2, float32 vs float64 stay PASS). For float32 the floor is
+1.5e-5 of the norm up to 4016 values and 3e-5 at 1M values (the float32 rtol is 2e-5).
+
+How compare uses it (``refine``): for statistics and checksum evidence the error becomes the
+larger of the statistics' lower bound and this estimate; the estimate (not the bound) is
+what usually decides. Full tensors, when both sides have them, still decide exactly.
+This module imports neither torch nor numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+#: two-sided confidence of the band reports give
+CONFIDENCE = 0.95
+#: the capture's row length and rows per super-row (probe.capture.sketch; a test ties them)
+BLOCK = 251
+GROUPS = 16
+#: the rounding floor in units of eps * sqrt(BLOCK) * norm, per side
+FLOOR_FACTOR = 4.0
+_EPS64 = 2.0 ** -52
+_EPS32 = 2.0 ** -23
+
+
+# ------------------------------------------------------------------ chi-square quantiles
+
+
+def _lower_gamma_regularized(a: float, x: float) -> float:
+    """P(a, x), the regularized lower incomplete gamma function (Numerical Recipes 6.2)."""
+    if x <= 0:
+        return 0.0
+    log_prefix = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:  # series
+        term = total = 1.0 / a
+        denominator = a
+        for _ in range(10_000):
+            denominator += 1
+            term *= x / denominator
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return min(1.0, total * math.exp(log_prefix))
+    # continued fraction for Q = 1 - P (modified Lentz)
+    tiny = 1e-300
+    b = x + 1 - a
+    c = 1 / tiny
+    d = 1 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1) < 1e-15:
+            break
+    return max(0.0, 1.0 - math.exp(log_prefix) * h)
+
+
+def chi2_cdf(x: float, k: int) -> float:
+    return _lower_gamma_regularized(k / 2.0, x / 2.0)
+
+
+def chi2_quantile(p: float, k: int) -> float:
+    """x with chi2_cdf(x, k) = p, by bisection (to 1e-12 relative)."""
+    if not 0 < p < 1 or k < 1:
+        raise ValueError(f"chi2_quantile needs 0 < p < 1 and k >= 1, got p={p}, k={k}")
+    low, high = 0.0, max(1.0, 2.0 * k)
+    while chi2_cdf(high, k) < p:
+        high *= 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        if chi2_cdf(middle, k) < p:
+            low = middle
+        else:
+            high = middle
+        if high - low <= 1e-12 * high:
+            break
+    return (low + high) / 2
+
+
+_bands: dict[tuple[int, float], tuple[float, float]] = {}
+
+
+def band(k: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """(low, high): the true ||a - b|| lies in [low, high] x the estimate with this confidence."""
+    key = (k, confidence)
+    found = _bands.get(key)
+    if found is None:
+        alpha = 1 - confidence
+        found = (math.sqrt(k / chi2_quantile(1 - alpha / 2, k)), math.sqrt(k / chi2_quantile(alpha / 2, k)))
+        _bands[key] = found
+    return found
+
+
+def band_percent(k: int, confidence: float = CONFIDENCE) -> float:
+    """The band as one "+-x%": the larger of its two sides (52 for k = 16)."""
+    low, high = band(k, confidence)
+    return 100 * max(1 - low, high - 1)
+
+
+# ------------------------------------------------------------------ the estimate
+
+
+def accumulation_eps(dtype: str) -> float:
+    """Unit roundoff of the arithmetic the capture sketched a dtype in (capture/sketch.py):
+    float64 for float64, complex128, integers and bool; float32 for every other float."""
+    if dtype in ("float64", "complex128") or not (dtype.startswith("float") or dtype.startswith("complex")
+                                                   or dtype in ("half", "bfloat16")):
+        return _EPS64
+    return _EPS32
+
+
+def rounding_floor(dtype_a: str, norm_a: float, dtype_b: str, norm_b: float, numel: int = 0) -> float:
+    """Largest ||y_a - y_b|| / sqrt(k) the sketches' own rounding can make (see module doc):
+    the fold sums numel / (GROUPS * BLOCK) super-rows, the projection BLOCK values."""
+    values = 2 * numel if dtype_a.startswith("complex") else numel  # (real, imag) pairs
+    supers = values / (GROUPS * BLOCK)
+    scale = FLOOR_FACTOR * (math.sqrt(BLOCK) + math.sqrt(supers))
+    return scale * (accumulation_eps(dtype_a) * abs(norm_a) + accumulation_eps(dtype_b) * abs(norm_b))
+
+
+@dataclass
+class SketchEstimate:
+    """What two sketches say about ||a - b||. err_l2 is 0 when raw_err is within the floor."""
+
+    k: int
+    err_l2: float  # the estimate of ||a - b|| (0 within the floor)
+    rel_l2: float  # err_l2 / ||a||
+    raw_err: float  # sqrt(mean_j (y_a - y_b)_j^2) before the floor
+    floor: float  # rounding_floor
+    low: float  # the band: ||a - b|| in [low, high] with CONFIDENCE
+    high: float
+    confidence: float = CONFIDENCE
+
+    @property
+    def within_floor(self) -> bool:
+        return self.raw_err <= self.floor
+
+    def text(self) -> str:
+        """How reports name this evidence: "estimated (sketch, k=16, +-52%)"."""
+        if self.within_floor:
+            return f"estimated (sketch, k={self.k}, no difference above the sketch's rounding floor)"
+        return f"estimated (sketch, k={self.k}, \u00b1{band_percent(self.k, self.confidence):.0f}%)"
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["within_floor"] = self.within_floor
+        return data
+
+
+def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dtype_b: str,
+             numel: int = 0) -> SketchEstimate | None:
+    """The estimate from two sketches (sequences of floats), or None when either is missing,
+    empty or not finite (a NaN/Inf in the tensor: the NaN/Inf counts speak then). Sketches
+    of two sizes compare on their common prefix (capture/sketch.py keeps prefixes stable)."""
+    if sketch_a is None or sketch_b is None:
+        return None
+    k = min(len(sketch_a), len(sketch_b))
+    if k == 0:
+        return None
+    total = 0.0
+    for x, y in zip(sketch_a[:k], sketch_b[:k]):
+        x, y = float(x), float(y)
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return None
+        total += (x - y) * (x - y)
+    raw = math.sqrt(total / k)
+    norm_a = norm_a if math.isfinite(norm_a) else 0.0
+    norm_b = norm_b if math.isfinite(norm_b) else 0.0
+    floor = rounding_floor(dtype_a, norm_a, dtype_b, norm_b, numel)
+    err = 0.0 if raw <= floor else raw
+    if norm_a > 0:
+        rel = err / norm_a
+    else:
+        rel = 0.0 if err == 0 else math.inf
+    low, high = band(k)
+    return SketchEstimate(k=k, err_l2=err, rel_l2=rel, raw_err=raw, floor=floor, low=err * low, high=err * high)
+
+
+def refine(metrics, sketch_a, sketch_b, dtype_a: str, dtype_b: str):
+    """Statistics or checksum metrics -> the same metrics measured by the sketches.
+
+    The error becomes max(statistics lower bound, sketch estimate), so a schema-1 dump (no
+    sketches) keeps its lower bounds and a sketch never hides what the statistics prove.
+    ``metrics.sketch`` records the estimate (JSON: metrics.sketch); bit-equal checksums
+    stay exactly zero. Returns metrics (changed in place)."""
+    if metrics.evidence not in ("statistics", "checksum") or metrics.bit_equal:
+        return metrics
+    found = estimate(sketch_a, sketch_b, metrics.ref_norm, metrics.other_norm, dtype_a, dtype_b, metrics.numel)
+    if found is None:
+        return metrics
+    data = found.to_dict()
+    data["lower_bound"] = metrics.err_l2
+    data["text"] = found.text()
+    metrics.sketch = data
+    if found.err_l2 > metrics.err_l2:
+        metrics.err_l2 = found.err_l2
+        if metrics.ref_norm > 0:
+            metrics.rel_l2 = found.err_l2 / metrics.ref_norm
+        else:
+            metrics.rel_l2 = math.inf
+    return metrics
+
+
+def sketch_note(with_tensors: bool) -> str:
+    """The compare result's note when sketches measured some records."""
+    head = ("where full tensors are missing" if with_tensors
+            else "statistics only (no full tensors)")
+    return (f"{head}: errors are estimated from each tensor's sketch (k=16: \u00b1"
+            f"{band_percent(16):.0f}% at {CONFIDENCE:.0%} confidence), or the statistics' lower bound where "
+            "that is larger; differences within the sketch's rounding floor count as none")
