@@ -13,7 +13,7 @@ import os
 from typing import Callable, Iterable
 
 from probe.comparison import result as R
-from probe.comparison import groups, verdict
+from probe.comparison import devices, groups, verdict
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.records import Records
@@ -65,6 +65,7 @@ def compare(
     steps_info = []
     total_bytes = 0
     previous: dict[int, set] = {}  # rank -> content keys of A's last compared step file
+    devices_ab = ("", "")
     for position, (key_a, key_b) in enumerate(pairs):
         def report(done, total, read, _position=position):
             if progress is not None:
@@ -73,6 +74,7 @@ def compare(
         with dump_a.open(*key_a) as file_a, dump_b.open(*key_b) as file_b:
             if position == 0:
                 notes += _attr_notes(file_a.attrs, file_b.attrs)
+                devices_ab = (str(file_a.attrs.get("device") or ""), str(file_b.attrs.get("device") or ""))
             records_a = Records.from_table(file_a.records, file_a.path)
             outcome = compare_step(
                 records_a,
@@ -100,7 +102,7 @@ def compare(
             "verdict": _step_verdict(counts, strict),
             "counts": counts,
         })
-    return _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+    return _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab)
 
 
 def _mapping(mapping) -> NameMapping | None:
@@ -162,7 +164,7 @@ def _describe(keys, side) -> str:
 
 def _attr_notes(attrs_a: dict, attrs_b: dict) -> list[str]:
     notes = []
-    for name in ("task", "level", "device"):
+    for name in ("task", "level"):  # a device difference is the one device note (_assemble)
         if attrs_a.get(name) != attrs_b.get(name):
             notes.append(f"{name} differs: {attrs_a.get(name)!r} in A, {attrs_b.get(name)!r} in B")
     return notes
@@ -179,9 +181,13 @@ def _step_verdict(counts: dict, strict: bool) -> str:
     return "diverged" if counts["diverged"] or _unpaired_fails(counts, strict) else "pass"
 
 
-def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict) -> R.CompareResult:
+def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict,
+              devices_ab=("", "")) -> R.CompareResult:
     rows = [row for outcome in outcomes for row in outcome.rows]
     counts = count_rows(rows)
+    placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))
+    if devices_ab[0] != devices_ab[1] or placement:
+        notes.append(devices.device_note(*devices_ab, placement))
     first = cause = None
     for outcome in outcomes:  # steps then ranks, in order
         if outcome.diverged:

@@ -22,6 +22,8 @@ WITHIN = (MATCH, CHANGED)  # paired and within tolerance
 PAIRED = (MATCH, CHANGED, DIVERGED)
 #: how reports name a record whose checksums differ while its statistics agree
 SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
+#: the note of a device/placement argument that differs (devices.py): counted once per report
+PLACEMENT_NOTE = "placement argument"
 # origin of a divergent record
 INTRODUCED, INHERITED = "introduced", "inherited"
 # what kind of divergence a row is

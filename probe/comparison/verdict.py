@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 
+from probe.comparison import devices
 from probe.comparison import result as R
 from probe.comparison.metrics import Metrics, parse_value, same_extremes
 from probe.comparison.records import is_param_slot
@@ -172,6 +173,9 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
     elif row.io == "in" and is_dtype_value(metrics.value_a or "") and is_dtype_value(metrics.value_b or ""):
         row.status = R.MATCH  # a dtype choice, never an error by itself
         row.notes.append(f"dtype argument {metrics.value_a} in A, {metrics.value_b} in B")
+    elif row.io == "in" and devices.is_placement_pair(row.slot, metrics.value_a or "", metrics.value_b or ""):
+        row.status = R.MATCH  # where a tensor lives, never a numerical difference
+        row.notes.append(f"{R.PLACEMENT_NOTE} {metrics.value_a} in A, {metrics.value_b} in B (not compared)")
     else:
         row.status = R.DIVERGED
         row.reasons.append(f"value {metrics.value_a} in A, {metrics.value_b} in B")
