@@ -15,12 +15,13 @@ from typing import Callable
 import numpy as np
 
 from probe.comparison import result as R
-from probe.comparison import verdict
+from probe.comparison import optimizer, verdict
 from probe.comparison.align import CallPair, align_calls
 from probe.comparison.mapping import NameMapping
 from probe.comparison.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
 from probe.comparison.prefetch import Prefetcher
 from probe.comparison.records import Call, Records, build_calls, is_param_slot
+from probe.comparison.stale import StaleRecords
 from probe.comparison.tolerances import Tolerances, tolerance_dtype
 
 
@@ -202,9 +203,15 @@ def compare_step(
     carried over from it (optimizer state, parameters) is told from new external inputs.
     """
     rename = mapping.rename if mapping else None
-    calls_a = build_calls(records_a, rename)
-    calls_b = build_calls(records_b, rename)
-    pairs = align_calls(calls_a, calls_b)
+    # a foreach call is one call per tensor (the i-th parameter's), on both sides
+    calls_a = optimizer.split_foreach(build_calls(records_a, rename), records_a)
+    calls_b = optimizer.split_foreach(build_calls(records_b, rename), records_b)
+    pairs = optimizer.pair_foreach(align_calls(calls_a, calls_b), records_a, records_b)
+    pairs.sort(key=lambda pair: pair.order)
+    for side, records in (("a", records_a), ("b", records_b)):
+        present = sorted((getattr(p, side) for p in pairs if getattr(p, side) is not None),
+                         key=lambda call: (*call.order(), call.element))
+        optimizer.name_targets(present, records)
     provenance = _Provenance(records_a, calls_a, previous)
     measure = _Measurer(records_a, records_b, fetch_a, fetch_b, tolerances)
     seqs = records_a.columns["seq"]
@@ -223,8 +230,12 @@ def compare_step(
     effective: dict[int, str] = {}  # A's row -> the tolerance dtype it was judged with
     origins: dict[int, tuple] = {}  # A's input row -> (kind, producing row)
     measure.start_prefetch(paired)
+    stale = StaleRecords(records_a.columns, records_b.columns)
+    firsts = {number: next(((ra, rb) for r, ra, rb in call_rows if r.slot == "input.0"), (None, None))
+              for number, call_rows in enumerate(per_pair)}
     try:
-        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step)
+        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step,
+                        lambda row, ra, rb, number: stale.check(row, (ra, rb), firsts[number]))
     finally:
         measure.close()
 
@@ -269,7 +280,8 @@ def _forward_rows(pairs, per_pair) -> dict:
     return found
 
 
-def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step=0) -> None:
+def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step=0,
+                    check_stale=None) -> None:
     """Judge every paired record in A's execution order, carrying the precision floors."""
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
@@ -285,6 +297,8 @@ def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origin
         if row.io == "out" and number in call_floor:
             upstream = lower_precision(upstream, call_floor[number])
         measure.judge(row, row_a, row_b, upstream)
+        if check_stale is not None:
+            check_stale(row, row_a, row_b, number)
         verdict.judge_checksum_change(row, _untouched(row, kind, order, step, provenance, differed))
         differed = differed or _differs(row)
         judged[row_a] = row
@@ -328,6 +342,10 @@ def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int
     slots_a = a.slots if a else {}
     slots_b = b.slots if b else {}
     ordered = sorted(slots_a, key=slots_a.get) + sorted((s for s in slots_b if s not in slots_a), key=slots_b.get)
+    if a is not None and b is not None:
+        # a foreach call's argument shared by all its elements, without a partner: once, with element 0
+        ordered = [slot for slot in ordered if slot in slots_a and slot in slots_b
+                   or _own_slot(a, slot) and _own_slot(b, slot)]
     out = []
     for position, slot in enumerate(ordered):
         row_a, row_b = slots_a.get(slot), slots_b.get(slot)
@@ -339,6 +357,10 @@ def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int
             slot = records.get("slot", extra)
             out.append((_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, len(out)), row_a, row_b))
     return out
+
+
+def _own_slot(call, slot: str) -> bool:
+    return call.element <= 0 or slot not in call.shared
 
 
 def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position) -> R.RecordRow:
@@ -361,6 +383,7 @@ def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, positio
         kind=get["kind"][main_row],
         source=get["source"][main_row],
         paired_by=pair.how,
+        target=(pair.a.target if pair.a is not None and pair.a.target else (pair.b.target if pair.b else "")),
         # a record's own seq: a module's output comes after the API calls inside it
         order=(int(records_a.columns["seq"][row_a]), row_a, 0, 0) if row_a is not None else (*pair.order, position),
     )
@@ -418,6 +441,12 @@ class _Measurer:
         a, b = self.a, self.b
         if a["dtype"][row_a] == "" or b["dtype"][row_b] == "":
             if a["dtype"][row_a] != b["dtype"][row_b]:
+                number_a, number_b = _scalar_text(a, row_a), _scalar_text(b, row_b)
+                if number_a is not None and number_b is not None:
+                    # torch.tensor(1.0) on one side, the number 1 on the other (foreach vs per-tensor)
+                    verdict.judge_value(row, value_metrics(number_a, number_b))
+                    row.notes.append("a one-element tensor on one side, a plain number on the other")
+                    return
                 row.status = R.DIVERGED
                 row.reasons.append("a tensor on one side, a plain value on the other")
                 return
@@ -458,6 +487,20 @@ class _Measurer:
         stats_b = {name: b[name][row_b] for name in _STAT_COLUMNS}
         evidence = "checksum" if stats_a["checksum"] and stats_b["checksum"] else "statistics"
         return statistics_metrics(stats_a, stats_b, evidence)
+
+
+def _scalar_text(cols: dict, row: int) -> str | None:
+    """A plain number's text, or a one-element tensor's value as text (its min == max)."""
+    if cols["dtype"][row] == "":
+        value = cols["value"][row]
+        try:
+            number = json.loads(value)
+        except ValueError:
+            return None
+        return value if isinstance(number, (int, float)) and not isinstance(number, bool) else None
+    if cols["numel"][row] == 1 and cols["min"][row] == cols["max"][row] and math.isfinite(cols["min"][row]):
+        return json.dumps(cols["min"][row])
+    return None
 
 
 def _same_shape(text_a: str, text_b: str) -> bool:

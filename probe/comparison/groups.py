@@ -165,7 +165,8 @@ def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
     pool = [s for s in ranked_pool(summaries) if s.introduced > NEGLIGIBLE]
     groups: dict[tuple, list[R.OpSummary]] = {}
     for summary in pool:
-        groups.setdefault((summary.module, summary.op, summary.index, summary.phase), []).append(summary)
+        groups.setdefault((summary.module, summary.op, summary.index, summary.phase, summary.target),
+                          []).append(summary)
     ranked = []
     for calls in groups.values():
         worst = max(calls, key=lambda s: (not _only_inherited(s), s.introduced, -s.step, -s.rank))

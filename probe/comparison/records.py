@@ -47,6 +47,13 @@ class Records:
     def row(self, row: int) -> dict:
         return {name: values[row] for name, values in self.columns.items()}
 
+    def append(self, record: dict) -> int:
+        """Add a derived record (a foreach call's per-element argument); returns its row."""
+        for name, values in self.columns.items():
+            values.append(record[name])
+        self._length += 1
+        return self._length - 1
+
     @classmethod
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
@@ -106,10 +113,17 @@ class Call:
     extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
     name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
     shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
+    #: a foreach call's i-th tensor seen as its own call (optimizer.py): i, else -1
+    element: int = -1
+    #: slots of a foreach element that every element of the call shares (a scalar argument)
+    shared: frozenset = frozenset()
+    #: the parameter an optimizer call updates ("fc1.weight"; optimizer.py), "" when not known
+    target: str = ""
 
     @property
     def key(self) -> str:
-        return f"{self.module}/{self.op}#{self.index}/{self.phase}"
+        element = f"[{self.element}]" if self.element >= 0 else ""
+        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
 
     def order(self) -> tuple[int, int]:
         return (self.seq, self.first_row)

@@ -53,7 +53,9 @@ class RecordRow:
     shape_a: str = ""
     shape_b: str = ""
     source: str = ""
-    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY)
+    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, optimizer.FOREACH)
+    target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
+    stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (stale.py)
     tol_dtype: str = ""
     rtol: float | None = None
     atol: float | None = None
@@ -103,6 +105,8 @@ class RecordRow:
             "shape_b": self.shape_b,
             "source": self.source,
             "paired_by": self.paired_by,
+            "target": self.target or None,
+            "stale": self.stale or None,
             "tolerance": {"dtype": self.tol_dtype, "rtol": self.rtol, "atol": self.atol} if self.tol_dtype else None,
             "score": self.score,
             "divergence": self.divergence or None,
@@ -140,6 +144,7 @@ class OpSummary:
     origin: str
     source: str = ""
     where: list = field(default_factory=list)  # every (step, rank) where this op adds error
+    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
     diverged_in: int = 0  # in how many of those its output is beyond tolerance
 
     def to_dict(self) -> dict:
@@ -254,6 +259,7 @@ def divergence_dict(row: RecordRow | None) -> dict | None:
         "origin": row.origin or None,
         "cause": row.cause or None,
         "source": row.source,
+        "target": row.target or None,
         "dtype_a": row.dtype_a,
         "dtype_b": row.dtype_b,
         "shape": row.shape_a or row.shape_b,

@@ -293,6 +293,8 @@ def _rel(row: R.RecordRow) -> float:
     """The rel L2 error of a row; inf when it diverged without one (NaN/Inf on one side,
     shapes differ, a tensor against a plain value, changed bytes of unknown size)."""
     m = row.metrics
+    if row.stale:
+        return 0.0  # not compared: its record holds values from before an in-place write (stale.py)
     if m is None or m.nan_mismatch or m.inf_mismatch or (row.status == R.DIVERGED and row.size_unknown):
         return math.inf if row.status == R.DIVERGED else 0.0
     return m.rel_l2
@@ -432,7 +434,8 @@ def summarize_call(rows: list[R.RecordRow], forward: list[R.RecordRow] = ()) -> 
     carried over, and for a backward call the tensor records of its forward); parameters,
     changed arguments and external inputs are error entering here, so they count as nothing
     carried."""
-    outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"]
+    outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"
+               and not r.stale]
     if not outputs:
         return None
     carried = {e["slot"] for e in outputs[0].input_errors if is_carrier(e["source"], e["status"])}
@@ -458,6 +461,7 @@ def summarize_call(rows: list[R.RecordRow], forward: list[R.RecordRow] = ()) -> 
         diverged=any(r.status == R.DIVERGED for r in outputs),
         origin=worst.origin,
         source=worst.source,
+        target=head.target,
     )
 
 

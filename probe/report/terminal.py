@@ -38,7 +38,13 @@ def verdict_line(result: R.CompareResult) -> str:
         return "DIVERGED"
     origin = f" -- {first.origin}" if first.origin else f" -- {first.status}"
     module = first.module or "<root>"
-    return f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op} ({first.phase}, {first.slot}){origin}"
+    return (f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op}{updates(first.target)} "
+            f"({first.phase}, {first.slot}){origin}")
+
+
+def updates(target: str) -> str:
+    """" [updates fc1.weight]" for an optimizer record named by its parameter, else ""."""
+    return f" [updates {target}]" if target else ""
 
 
 def metrics_line(row: R.RecordRow) -> str:
@@ -101,6 +107,8 @@ def _describe(row: R.RecordRow, indent: str = "  ") -> list[str]:
         lines.append(f"{indent}cause    {row.cause}")
     lines.append(f"{indent}source   {row.source or 'unknown (no user code line was recorded)'}")
     lines.append(f"{indent}key      {row.key}" + (f"  (B: {row.key_b})" if row.key_b and row.key_b != row.key_a else ""))
+    if row.target:
+        lines.append(f"{indent}updates  parameter {row.target} (an optimizer record, named by the parameter it updates)")
     evidence = f" (evidence: {row.metrics.evidence})" if row.metrics else ""
     lines.append(f"{indent}error    {metrics_line(row)}{evidence}")
     lines.append(f"{indent}judged   {_judged(row)}")
@@ -175,7 +183,7 @@ def top_ops_lines(result: R.CompareResult) -> list[str]:
     if not result.top_ops:
         return []
     many = len(result.steps) > 1
-    names = [f"{op.module or '<root>'} {op.op}#{op.index} ({op.phase})" for op in result.top_ops]
+    names = [f"{op.module or '<root>'} {op.op}#{op.index}{updates(op.target)} ({op.phase})" for op in result.top_ops]
     one_rank = len({step["rank"] for step in result.steps}) <= 1
     label = "steps" if one_rank else "where"
     wheres = [_op_where(op, one_rank, len(result.steps)) for op in result.top_ops]
@@ -231,7 +239,8 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
         elif cause is not None and cause is not first:
             lines.append("likely cause (the first divergence that introduced its error):")
             lines.append(
-                f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
+                f"  {cause.module or '<root>'} {cause.op}{updates(cause.target)} ({cause.phase}, {cause.slot}) "
+                f"at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
     lines += changes_lines(result, max_divergences)
