@@ -45,6 +45,9 @@ class StepOutcome:
     summaries: list[R.OpSummary]
     evidence: set = field(default_factory=set)
     tensor_bytes: int = 0
+    #: content_key -> key of A's records whose difference was accepted (R.EXPLAINED outputs):
+    #: the next step reads them again (a parameter the optimizer updated) and accepts them too
+    explained: dict = field(default_factory=dict)
 
     @property
     def diverged(self) -> bool:
@@ -57,7 +60,7 @@ class StepOutcome:
 def count_rows(rows) -> dict:
     """matched: paired records; diverged: those beyond tolerance; changed: those within
     tolerance whose checksums differ (size unknown); only_a/only_b: without partner."""
-    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0}
+    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
     for row in rows:
         if row.status in R.PAIRED:
             counts["matched"] += 1
@@ -195,12 +198,16 @@ def compare_step(
     rank: int = 0,
     progress: Callable[[int, int, int], None] | None = None,
     previous: set | None = None,
+    previous_explained: dict | None = None,
 ) -> StepOutcome:
     """Align, measure and judge one pair of step files.
 
     progress(done_calls, total_calls, tensor_bytes_read) is called after each call pair.
     previous: content_keys() of A's previous step file of the same rank, so that state
     carried over from it (optimizer state, parameters) is told from new external inputs.
+    previous_explained: StepOutcome.explained of that step file: a record holding the same
+    values as an accepted difference there (a parameter AdamW updated from rounding noise)
+    carries that accepted difference.
     """
     rename = mapping.rename if mapping else None
     # a foreach call is one call per tensor (the i-th parameter's), on both sides
@@ -234,8 +241,15 @@ def compare_step(
     firsts = {number: next(((ra, rb) for r, ra, rb in call_rows if r.slot == "input.0"), (None, None))
               for number, call_rows in enumerate(per_pair)}
     try:
-        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step,
-                        lambda row, ra, rb, number: stale.check(row, (ra, rb), firsts[number]))
+        def after_judge(row, ra, rb, number):
+            stale.check(row, (ra, rb), firsts[number])
+            earlier = previous_explained.get(content_key(records_a.columns, ra)) if previous_explained else None
+            if earlier is not None and row.status == R.DIVERGED and verdict.is_accepted_carry(row):
+                verdict.explain(row, f"carries the accepted difference of {earlier} from the previous step")
+            elif earlier is not None and row.status in R.WITHIN:
+                row.accepted = True
+
+        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step, after_judge)
     finally:
         measure.close()
 
@@ -259,7 +273,13 @@ def compare_step(
     if progress is not None and not paired:
         progress(1, 1, measure.bytes_read)
     rows.sort(key=lambda row: row.order)
-    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
+    explained = {}
+    for row, row_a, _ in (item for call_rows in per_pair for item in call_rows):
+        if row.io == "out" and row_a is not None and verdict.accepted_beyond_rounding(row):
+            key = content_key(records_a.columns, row_a)
+            if key is not None:
+                explained[key] = row.key
+    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read, explained)
 
 
 def _call_key(call_rows) -> tuple | None:

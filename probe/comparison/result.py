@@ -18,14 +18,18 @@ MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
 #: paired, within tolerance by the statistics, but the checksums differ: the bytes changed by an
 #: amount no recorded number can size (verdict.judge_checksum_change decides CHANGED or DIVERGED)
 CHANGED = "changed"
-WITHIN = (MATCH, CHANGED)  # paired and within tolerance
-PAIRED = (MATCH, CHANGED, DIVERGED)
+#: paired, beyond its own dtype's tolerance, but explained by differences that were accepted
+#: (rounding amplified by the op's conditioning: Adam's division by sqrt(v), a cancelling sum)
+#: or without effect: not a divergence (verdict.judge_call decides; docs/compare.md)
+EXPLAINED = "explained"
+WITHIN = (MATCH, CHANGED, EXPLAINED)  # paired and accepted: within tolerance or explained
+PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
 #: how reports name a record whose checksums differ while its statistics agree
 SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
 #: the note of a device/placement argument that differs (devices.py): counted once per report
 PLACEMENT_NOTE = "placement argument"
 # origin of a divergent record
-INTRODUCED, INHERITED = "introduced", "inherited"
+INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
 # what kind of divergence a row is
 OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
 
@@ -56,6 +60,11 @@ class RecordRow:
     paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, optimizer.FOREACH)
     target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
     stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (stale.py)
+    #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
+    scale_norm: float = 0.0
+    #: its difference is rounding or explained by accepted differences (verdict.accepted), when
+    #: judge_call decided it; None: not decided (accepted() decides from the row alone)
+    accepted: bool | None = None
     tol_dtype: str = ""
     rtol: float | None = None
     atol: float | None = None

@@ -31,6 +31,9 @@ def verdict_line(result: R.CompareResult) -> str:
         unmatched = counts["only_a"] + counts["only_b"]
         changed = counts.get("changed", 0)
         extra = f"; {changed} of them {R.SIZE_UNKNOWN}" if changed else ""
+        explained = counts.get("explained", 0)
+        extra += (f"; {explained} of them beyond their own tolerance but explained (amplified rounding, "
+                  "see the notes)") if explained else ""
         extra += f"; {unmatched} without partner (not compared)" if unmatched else ""
         return f"PASS: {counts['matched']} records match within tolerance in {where} (evidence: {result.evidence}){extra}"
     first = result.first_divergence
@@ -163,6 +166,8 @@ def changes_lines(result: R.CompareResult, limit: int = 5) -> list[str]:
 
 
 def _judgement(op: R.OpSummary) -> str:
+    if op.origin == R.AMPLIFIED:
+        return "amplified"
     if not op.diverged:
         return "within tol"
     return op.origin or "beyond tol"
@@ -210,6 +215,8 @@ def counts_lines(result: R.CompareResult) -> list[str]:
     within = c["matched"] - c["diverged"]
     changed = c.get("changed", 0)
     bytes_differ = f" ({changed} of them not bit-equal: checksums differ, size unknown)" if changed else ""
+    if c.get("explained"):
+        bytes_differ += f" ({c['explained']} of them explained: amplified rounding)"
     lines = [
         f"counts: {c['matched']} records paired in {files} step file{'s' if files != 1 else ''}: {within} within "
         f"tolerance{bytes_differ}, {c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B "
