@@ -88,3 +88,37 @@ def dump_run(path, build, batch, *, steps=1, task="statistics", level="mix", dty
     finally:
         debugger.close()
     return str(path)
+
+
+# ---------------------------------------------------------------------------- transformers
+
+def hf_model(family: str, attn: str = "eager", layers: int = 2, width: int = 32, vocab: int = 128):
+    """A tiny random-init transformers model built from a config (no download)."""
+    import transformers as T
+
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=4, hidden_size=width,
+                  intermediate_size=2 * width, max_position_embeddings=64)
+    if family == "llama":
+        config = T.LlamaConfig(num_key_value_heads=2, **common)
+        model = T.LlamaForCausalLM(config)
+    elif family == "gpt2":
+        config = T.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=4, n_positions=64)
+        model = T.GPT2LMHeadModel(config)
+    elif family == "bert":
+        config = T.BertConfig(**common)
+        model = T.BertForMaskedLM(config)
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = attn
+    model.set_attn_implementation(attn) if hasattr(model, "set_attn_implementation") else None
+    return model
+
+
+def token_batch(batch: int = 2, length: int = 16, vocab: int = 128):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    return ids, ids.clone()
+
+
+def lm_loss(model, ids, labels):
+    return model(input_ids=ids, labels=labels).loss

@@ -467,6 +467,12 @@ class _Measurer:
                     verdict.judge_value(row, value_metrics(number_a, number_b))
                     row.notes.append("a one-element tensor on one side, a plain number on the other")
                     return
+                if a["value"][row_a] == "null" or b["value"][row_b] == "null":
+                    # attention weights from eager attention, None from sdpa: absent, not different
+                    row.status = R.ONLY_A if b["value"][row_b] == "null" else R.ONLY_B
+                    row.reasons.append(f"absent on one side: None in {'B' if row.status == R.ONLY_A else 'A'}, "
+                                       "a tensor in the other")
+                    return
                 row.status = R.DIVERGED
                 row.reasons.append("a tensor on one side, a plain value on the other")
                 return

@@ -113,6 +113,7 @@ class Call:
     extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
     name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
     shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
+    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
     #: a foreach call's i-th tensor seen as its own call (optimizer.py): i, else -1
     element: int = -1
     #: slots of a foreach element that every element of the call shares (a scalar argument)
@@ -157,6 +158,9 @@ def build_calls(records: Records, rename=None) -> list[Call]:
         call.name = rename(call.module, call.op) if rename else (call.module, call.op)
         call.shapes = tuple(
             sorted((slot, shapes[row]) for slot, row in call.slots.items() if dtypes[row] != "")
+        )
+        call.values = tuple(
+            sorted((slot, cols["value"][row]) for slot, row in call.slots.items() if dtypes[row] == "")
         )
     result.sort(key=Call.order)
     return result

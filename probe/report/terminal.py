@@ -82,6 +82,8 @@ def metrics_line(row: R.RecordRow) -> str:
 def _judged(row: R.RecordRow) -> str:
     if not row.tol_dtype:
         return "exact comparison"
+    if row.rtol is None or row.score is None:
+        return "not measured: " + ("; ".join(row.reasons) or "no metrics")
     return (f"score {num(row.score)}: the error is {num(row.score)}x the {row.tol_dtype} tolerance "
             f"(rtol {row.rtol:g}, atol {row.atol:g}); above 1 fails")
 
