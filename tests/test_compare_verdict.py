@@ -179,7 +179,7 @@ def test_an_op_that_only_scales_an_error_within_tolerance_inherits_it():
     # it), beyond it after (the values are 1000x larger)
     assert given.status == R.MATCH and div.status == R.DIVERGED
     assert div.metrics.rel_l2 == pytest.approx(given.metrics.rel_l2, rel=1e-3)
-    assert div.origin == R.INHERITED and "input.0 already carries the error" in div.cause
+    assert div.origin == R.INHERITED and "input.0 carries a difference within its own tolerance" in div.cause
     assert first is div and "Tensor.sqrt" in div.cause  # named as the op that made the input
     top = groups.rank_top_ops(outcome.summaries, 10)
     assert [op.op for op in top if op.op == "Tensor.div"] == []

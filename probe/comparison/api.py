@@ -191,12 +191,7 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))
     if devices_ab[0] != devices_ab[1] or placement:
         notes.append(devices.device_note(*devices_ab, placement))
-    first = cause = None
-    for outcome in outcomes:  # steps then ranks, in order
-        if outcome.diverged:
-            first = verdict.first_divergence(outcome.rows)
-            cause = verdict.likely_cause(outcome.rows, first)
-            break
+    first, cause = verdict.story(outcomes)
     failing = [o for o in outcomes if _unpaired_fails(o.counts(), strict)]
     if first is None and failing:
         lonely = [row for row in failing[0].rows if row.status in (R.ONLY_A, R.ONLY_B)]

@@ -548,14 +548,24 @@ def _inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None
     elif kind == EXTERNAL:
         origin = "read from outside the recorded ops (data, a buffer), within tolerance"
     elif kind == FORWARD:
-        return (f"forward {worst.slot} of this call already carries the error (rel L2 {sci(_rel(worst))}, "
+        return (f"forward {worst.slot} of this call {_carries(worst)} (rel L2 {sci(_rel(worst))}, "
                 f"output {sci(out_rel)}); the backward computes from the values its forward saw")
     elif producer is not None:
         origin = f"made by {producer.key}"
     else:
         origin = "made upstream"
-    return (f"input {worst.slot} already carries the error (rel L2 {sci(_rel(worst))}, output {sci(out_rel)}); "
+    return (f"input {worst.slot} {_carries(worst)} (rel L2 {sci(_rel(worst))}, output {sci(out_rel)}); "
             f"it was {origin}")
+
+
+def _carries(row: R.RecordRow) -> str:
+    """How an input hands on its error, in words that agree with its own status."""
+    if row.status == R.DIVERGED:
+        return "already carries the error"
+    if row.status == R.EXPLAINED:
+        return "carries an accepted difference"
+    return ("carries a difference within its own tolerance (under the absolute floor atol, not rounding) that "
+            "this op scales beyond the output's")
 
 
 def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
@@ -578,6 +588,34 @@ def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.Record
         if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT) and row.origin == R.INTRODUCED:
             return row
     return first
+
+
+def story(outcomes) -> tuple[R.RecordRow | None, R.RecordRow | None]:
+    """(first divergence, likely cause) of a whole compare: one story for every report.
+
+    The earliest step file pair with a divergence decides the step. Among its ranks, a rank
+    where an op introduced its error tells the story (on the other ranks the error arrives
+    through a collective, DDP's gradient all-reduce, and is only inherited): a rank-1-only
+    fault is named on rank 1. When no op of that step introduced its error, the likely cause
+    is the first introduced one of a later step file, if any."""
+    diverged = [o for o in outcomes if o.diverged]
+    if not diverged:
+        return None, None
+    step = min(o.step for o in diverged)
+    told = []
+    for outcome in (o for o in diverged if o.step == step):
+        first = first_divergence(outcome.rows)
+        told.append((outcome.rank, first, likely_cause(outcome.rows, first)))
+    introducing = [t for t in told if t[2] is not None and t[2].origin == R.INTRODUCED]
+    if introducing:
+        rank, first, cause = min(introducing, key=lambda t: (t[2].order, t[0]))
+        return first, cause
+    rank, first, cause = min(told, key=lambda t: (t[1].order, t[0]))
+    for outcome in sorted(diverged, key=lambda o: (o.step, o.rank)):
+        later = likely_cause(outcome.rows, None)
+        if later is not None and later.origin == R.INTRODUCED:
+            return first, later
+    return first, cause
 
 
 def added_score(score: float, out_rel: float, carried_rel: float) -> float:

@@ -242,7 +242,8 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
     if first is not None:
         lines += _describe(first)
         cause = result.likely_cause
-        if cause is first and first.origin == R.INHERITED:
+        if cause is first and first.origin == R.INHERITED and not any(
+                op.diverged and op.origin == R.INTRODUCED for op in result.top_ops):
             lines.append("likely cause: no single op introduced an error beyond tolerance; it grew over several ops "
                          "(the top ops below add the most)")
         elif cause is not None and cause is not first:
