@@ -53,3 +53,16 @@ def test_conv_batchnorm_net_trained_with_adamw_passes_against_a_correct_variant(
                      dtype=torch.float64)
     result = compare(a, b)
     assert result.verdict == "pass", result.to_text()
+
+
+def test_fused_and_unfused_adamw_pass_and_compare_every_updated_parameter(tmp_path):
+    a = dump_run(tmp_path / "loop", TinyResNet, resnet_batch, steps=3,
+                 optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False))
+    b = dump_run(tmp_path / "fused", TinyResNet, resnet_batch, steps=3,
+                 optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True))
+    result = compare(a, b)
+    assert result.verdict == "pass", result.to_text()
+    updated = {(row.step, row.target) for row in result.rows
+               if row.paired_by == "fused" and row.slot == "output.0" and row.status in R.PAIRED}
+    names = {name for name, p in TinyResNet().named_parameters()}
+    assert updated == {(step, name) for step in range(3) for name in names}

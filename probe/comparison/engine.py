@@ -213,12 +213,11 @@ def compare_step(
     # a foreach call is one call per tensor (the i-th parameter's), on both sides
     calls_a = optimizer.split_foreach(build_calls(records_a, rename), records_a)
     calls_b = optimizer.split_foreach(build_calls(records_b, rename), records_b)
+    # optimizer records named by the parameter they update (fused kernels pair by that name)
+    optimizer.name_targets(calls_a, records_a)
+    optimizer.name_targets(calls_b, records_b)
     pairs = optimizer.pair_foreach(align_calls(calls_a, calls_b), records_a, records_b)
     pairs.sort(key=lambda pair: pair.order)
-    for side, records in (("a", records_a), ("b", records_b)):
-        present = sorted((getattr(p, side) for p in pairs if getattr(p, side) is not None),
-                         key=lambda call: (*call.order(), call.element))
-        optimizer.name_targets(present, records)
     provenance = _Provenance(records_a, calls_a, previous)
     measure = _Measurer(records_a, records_b, fetch_a, fetch_b, tolerances)
     seqs = records_a.columns["seq"]
@@ -256,13 +255,15 @@ def compare_step(
     rows: list[R.RecordRow] = []
     summaries: list[R.OpSummary] = []
     forwards = _forward_rows(pairs, per_pair)
+    # every record of A, paired or not: an input made by a call only A has names that call
+    rows_of_a = {row_a: row for call_rows in per_pair for row, row_a, _ in call_rows if row_a is not None}
     for pair, call_rows in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None:
             lookup = {id(row): row_a for row, row_a, _ in call_rows}
 
             def input_kind(row, _lookup=lookup):
                 kind, producer = origins.get(_lookup[id(row)], ("external", None))
-                return kind, judged.get(producer) if producer is not None else None
+                return kind, (judged.get(producer) or rows_of_a.get(producer)) if producer is not None else None
 
             forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
             verdict.judge_call([row for row, _, _ in call_rows], input_kind, forward)

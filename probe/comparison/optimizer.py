@@ -42,6 +42,8 @@ FOREACH_PREFIX = "torch._foreach_"
 FUSED_PREFIX = "torch._fused_"
 #: how a foreach element paired with a per-tensor call (CallPair.how)
 FOREACH = "foreach"
+#: how a fused kernel's element paired with the last call of a per-parameter chain
+FUSED = "fused"
 _ELEMENT = re.compile(r"^(input|kwarg)\.([^.]+)\.(\d+)(.*)$")
 _OUTPUT = re.compile(r"^output\.(\d+)$")
 #: per-tensor spellings of a foreach op's base name (``_foreach_norm`` runs vector_norm)
@@ -72,7 +74,7 @@ def _elements(call: Call, records: Records) -> list[Call]:
         out = _OUTPUT.match(slot)
         if match and cols["dtype"][row] != "":
             per_element[int(match.group(3))][f"{match.group(1)}.{match.group(2)}{match.group(4)}"] = row
-        elif out and cols["dtype"][row] != "" and call.op.startswith(FOREACH_PREFIX):
+        elif out and cols["dtype"][row] != "":
             per_element[int(out.group(1))]["output.0"] = row
         else:
             shared[slot] = row
@@ -236,11 +238,15 @@ def _pair_side(foreach, others, records_f, records_o, a_is_foreach):
         if tag == "equal":
             for k in range(f1 - f0):
                 partner[id(elements[f0 + k])] = per_tensor[o0 + k]
-    if not partner:
+    fused_pairs = _pair_fused(elements, per_tensor, partner, records_o)
+    if not partner and not fused_pairs:
         return None
     result: list[CallPair] = []
     for element in elements:
         other = partner.get(id(element))
+        if id(element) in fused_pairs:
+            result += _fused_pair(element, fused_pairs[id(element)], records_f, records_o, a_is_foreach)
+            continue
         if other is not None:
             _name_leftover_values(element, other, records_f, records_o)
             pair = CallPair(element, other, FOREACH) if a_is_foreach else CallPair(other, element, FOREACH)
@@ -250,12 +256,109 @@ def _pair_side(foreach, others, records_f, records_o, a_is_foreach):
                 element.slots = {s: r for s, r in element.slots.items() if s not in element.shared}
             pair = CallPair(element, None) if a_is_foreach else CallPair(None, element)
         result.append(pair)
-    paired_others = {id(c) for c in partner.values()}
+    paired_others = {id(c) for c in partner.values()} | {id(c) for body in fused_pairs.values() for c in body}
     for call in per_tensor:
         if id(call) not in paired_others:
             result.append(CallPair(None, call) if a_is_foreach else CallPair(call, None))
     _order_pairs(result)
     return {id(e) for e in elements}, {id(c) for c in per_tensor}, result
+
+
+def _pair_fused(elements, per_tensor, partner, records_o: Records) -> dict:
+    """A fused kernel's element (torch._fused_adamw_'s i-th parameter) against the unfused
+    run's loop body for the i-th parameter: the records allow comparing the updated
+    parameter, the output of the body's last call. The loop runs the same ops for every
+    parameter, so its calls (creation ops such as the step counter's torch.tensor aside) fall
+    into equal bodies, one per element, in the fused list's order."""
+    fused = [e for e in elements if e.op.startswith(FUSED_PREFIX) and id(e) not in partner and "output.0" in e.slots]
+    if not fused:
+        return {}
+    taken = {id(c) for c in partner.values()}
+    cols = records_o.columns
+    loop = [c for c in per_tensor if id(c) not in taken and any(
+        slot.startswith("input.") and cols["dtype"][row] != "" for slot, row in c.slots.items())]
+    if not loop or len(loop) % len(fused):
+        return {}
+    size = len(loop) // len(fused)
+    bodies = [loop[i * size:(i + 1) * size] for i in range(len(fused))]
+    pattern = [base_op(c.op) for c in bodies[0]]
+    if any([base_op(c.op) for c in body] != pattern for body in bodies) or "output.0" not in bodies[0][-1].slots:
+        return {}
+    found = {}
+    for element, body in zip(fused, bodies):
+        last = body[-1]
+        if cols["shape"][last.slots["output.0"]] == cols["shape"][last.slots.get("input.0", last.slots["output.0"])]:
+            found[id(element)] = body
+    return found
+
+
+def _fused_pair(element: Call, body: list[Call], records_f: Records, records_o: Records,
+                a_is_foreach: bool) -> list[CallPair]:
+    """One pair: the updated parameter (the element's output.0, the body's last output.0) and
+    each tensor the fused kernel reads (parameter, gradient, optimizer state) against the
+    body's first read of the most similar tensor of that shape (the loop reads each before
+    writing it). What is left of both sides has no counterpart."""
+    cols_f, cols_o = records_f.columns, records_o.columns
+    last = body[-1]
+    mine = {"output.0": element.slots["output.0"]}
+    theirs = {"output.0": last.slots["output.0"]}
+    used = {last.slots["output.0"]}
+    # what the body reads from outside itself (the parameter, its gradient, the optimizer
+    # state), each tensor at its first read; reads of what the body itself wrote are not
+    written, reads = set(), []
+    for call in body:
+        for slot, row in sorted(call.slots.items(), key=lambda item: item[1]):
+            mark = _print(cols_o, row)
+            if cols_o["io"][row] == "in" and cols_o["dtype"][row] != "" and mark not in written:
+                reads.append(row)
+                written.add(mark)  # a later read of the same tensor is not a new one
+        written |= {_print(cols_o, row) for row in call.slots.values() if cols_o["io"][row] == "out"}
+    wanted = [(slot, row) for slot, row in element.slots.items()
+              if cols_f["io"][row] == "in" and cols_f["dtype"][row] != "" and slot not in element.shared]
+    # one read per input, the closest by statistics first (a parameter, its gradient and the
+    # two moments differ in scale and sign far more than two runs do)
+    options = sorted((_distance(cols_f, row, cols_o, other), slot, row, other)
+                     for slot, row in wanted for other in reads if cols_o["shape"][other] == cols_f["shape"][row])
+    for _, slot, row, other in options:
+        if slot in mine or other in used:
+            continue
+        mine[slot], theirs[slot] = row, other
+        used.add(other)
+    pieces_f = [(_piece(element, mine), _piece(element, {s: r for s, r in element.slots.items()
+                                                          if s not in mine and (element.element <= 0 or s not in element.shared)}))]
+    pair_f, rest_f = pieces_f[0]
+    pair_o = _piece(last, theirs)
+    pairs = [CallPair(pair_f, pair_o, FUSED) if a_is_foreach else CallPair(pair_o, pair_f, FUSED)]
+    leftovers = [rest_f] if rest_f is not None else []
+    for call in body:
+        rest = _piece(call, {s: r for s, r in call.slots.items() if r not in used})
+        if rest is not None:
+            pairs.append(CallPair(None, rest) if a_is_foreach else CallPair(rest, None))
+    for rest in leftovers:
+        pairs.append(CallPair(rest, None) if a_is_foreach else CallPair(None, rest))
+    return pairs
+
+
+def _distance(cols_f, row_f, cols_o, row_o) -> float:
+    """How far apart two runs' records of one tensor are, by their statistics."""
+    total = 0.0
+    for name in ("norm", "mean", "max", "min"):
+        x, y = cols_f[name][row_f], cols_o[name][row_o]
+        if math.isnan(x) or math.isnan(y):
+            continue
+        total += abs(x - y) / max(abs(x), abs(y), 1e-30)
+    return total
+
+
+def _piece(call: Call, slots: dict) -> Call | None:
+    """The call restricted to some of its slots (rows of other calls allowed: a virtual call)."""
+    if not slots:
+        return None
+    piece = Call(module=call.module, op=call.op, index=call.index, phase=call.phase, kind=call.kind,
+                 seq=call.seq, first_row=min(slots.values()), slots=slots, name=call.name,
+                 element=call.element, target=call.target)
+    piece.shapes = call.shapes
+    return piece
 
 
 def _name_leftover_values(element: Call, other: Call, records_f: Records, records_o: Records) -> None:
@@ -303,15 +406,19 @@ def name_targets(calls: list[Call], records: Records) -> None:
     names = _parameter_prints(records)
     made: dict = defaultdict(set)  # fingerprint -> names of the optimizer calls that wrote it
     region = [c for c in calls if c.phase == "forward" and c.seq > start and c.kind == "api" and c.module == ""]
+    decisive: dict[int, str] = {}  # id(call) -> name, for calls a parameter's value or gradient names
     for call in region:
-        found = _linked(call, records, names, made)
+        found, direct = _linked(call, records, names, made)
         if len(found) == 1:
             call.target = next(iter(found))
+            if direct:
+                decisive[id(call)] = call.target
             for slot, row in call.slots.items():
                 if cols["io"][row] == "out" or slot == "input.0":
                     mark = _print(cols, row)
                     if mark is not None:
                         made[mark].add(call.target)
+    _vote_in_bodies([c for c in region if c.element < 0], records, decisive)
     _share_in_blocks(region)
     following = ""
     for call in reversed(region):
@@ -335,13 +442,56 @@ def _linked(call: Call, records: Records, names: dict, made: dict) -> set:
             direct.append(names[mark])
         if cols["io"][row] == "in" and made.get(mark):
             produced.append(made[mark])
-    for found in (direct, produced):
+    for found, decides in ((direct, True), (produced, False)):
         unique = set().union(*(names_ for names_ in found if len(names_) == 1))
         if len(unique) == 1:
-            return unique
+            return unique, decides
     linked = direct + produced
     common = set.intersection(*linked) if linked else set()
-    return common if len(common) == 1 else set()
+    return (common if len(common) == 1 else set()), False
+
+
+def _vote_in_bodies(calls: list[Call], records: Records, decisive: dict) -> None:
+    """A per-parameter loop runs the same ops for every parameter: split its calls (creation
+    ops aside) into equal bodies and name each body by the parameter most of its decisively
+    linked calls name (all-zero or all-one tensors of equal shape link to many parameters,
+    and a wrong guess must not spread)."""
+    cols = records.columns
+    loop = [c for c in calls if any(s.startswith("input.") and cols["dtype"][r] != "" for s, r in c.slots.items())]
+    while len(loop) >= 4:
+        bodies = _trailing_bodies(loop)
+        if not bodies:
+            return
+        _vote(bodies, decisive)
+        loop = loop[:len(loop) - sum(len(body) for body in bodies)]
+
+
+def _trailing_bodies(loop: list[Call]) -> list[list[Call]]:
+    """The longest run of equal bodies (same ops in the same order) that ends the loop."""
+    ops = [base_op(c.op) for c in loop]
+    best: list = []
+    for size in range(1, min(len(loop) // 2, 64) + 1):
+        pattern = ops[len(ops) - size:]
+        count = 0
+        while (count + 1) * size <= len(ops) and ops[len(ops) - (count + 1) * size:len(ops) - count * size] == pattern:
+            count += 1
+        if count >= 2 and count * size > sum(len(b) for b in best):
+            best = [loop[len(loop) - (k + 1) * size:len(loop) - k * size] for k in reversed(range(count))]
+    return best
+
+
+def _vote(bodies, decisive: dict) -> None:
+    for body in bodies:
+        votes: dict[str, int] = defaultdict(int)
+        for call in body:
+            if id(call) in decisive:
+                votes[decisive[id(call)]] += 1
+        if votes:
+            best = max(votes.values())
+            winners = [name for name, count in votes.items() if count == best]
+            if len(winners) == 1:
+                for call in body:
+                    call.target = winners[0]
 
 
 def _share_in_blocks(region: list[Call]) -> None:

@@ -184,6 +184,8 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
 #: input kinds (engine._Provenance): where the tensor an input slot holds came from
 PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
     "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
+#: a produced input whose producing call has no partner in the other run
+UNPAIRED = "unpaired"
 #: a tensor record of the forward of the call whose backward is judged: the values the
 #: backward computes from (saved activations, the weight the forward read)
 FORWARD = "forward"
@@ -250,11 +252,17 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
                 # the same tensor, whose difference was accepted where it was made
                 explain(row, f"carries the accepted difference made by {producer.key} "
                              f"(rel L2 {sci(_rel(producer))}): {producer.cause or 'amplified rounding'}")
+            elif producer.status in (R.ONLY_A, R.ONLY_B):
+                # made by a call the other run does not have: the runs compute it differently
+                kind = UNPAIRED
             elif producer.status in R.WITHIN and producer.order < row.order:
                 # the op that made this tensor agreed, yet it differs here: something that was
                 # not recorded changed it in between (a custom autograd Function, a hook, ...)
                 kind = CHANGED
         kinds[id(row)] = kind
+        if kind == CARRIED and row.status in R.WITHIN and row.accepted is None:
+            # state from the previous step, judged there: within tolerance here, accepted
+            row.accepted = True
         if producer is not None:
             producers[id(row)] = producer
             if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
@@ -493,6 +501,8 @@ _ENTERS = {
               "parameter)",
     CHANGED: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
              "(a custom autograd Function, a hook, ...)",
+    UNPAIRED: "differs and was made by {producer}, which has no partner in the other run: the runs compute it "
+              "with different ops",
 }
 
 

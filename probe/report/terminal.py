@@ -98,6 +98,7 @@ def _came_from(item: dict) -> str:
         "unrecorded": "made after the backward began by something not recorded (a .grad)",
         "external": "external: no recorded op made it (data, a buffer, a weight)",
         "changed": f"changed after {producer or 'the op that made it'} made it",
+        "unpaired": f"made by {producer or 'a call'}, which the other run does not have",
     }.get(item["source"], item["source"])
 
 
