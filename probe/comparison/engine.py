@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from probe.comparison import result as R
-from probe.comparison import optimizer, verdict
+from probe.comparison import elementwise, optimizer, verdict
 from probe.comparison.align import CallPair, align_calls
 from probe.comparison.mapping import NameMapping
 from probe.comparison.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
@@ -267,6 +267,7 @@ def compare_step(
 
             forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
             verdict.judge_call([row for row, _, _ in call_rows], input_kind, forward)
+            _check_amplified(call_rows, measure)
             summary = verdict.summarize_call([row for row, _, _ in call_rows], forward)
             if summary is not None:
                 summaries.append(summary)
@@ -281,6 +282,45 @@ def compare_step(
             if key is not None:
                 explained[key] = row.key
     return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read, explained)
+
+
+def _check_amplified(call_rows, measure: "_Measurer") -> None:
+    """Where the tensors were dumped, an output accepted as amplified by an elementwise op is
+    checked by replaying the op in float64 on each run's own inputs (elementwise.py): an
+    output its own inputs do not give was computed differently there (introduced)."""
+    outputs = [(row, ra, rb) for row, ra, rb in call_rows if row.io == "out" and row.status == R.EXPLAINED
+               and row.origin == R.AMPLIFIED and row.metrics is not None and row.metrics.evidence == "tensor"]
+    if not outputs or measure.fetch_a is None or measure.fetch_b is None:
+        return
+    op = optimizer.base_op(call_rows[0][0].op)
+    sides = []
+    for side, cols, fetch in ((1, measure.a, measure.fetch_a), (2, measure.b, measure.fetch_b)):
+        tensors, values = {}, {}
+        for row, *rows in call_rows:
+            index = rows[side - 1]
+            if row.io != "in" or index is None:
+                continue
+            if cols["dtype"][index] == "":
+                values[row.slot] = cols["value"][index]
+            elif cols["tensor_id"][index] >= 0:
+                tensors[row.slot] = fetch(cols["tensor_id"][index]).astype(np.float64)
+        sides.append({"tensors": tensors, "values": values})
+    for row, ra, rb in outputs:
+        errors = []
+        for side, cols, fetch, index in ((sides[0], measure.a, measure.fetch_a, ra), (sides[1], measure.b, measure.fetch_b, rb)):
+            if cols["tensor_id"][index] < 0:
+                return
+            errors.append(elementwise.own_error(op, side, fetch(cols["tensor_id"][index])))
+        if None in errors:
+            continue
+        limit = row.rtol or 0.0
+        if max(errors) > limit:
+            verdict.unexplain(row, f"replayed in float64 from each run's own inputs, {row.op} gives A's output within "
+                                   f"rel L2 {verdict.sci(errors[0])} and B's within {verdict.sci(errors[1])} "
+                                   f"(tolerance {limit:g}): the op itself computed differently, not its conditioning")
+        else:
+            row.cause += (f"; checked elementwise: replayed in float64 from each run's own inputs it gives both "
+                          f"outputs (rel L2 {verdict.sci(errors[0])} and {verdict.sci(errors[1])})")
 
 
 def _call_key(call_rows) -> tuple | None:

@@ -440,6 +440,17 @@ def explain(row: R.RecordRow, cause: str, origin: str = R.AMPLIFIED) -> None:
     row.reasons = kept
 
 
+def unexplain(row: R.RecordRow, cause: str) -> None:
+    """Undo explain(): the output is a divergence its own op introduced."""
+    row.status = R.DIVERGED
+    row.origin = R.INTRODUCED
+    row.divergence = R.OUTPUT
+    row.cause = cause
+    row.reasons.extend(note.removeprefix(f"{R.EXPLAINED} (").removesuffix(")") for note in row.notes
+                       if note.startswith(f"{R.EXPLAINED} ("))
+    row.notes = [note for note in row.notes if not note.startswith(f"{R.EXPLAINED} (")]
+
+
 def _amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
     worst = max(carriers, key=_rel)
     if within_ratio:
