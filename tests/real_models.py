@@ -52,6 +52,7 @@ def resnet_batch(batch: int = 8, size: int = 8, classes: int = 5):
 
 @contextlib.contextmanager
 def threads(count):
+    """Run with `count` intra-op threads (None: as is), restored afterwards."""
     saved = torch.get_num_threads()
     if count is not None:
         torch.set_num_threads(count)
