@@ -66,3 +66,19 @@ def test_fused_and_unfused_adamw_pass_and_compare_every_updated_parameter(tmp_pa
                if row.paired_by == "fused" and row.slot == "output.0" and row.status in R.PAIRED}
     names = {name for name, p in TinyResNet().named_parameters()}
     assert updated == {(step, name) for step in range(3) for name in names}
+
+
+def test_bf16_autocast_against_float32_passes_over_steps_with_its_differences_accepted(tmp_path):
+    """The forward in bf16 under autocast: every difference is within bfloat16 tolerance where
+    it is made, and the parameters AdamW updates from those gradients carry it into the next
+    step, where they are float32 again: accepted there too, not a changed parameter."""
+    def autocast_loss(model, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        return torch.nn.functional.cross_entropy(logits.float(), y)
+
+    a = dump_run(tmp_path / "fp32", TinyResNet, resnet_batch, steps=2)
+    b = dump_run(tmp_path / "bf16", TinyResNet, resnet_batch, steps=2, loss=autocast_loss)
+    result = compare(a, b)
+    assert result.verdict == "pass", result.to_text()
+    assert not result.changes

@@ -277,7 +277,7 @@ def compare_step(
     rows.sort(key=lambda row: row.order)
     explained = {}
     for row, row_a, _ in (item for call_rows in per_pair for item in call_rows):
-        if row.io == "out" and row_a is not None and verdict.accepted_beyond_rounding(row):
+        if row.io == "out" and row_a is not None and verdict.accepted_difference(row):
             key = content_key(records_a.columns, row_a)
             if key is not None:
                 explained[key] = row.key

@@ -292,8 +292,8 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.reasons.append("computed with a changed argument")
         if row.status != R.DIVERGED:
             if row.status in R.WITHIN and not changed_args:
-                row.accepted = bool(row.accepted) or rounding_ok(row) or (
-                    accepted and _explains(carriers, _rel(row), carried_rel))
+                row.accepted = bool(row.accepted) or rounding_ok(row) or (accepted and (
+                    _explains(carriers, _rel(row), carried_rel) or (amplifier and carried_rel > 0)))
             continue
         if not changed_args and _within_scaled_budget(row):
             explain(row, f"a cancelling sum: tiny against the tensor it was reduced from (norm "
@@ -338,10 +338,12 @@ _AMPLIFIERS = frozenset({
 })
 
 
-def accepted_beyond_rounding(row: R.RecordRow) -> bool:
-    """Accepted, though its difference is more than rounding: explained by other accepted
-    differences (the next step accepts the same values again)."""
-    return row.status == R.EXPLAINED or (is_accepted(row) and not rounding_ok(row))
+def accepted_difference(row: R.RecordRow) -> bool:
+    """An accepted output that differs at all: the next step file accepts the same values again
+    when it reads them (a parameter the optimizer updated, judged here with the precision of
+    what it was computed from, read there as a float32 parameter)."""
+    m = row.metrics
+    return is_accepted(row) and m is not None and m.evidence != "value" and m.err_l2 > 0
 
 
 def is_accepted_carry(row: R.RecordRow) -> bool:
@@ -350,7 +352,10 @@ def is_accepted_carry(row: R.RecordRow) -> bool:
 
 
 def _explains(carriers, out_rel: float, carried_rel: float) -> bool:
-    return bool(carriers) and out_rel <= AMPLIFICATION * carried_rel
+    """The output's relative error is no more than its inputs' can make: AMPLIFICATION times
+    theirs, and, for inputs that differ by more than their own size (rounding noise compared
+    with rounding noise), the growth of a product of two such inputs ((1 + e)^2 - 1)."""
+    return bool(carriers) and out_rel <= AMPLIFICATION * carried_rel * max(1.0, 1.0 + carried_rel)
 
 
 def rounding_ok(row: R.RecordRow) -> bool:
@@ -415,7 +420,11 @@ def _within_scaled_budget(row: R.RecordRow) -> bool:
 def amplifies(op: str) -> bool:
     """The op is one whose conditioning can amplify relative error (see _AMPLIFIERS)."""
     name = op.rsplit(".", 1)[-1].removeprefix("_foreach_").removeprefix("_fused_").strip("_")
-    return name in _AMPLIFIERS or name.removeprefix("fused_") in _AMPLIFIERS
+    if name in _AMPLIFIERS or name.removeprefix("fused_") in _AMPLIFIERS:
+        return True
+    # a module (kind "module": the class name): BatchNorm2d, LayerNorm, LlamaRMSNorm, Softmax
+    lowered = name.lower().rstrip("123d")
+    return lowered.endswith(("norm", "softmax"))
 
 
 def _explainable(row: R.RecordRow) -> bool:
