@@ -280,11 +280,27 @@ def test_a_dtype_limit_argument_that_follows_the_dtype_is_a_note():
     outcome, first = _compare(a, b)
     assert first is None, first and first.reasons
     assert any("dtype limit argument" in note for row in outcome.rows for note in row.notes)
-    # the same values in a call whose dtypes agree are a real change
+    # the same values in a call whose dtypes agree are a real change of argument; here it
+    # changes nothing the call computed, so it is said, not made a divergence
     c = SyntheticRun()
     c.call("", "torch.clamp", {"input.0": x, "kwarg.min": float(-np.finfo(np.float32).max), "output.0": x})
-    _, first = _compare(a, c)
-    assert first is not None and "kwarg.min changed" in first.cause
+    outcome, first = _compare(a, c)
+    argument = _row(outcome, "/torch.clamp#0/forward/kwarg.min")
+    assert first is None and argument.status == R.MATCH and "no effect here" in argument.notes[-1]
+
+
+def test_a_changed_argument_that_changes_nothing_is_a_note_and_one_that_does_is_the_cause():
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    runs = {}
+    for name, use_cache, scale in (("a", True, 1.0), ("same", False, 1.0), ("scaled", False, 1.001)):
+        run = SyntheticRun()
+        run.call("attn", "Attention", {"input.0": x, "kwarg.use_cache": use_cache, "output.0": (x * scale).astype(np.float32)},
+                 kind="module")
+        runs[name] = run
+    outcome, first = _compare(runs["a"], runs["same"])
+    assert first is None and not outcome.diverged
+    outcome, first = _compare(runs["a"], runs["scaled"])
+    assert first is not None and first.origin == R.INTRODUCED and "kwarg.use_cache changed" in first.cause
 
 
 @pytest.mark.parametrize("step, status", [(0, R.DIVERGED), (1, R.CHANGED)])
