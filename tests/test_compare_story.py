@@ -52,6 +52,7 @@ def test_a_rank1_only_fault_is_the_headline_cause_and_top_op_on_rank_1():
     assert (first.rank, first.op, first.origin) == (1, "functional.gelu", R.INTRODUCED)
     assert result.likely_cause is first
     assert (result.top_ops[0].rank, result.top_ops[0].op) == (1, "functional.gelu")
+    assert result.top_ops[0].where == [(0, 1)]
     text = terminal.render(result)
     assert text.startswith("DIVERGED at step 0 rank 1: act functional.gelu")
     assert "no single op introduced" not in text
