@@ -241,7 +241,7 @@ def compare_step(
               for number, call_rows in enumerate(per_pair)}
     try:
         def after_judge(row, ra, rb, number):
-            stale.check(row, (ra, rb), firsts[number])
+            stale.check(row, (ra, rb), firsts[number], number)
             earlier = previous_explained.get(content_key(records_a.columns, ra)) if previous_explained else None
             if earlier is not None and row.status == R.DIVERGED and verdict.is_accepted_carry(row):
                 verdict.explain(row, f"carries the accepted difference of {earlier} from the previous step")
@@ -249,6 +249,9 @@ def compare_step(
                 row.accepted = True
 
         _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step, after_judge)
+        stale.resolve(lambda number: [row for row, ra, rb in per_pair[number]
+                                      if row.io == "out" and ra is not None and rb is not None
+                                      and row.metrics is not None and row.metrics.evidence != "value"])
     finally:
         measure.close()
 

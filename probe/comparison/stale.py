@@ -8,12 +8,13 @@ measures it before the write has landed (asynchronous device statistics) records
 Seen in real H100 dumps (``_foreach_lerp_`` outputs and the ``_foreach_addcdiv_`` input that
 reads the same tensor), while the parameter the step then wrote agreed with the CPU run.
 
-Such a record says nothing about the values, so it is not compared: when one run's output of
-an in-place call is identical to that run's input.0 of the same call while the other run's
-output differs from its input.0, the pair is "stale" on that side; a later divergent record
-of that run holding the very same statistics (the same stale tensor read again) is stale too.
-The ops that consume the tensor are still compared, so a write that really did not happen
-shows up there (the updated parameter differs).
+A write that really did not happen looks the same in its own record, so the records decide:
+a divergent in-place output that equals its own input.0 in one run while the other run's
+changed is a *candidate*; later divergent input records of that run holding the very same
+statistics are its *readers*. The candidate and its readers are stale (not compared, a note)
+only when some reader's call computed outputs that agree within tolerance (and are no
+candidates themselves): the values the call really used were right. Otherwise they stay
+divergences, and the write that did not happen is where the error entered.
 """
 
 from __future__ import annotations
@@ -40,38 +41,50 @@ def is_in_place(op: str) -> bool:
 
 
 class StaleRecords:
-    """Tell the paired records of one step pair whose value on one side is stale."""
+    """Collect candidates while the records are measured (check), decide after (resolve)."""
 
     def __init__(self, cols_a: dict, cols_b: dict):
         self.cols = (cols_a, cols_b)
-        self.seen: tuple[set, set] = (set(), set())  # stale statistics per side
+        self.candidates: list[tuple[R.RecordRow, int, tuple]] = []  # (row, side, stats)
+        self.readers: list[tuple[R.RecordRow, int, tuple, int]] = []  # (row, side, stats, call number)
 
-    def check(self, row: R.RecordRow, rows: tuple, inputs: tuple) -> None:
-        """row was just judged; rows = (row_a, row_b); inputs = the call's input.0 (row_a, row_b)."""
+    def check(self, row: R.RecordRow, rows: tuple, inputs: tuple, number: int) -> None:
+        """row was just measured; rows = (row_a, row_b); inputs = its call's input.0 rows."""
         if row.status != R.DIVERGED or row.metrics is None or row.metrics.evidence == "value":
             return
         stats = [_stats(self.cols[side], rows[side]) for side in (0, 1)]
-        side = self._stale_side(row, stats, inputs)
-        if side is None:
+        if row.io == "in":
+            for _, side, seen in self.candidates:
+                if stats[side] is not None and stats[side] == seen:
+                    self.readers.append((row, side, seen, number))
+                    return
             return
-        self.seen[side].add(stats[side])
-        name = "AB"[side]
-        row.status = R.MATCH
-        row.reasons.clear()
-        row.stale = name
-        row.notes.append(
-            f"not compared: {name}'s record holds the values from before the in-place write (identical to the "
-            f"call's input.0, while the other run's changed): the capture measured it too early; the ops "
-            f"reading the tensor are compared")
-
-    def _stale_side(self, row, stats, inputs) -> int | None:
-        for side in (0, 1):
-            if stats[side] is not None and stats[side] in self.seen[side]:
-                return side
-        if row.io != "out" or not is_in_place(row.op) or None in inputs:
-            return None
+        if not is_in_place(row.op) or None in inputs:
+            return
         before = [_stats(self.cols[side], inputs[side]) for side in (0, 1)]
         unchanged = [stats[side] is not None and stats[side] == before[side] for side in (0, 1)]
         if unchanged[0] != unchanged[1]:
-            return 0 if unchanged[0] else 1
-        return None
+            side = 0 if unchanged[0] else 1
+            self.candidates.append((row, side, stats[side]))
+
+    def resolve(self, outputs_of) -> None:
+        """outputs_of(call number) -> the RecordRows of that call's outputs."""
+        candidate_rows = {id(row) for row, _, _ in self.candidates}
+        for row, side, seen in self.candidates:
+            readers = [(reader, number) for reader, s, stats, number in self.readers if s == side and stats == seen]
+            confirmed = any(
+                outputs and all(out.status in R.WITHIN and id(out) not in candidate_rows for out in outputs)
+                for outputs in (outputs_of(number) for _, number in readers))
+            if confirmed:
+                for stale_row in [row] + [reader for reader, _ in readers]:
+                    _mark(stale_row, "AB"[side])
+
+
+def _mark(row: R.RecordRow, name: str) -> None:
+    row.status = R.MATCH
+    row.reasons.clear()
+    row.stale = name
+    row.notes.append(
+        f"not compared: {name}'s record holds the values from before the in-place write (identical to the "
+        f"call's input.0, while the other run's changed), and the op that read it computed what the other run "
+        f"did: the capture measured it too early")

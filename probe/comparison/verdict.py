@@ -331,6 +331,11 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.cause = _cause(changed_args + dtype_args, [], kinds, producers, True, carriers, out_rel, carried_rel)
             if row.kind != "api":
                 row.cause += ": the error arises inside this module"
+    stale = [r for r in rows if r.io == "in" and r.stale]
+    for row in outputs:
+        if stale and row.status == R.DIVERGED and row.origin == R.INTRODUCED:
+            row.cause += (f"; input {stale[0].slot} was not compared ({stale[0].stale}'s record holds the values from "
+                          "before an in-place write): if that write did not happen, the error entered there")
     _unused_inputs(rows, outputs, kinds)
 
 
