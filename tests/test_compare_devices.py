@@ -40,9 +40,10 @@ def test_a_changed_string_that_is_no_device_still_diverges():
     a, b = SyntheticRun(task="statistics"), SyntheticRun(task="statistics")
     x = np.linspace(-1, 1, 8).astype(np.float32)
     a.call("", "functional.gelu", {"input.0": x, "kwarg.approximate": "none", "output.0": x})
-    b.call("", "functional.gelu", {"input.0": x, "kwarg.approximate": "cpu", "output.0": x})
+    b.call("", "functional.gelu", {"input.0": x, "kwarg.approximate": "cpu", "output.0": (x * 1.001).astype(np.float32)})
     outcome = compare_step(a.records(), b.records(), None, None, Tolerances())
-    assert outcome.diverged
+    first = verdict.first_divergence(outcome.rows)
+    assert outcome.diverged and "kwarg.approximate changed" in first.cause
 
 
 def test_runs_on_two_devices_get_one_device_note(tmp_path):
