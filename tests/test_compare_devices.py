@@ -22,6 +22,8 @@ def _placement_runs():
                                    "output.0": x})
         run.call("", "torch.tensor", {"input.0": 1.0, "kwarg.device": f"device(type='{device.split(':')[0]}')",
                                       "kwarg.pin_memory": device != "cpu", "output.0": np.ones(1, np.float32)})
+        if device != "cpu":
+            run.call("", "Tensor.cuda", {"input.0": x, "output.0": x})
         run.call("", "torch.relu", {"input.0": x, "output.0": np.maximum(x, 0)})
         runs.append(run)
     return runs
@@ -55,3 +57,4 @@ def test_runs_on_two_devices_get_one_device_note(tmp_path):
     device_notes = [note for note in result.notes if "device" in note]
     assert len(device_notes) == 1
     assert "cpu in A, cuda:0 in B" in device_notes[0] and "5 placement arguments" in device_notes[0]
+    assert "1 device move (Tensor.cuda" in device_notes[0] and result.counts["only_b"] == 2

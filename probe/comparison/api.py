@@ -189,8 +189,10 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     rows = [row for outcome in outcomes for row in outcome.rows]
     counts = count_rows(rows)
     placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))
-    if devices_ab[0] != devices_ab[1] or placement:
-        notes.append(devices.device_note(*devices_ab, placement))
+    moves = len({(row.step, row.rank, row.key) for row in rows
+                 if row.status in (R.ONLY_A, R.ONLY_B) and row.op in devices.MOVE_OPS and row.io == "out"})
+    if devices_ab[0] != devices_ab[1] or placement or moves:
+        notes.append(devices.device_note(*devices_ab, placement, moves))
     first, cause = verdict.story(outcomes)
     failing = [o for o in outcomes if _unpaired_fails(o.counts(), strict)]
     if first is None and failing:

@@ -50,11 +50,14 @@ def is_placement_pair(slot: str, text_a: str, text_b: str) -> bool:
     return is_device_text(text_a) and is_device_text(text_b)
 
 
-def device_note(device_a: str, device_b: str, arguments: int) -> str:
+def device_note(device_a: str, device_b: str, arguments: int, moves: int = 0) -> str:
     """The one report note for runs on different devices."""
     where = f"the runs ran on different devices ({device_a or '?'} in A, {device_b or '?'} in B)"
     if arguments:
         where += (f"; {arguments} placement argument{'s' if arguments != 1 else ''} (device=, .to(device), "
                   "non_blocking, pin_memory) differ and are not compared: where a tensor lives is not a "
                   "numerical difference")
+    if moves:
+        where += (f"; {moves} device move{'s' if moves != 1 else ''} ({', '.join(MOVE_OPS[:3])}, ...) in one run "
+                  "only (without partner, not a divergence)")
     return where
