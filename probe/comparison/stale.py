@@ -12,8 +12,9 @@ A write that really did not happen looks the same in its own record, so the reco
 a divergent in-place output that equals its own input.0 in one run while the other run's
 changed is a *candidate*; later divergent input records of that run holding the very same
 statistics are its *readers*. The candidate and its readers are stale (not compared, a note)
-only when some reader's call computed outputs that agree within tolerance (and are no
-candidates themselves): the values the call really used were right. Otherwise they stay
+only when some reader's call wrote its own outputs (they are no candidates themselves) and
+they agree within tolerance, or the reader is an op that amplifies (Adam's update of a
+parameter whose gradient is noise may differ, but it did happen). Otherwise they stay
 divergences, and the write that did not happen is where the error entered.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
+from probe.comparison.verdict import amplifies
 
 _STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
 
@@ -73,7 +75,8 @@ class StaleRecords:
         for row, side, seen in self.candidates:
             readers = [(reader, number) for reader, s, stats, number in self.readers if s == side and stats == seen]
             confirmed = any(
-                outputs and all(out.status in R.WITHIN and id(out) not in candidate_rows for out in outputs)
+                outputs and all((out.status in R.WITHIN or amplifies(out.op)) and id(out) not in candidate_rows
+                                for out in outputs)
                 for outputs in (outputs_of(number) for _, number in readers))
             if confirmed:
                 for stale_row in [row] + [reader for reader, _ in readers]:
