@@ -247,6 +247,12 @@ def compare_step(
                 verdict.explain(row, f"carries the accepted difference of {earlier} from the previous step")
             elif earlier is not None and row.status in R.WITHIN:
                 row.accepted = True
+            elif previous_explained and row.status == R.DIVERGED and verdict.is_accepted_carry(row):
+                grad = previous_explained.get(("param", _param_name(records_a.columns, row, ra, origins)))
+                if grad is not None:
+                    verdict.explain(row, f"an optimizer step that is not recorded (level \"module\") updated this "
+                                         f"parameter from a gradient whose difference was accepted ({grad}); Adam-type "
+                                         "optimizers turn a rounding-noise gradient into an lr-sized update")
 
         _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step, after_judge)
         stale.resolve(lambda number: [row for row, ra, rb in per_pair[number]
@@ -278,13 +284,33 @@ def compare_step(
     if progress is not None and not paired:
         progress(1, 1, measure.bytes_read)
     rows.sort(key=lambda row: row.order)
-    explained = {}
+    explained: dict = {}
+    diverged_params = {_param_name(records_a.columns, row, None, {}) for row in rows
+                       if row.slot.startswith("param.") and row.status == R.DIVERGED}
     for row, row_a, _ in (item for call_rows in per_pair for item in call_rows):
         if row.io == "out" and row_a is not None and verdict.accepted_difference(row):
             key = content_key(records_a.columns, row_a)
             if key is not None:
                 explained[key] = row.key
+            if row.slot.startswith("param_grad."):
+                name = f"{row.module}.{row.slot[len('param_grad.'):]}" if row.module else row.slot[len("param_grad."):]
+                if name not in diverged_params:
+                    # the next step's parameter was updated from it by the optimizer
+                    explained[("param", name)] = f"{row.key}, rel L2 {verdict.sci(row.metrics.rel_l2)}"
     return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read, explained)
+
+
+def _param_name(cols: dict, row: R.RecordRow, row_a: int | None, origins: dict) -> str | None:
+    """fc1.weight for a param.* record, or for an input holding that parameter's tensor."""
+    if row.slot.startswith("param."):
+        name = row.slot[len("param."):]
+        return f"{row.module}.{name}" if row.module else name
+    kind, producer = origins.get(row_a, (None, None)) if row_a is not None else (None, None)
+    if kind == "param" and producer is not None:
+        name = cols["slot"][producer][len("param."):]
+        module = cols["module"][producer]
+        return f"{module}.{name}" if module else name
+    return None
 
 
 def _check_amplified(call_rows, measure: "_Measurer") -> None:
