@@ -93,3 +93,22 @@ def test_at_module_level_a_parameter_updated_from_an_accepted_noise_gradient_is_
     assert result.verdict == "pass", result.to_text()
     bias = [row for row in result.rows if row.key == "stem/Conv2d#0/forward/param.bias" and row.step > 0]
     assert bias and all(row.status in (R.MATCH, R.EXPLAINED) for row in bias)
+
+
+def test_two_parameter_groups_pair_and_name_each_parameter_both_ways(tmp_path):
+    def optimizer(foreach):
+        def make(params):
+            params = list(params)
+            return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+                                      {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                                     lr=1e-3, foreach=foreach)
+        return make
+
+    a = dump_run(tmp_path / "loop", TinyResNet, resnet_batch, steps=2, optimizer=optimizer(False))
+    b = dump_run(tmp_path / "foreach", TinyResNet, resnet_batch, steps=2, optimizer=optimizer(True))
+    for first, second in ((a, b), (b, a)):
+        result = compare(first, second)
+        assert result.verdict == "pass" and _unpartnered_share(result) <= 0.05, result.counts
+        shapes = {f"{r.module}.{r.slot[6:]}": r.shape_a for r in result.rows if r.slot.startswith("param.")}
+        outputs = [r for r in result.rows if r.paired_by == "foreach" and r.slot == "output.0" and r.shape_a != "[]"]
+        assert outputs and all(shapes[r.target] == r.shape_a for r in outputs)

@@ -116,6 +116,10 @@ def split_foreach(calls: list[Call], records: Records) -> list[Call]:
     for call in calls:
         elements = _elements(call, records) if is_foreach(call.op) else []
         result.extend(elements or [call])
+    for number, block in enumerate(_blocks([c for c in result if c.element >= 0], records)):
+        for elements in block:
+            for element in elements:
+                element.block = number
     return result
 
 
@@ -495,12 +499,12 @@ def _vote(bodies, decisive: dict) -> None:
 
 
 def _share_in_blocks(region: list[Call]) -> None:
-    """The elements at one position of a foreach block are one parameter's: a position named
-    by any of its elements names them all."""
+    """The elements at one position of a foreach block (a parameter group) are one parameter's:
+    a position named by any of its elements names them all."""
     by_position: dict = defaultdict(list)
     for call in region:
         if call.element >= 0:
-            by_position[call.element].append(call)
+            by_position[(call.block, call.element)].append(call)
     for elements in by_position.values():
         named = {c.target for c in elements if c.target}
         if len(named) == 1:

@@ -116,6 +116,8 @@ class Call:
     values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
     #: a foreach call's i-th tensor seen as its own call (optimizer.py): i, else -1
     element: int = -1
+    #: the parameter group (foreach block, optimizer.py) a foreach element belongs to, else -1
+    block: int = -1
     #: slots of a foreach element that every element of the call shares (a scalar argument)
     shared: frozenset = frozenset()
     #: the parameter an optimizer call updates ("fc1.weight"; optimizer.py), "" when not known
