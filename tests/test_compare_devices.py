@@ -58,3 +58,17 @@ def test_runs_on_two_devices_get_one_device_note(tmp_path):
     assert len(device_notes) == 1
     assert "cpu in A, cuda:0 in B" in device_notes[0] and "5 placement arguments" in device_notes[0]
     assert "1 device move (Tensor.cuda" in device_notes[0] and result.counts["only_b"] == 2
+
+
+def test_tensors_on_other_devices_per_record_are_the_same_one_note(tmp_path):
+    """The root attributes agree (the first device seen), the records do not: still one note."""
+    a, b = _placement_runs()
+    for row in b.rows:
+        if row["dtype"]:
+            row["device"] = "cuda:0"
+    write_step(a, tmp_path / "a", device="cpu")
+    write_step(b, tmp_path / "b", device="cpu")
+    result = compare(tmp_path / "a", tmp_path / "b")
+    assert result.verdict == "pass"
+    device_notes = [note for note in result.notes if "different devices" in note]
+    assert len(device_notes) == 1 and "cpu in A, cuda:0 in B" in device_notes[0]

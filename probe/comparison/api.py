@@ -191,7 +191,13 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))
     moves = len({(row.step, row.rank, row.key) for row in rows
                  if row.status in (R.ONLY_A, R.ONLY_B) and row.op in devices.MOVE_OPS and row.io == "out"})
-    if devices_ab[0] != devices_ab[1] or placement or moves:
+    placed: dict = {}  # (device in A, device in B) -> paired tensor records, per record
+    for outcome in outcomes:
+        for pair, count in outcome.devices.items():
+            placed[pair] = placed.get(pair, 0) + count
+    if devices_ab[0] == devices_ab[1] and placed:
+        devices_ab = max(placed, key=placed.get)  # the root attributes agree; the records do not
+    if devices_ab[0] != devices_ab[1] or placement or moves or placed:
         notes.append(devices.device_note(*devices_ab, placement, moves))
     first, cause = verdict.story(outcomes)
     failing = [o for o in outcomes if _unpaired_fails(o.counts(), strict)]

@@ -45,6 +45,8 @@ class StepOutcome:
     summaries: list[R.OpSummary]
     evidence: set = field(default_factory=set)
     tensor_bytes: int = 0
+    #: (device in A, device in B) -> records of paired tensors that live on different devices
+    devices: dict = field(default_factory=dict)
     #: content_key -> key of A's records whose difference was accepted (R.EXPLAINED outputs):
     #: the next step reads them again (a parameter the optimizer updated) and accepts them too
     explained: dict = field(default_factory=dict)
@@ -297,7 +299,13 @@ def compare_step(
                 if name not in diverged_params:
                     # the next step's parameter was updated from it by the optimizer
                     explained[("param", name)] = f"{row.key}, rel L2 {verdict.sci(row.metrics.rel_l2)}"
-    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read, explained)
+    moved: dict = {}
+    dev_a, dev_b = records_a.columns["device"], records_b.columns["device"]
+    for _, row_a, row_b, _ in paired:
+        if dev_a[row_a] and dev_b[row_b] and dev_a[row_a] != dev_b[row_b]:
+            moved[(dev_a[row_a], dev_b[row_b])] = moved.get((dev_a[row_a], dev_b[row_b]), 0) + 1
+    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read,
+                       devices=moved, explained=explained)
 
 
 def _param_name(cols: dict, row: R.RecordRow, row_a: int | None, origins: dict) -> str | None:
