@@ -18,24 +18,13 @@ from probe.cli import main
 from probe.comparison.api import compare
 from probe.config import from_dict
 from probe.debugger import PrecisionDebugger
+from real_models import threads as _threads
 
 WIDTH = 32
 
 
 def _deep():
     return DeepMLP(in_features=WIDTH, width=WIDTH, depth=3, out_features=4), dict(in_features=WIDTH, out_features=4)
-
-
-@contextlib.contextmanager
-def _threads(count):
-    """Run with `count` intra-op threads (None: as is), restored afterwards."""
-    saved = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _dump(path, build=_deep, variant=None, level="mix", task="tensor", dtype=None, autocast=False,

@@ -26,7 +26,7 @@ def _row(outcome, key):
 def test_identical_runs_have_no_divergence():
     outcome, first = _compare(mlp_run(), mlp_run())
     assert first is None and not outcome.diverged
-    assert outcome.counts() == {"matched": len(mlp_run().rows), "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0}
+    assert outcome.counts() == {"matched": len(mlp_run().rows), "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
     assert all(row.score == 0.0 for row in outcome.rows if row.metrics and row.metrics.evidence == "tensor")
 
 
@@ -179,7 +179,7 @@ def test_an_op_that_only_scales_an_error_within_tolerance_inherits_it():
     # it), beyond it after (the values are 1000x larger)
     assert given.status == R.MATCH and div.status == R.DIVERGED
     assert div.metrics.rel_l2 == pytest.approx(given.metrics.rel_l2, rel=1e-3)
-    assert div.origin == R.INHERITED and "input.0 already carries the error" in div.cause
+    assert div.origin == R.INHERITED and "input.0 carries a difference within its own tolerance" in div.cause
     assert first is div and "Tensor.sqrt" in div.cause  # named as the op that made the input
     top = groups.rank_top_ops(outcome.summaries, 10)
     assert [op.op for op in top if op.op == "Tensor.div"] == []
@@ -280,11 +280,27 @@ def test_a_dtype_limit_argument_that_follows_the_dtype_is_a_note():
     outcome, first = _compare(a, b)
     assert first is None, first and first.reasons
     assert any("dtype limit argument" in note for row in outcome.rows for note in row.notes)
-    # the same values in a call whose dtypes agree are a real change
+    # the same values in a call whose dtypes agree are a real change of argument; here it
+    # changes nothing the call computed, so it is said, not made a divergence
     c = SyntheticRun()
     c.call("", "torch.clamp", {"input.0": x, "kwarg.min": float(-np.finfo(np.float32).max), "output.0": x})
-    _, first = _compare(a, c)
-    assert first is not None and "kwarg.min changed" in first.cause
+    outcome, first = _compare(a, c)
+    argument = _row(outcome, "/torch.clamp#0/forward/kwarg.min")
+    assert first is None and argument.status == R.MATCH and "no effect here" in argument.notes[-1]
+
+
+def test_a_changed_argument_that_changes_nothing_is_a_note_and_one_that_does_is_the_cause():
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    runs = {}
+    for name, use_cache, scale in (("a", True, 1.0), ("same", False, 1.0), ("scaled", False, 1.001)):
+        run = SyntheticRun()
+        run.call("attn", "Attention", {"input.0": x, "kwarg.use_cache": use_cache, "output.0": (x * scale).astype(np.float32)},
+                 kind="module")
+        runs[name] = run
+    outcome, first = _compare(runs["a"], runs["same"])
+    assert first is None and not outcome.diverged
+    outcome, first = _compare(runs["a"], runs["scaled"])
+    assert first is not None and first.origin == R.INTRODUCED and "kwarg.use_cache changed" in first.cause
 
 
 @pytest.mark.parametrize("step, status", [(0, R.DIVERGED), (1, R.CHANGED)])

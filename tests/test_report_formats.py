@@ -228,14 +228,27 @@ def test_html_lists_changes_and_top_ops_with_where_and_source_and_opens_on_diver
 
 def test_an_inherited_first_divergence_without_an_introducing_op_says_the_error_grew():
     a, b = SyntheticRun(), SyntheticRun()
+    x = np.linspace(1, 2, 64).astype(np.float32) * 1e-3
+    for run, noise in ((a, 0.0), (b, 1e-4)):  # within tolerance only under the absolute floor, then scaled up
+        xx = (x * (1 + noise)).astype(np.float32)
+        run.call("m", "torch.exp", {"output.0": xx})
+        run.call("m", "torch.mul", {"input.0": xx, "input.1": 1000.0, "output.0": (xx * 1000).astype(np.float32)})
+    result = _result(a, b)
+    assert result.first_divergence.origin == R.INHERITED and result.likely_cause is result.first_divergence
+    assert "no single op introduced an error beyond tolerance" in terminal.render(result)
+
+
+def test_an_error_within_tolerance_that_an_op_amplifies_is_explained_not_a_divergence():
+    a, b = SyntheticRun(), SyntheticRun()
     x = np.linspace(1, 2, 64).astype(np.float32)
-    for run, noise in ((a, 0.0), (b, 1.5e-5)):  # within float32 tolerance, then amplified 2x
+    for run, noise in ((a, 0.0), (b, 1.5e-5)):  # within float32 tolerance (rounding), then amplified 2x
         xx = (x * (1 + noise)).astype(np.float32)
         run.call("m", "torch.exp", {"output.0": xx})
         run.call("m", "torch.square", {"input.0": xx, "output.0": (xx * xx).astype(np.float32)})
     result = _result(a, b)
-    assert result.first_divergence.origin == R.INHERITED and result.likely_cause is result.first_divergence
-    assert "no single op introduced an error beyond tolerance" in terminal.render(result)
+    square = next(row for row in result.rows if row.key == "m/torch.square#0/forward/output.0")
+    assert result.verdict == "pass" and square.status == R.EXPLAINED and square.origin == R.AMPLIFIED
+    assert result.counts["explained"] == 1 and "explained" in terminal.render(result)
 
 
 def test_the_result_writes_every_report_from_python_atomically(diverged, tmp_path):

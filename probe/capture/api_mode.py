@@ -133,7 +133,8 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                 else:
                     rec.add_tree(call, "kwarg." + key, "in", arg)
     track = filt.backward and _is_grad_enabled()
-    edges = _grad_edges(args, kwargs) if track and filt.backward_out else None
+    before = _grad_edges(args, kwargs) if track else None
+    edges = before if filt.backward_out else None
     out = func(*args, **kwargs)
     produced = out
     written = out is None or name.startswith("distributed.")
@@ -145,9 +146,20 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
         else:
             # collectives write their buffers without a version bump: never trust the cache
             rec.add_output(call, "out", produced, fresh=written)
-    if track:
+    if track and not _returns_an_input(produced, before):
         _hook_backward(rec, call, produced, edges)
     return out
+
+
+def _returns_an_input(produced, edges) -> bool:
+    """The call computed nothing: it returned one of its inputs as it was (``x.to(x.dtype)``,
+    ``x.contiguous()`` on a contiguous x). Its output's autograd node is the input's producer,
+    so a hook there would record the gradient summed over every use of that tensor, not
+    this call's: such a call records no backward (an in-place op returns its input too, but
+    with a new node, and keeps its backward)."""
+    if not edges or not isinstance(produced, Tensor):
+        return False
+    return any(tensor is produced and grad_fn is produced.grad_fn for _, grad_fn, _, tensor in edges)
 
 
 def _written_argument(func, name, args, kwargs, out):

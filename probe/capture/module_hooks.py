@@ -21,10 +21,12 @@ is being modified inplace" (torch 2.13), i.e. they would break ordinary models.
 
 * ``grad_output.N``: a hook on each output tensor that requires grad: the gradient of the
   loss with respect to that output (what torch's grad_output is).
-* ``grad_input.N``: a hook on each input tensor that requires grad, registered before the
-  forward: the gradient with respect to that input, accumulated over all its uses (torch's
-  module grad_input counts only this module's use; the two agree when the input feeds only
-  this module, as in a Sequential chain; they differ for a residual input).
+* ``grad_input.N``: the pre-hook hands the module an alias of each input tensor that
+  requires grad (``x.view_as(x)``, made once per distinct tensor: same values and storage)
+  and hooks the alias: the gradient that flowed through this call only, as torch's module
+  grad_input (a residual input's other uses, or a rotary embedding reading the hidden
+  states under no_grad, add nothing to it). Nested inputs (a tensor inside a list) keep a
+  hook on the tensor itself: the gradient over all its uses.
 * parameter gradients: ``register_post_accumulate_grad_hook`` on every parameter, so
   ``param_grad.<name>`` is recorded when the gradient has landed in ``.grad``, in backward
   order.
@@ -132,12 +134,15 @@ class ModuleHooks:
                 param_call = ("param",) + call[1:]
                 for name, param in module.named_parameters(recurse=False):
                     rec.add(param_call, "param." + name, "in", param)
+            replaced = None
             if filt.backward_out and _is_grad_enabled():
-                inputs = [(f"grad_input.{p}", a) for p, a in enumerate(args)]
-                inputs += [("grad_input." + k, a) for k, a in kwargs.items()]
+                replaced = _own_inputs(args, kwargs)
+                own_args, own_kwargs = replaced or (args, kwargs)
+                inputs = [(f"grad_input.{p}", a) for p, a in enumerate(own_args)]
+                inputs += [("grad_input." + k, a) for k, a in own_kwargs.items()]
                 self._hook_tensors(inputs, call, "out")
         self._open_calls.setdefault(path, []).append(call)
-        return None
+        return replaced
 
     def _post(self, path, kind, module, args, output):
         rec = self.recorder
@@ -197,6 +202,32 @@ class ModuleHooks:
             index = rec.namer.index(path, "param_grad." + name)
             call = rec.call("param", path, kind, index, "backward", "", decision)
             rec.add(call, "param_grad." + name, "out", param.grad)
+
+
+def _own_inputs(args, kwargs):
+    """(args, kwargs) with each distinct top-level input tensor that requires grad replaced by
+    an alias of it (``x.view_as(x)``: same values, same storage and version counter), or None
+    when there is none. The module computes from the alias, so a hook on the alias gets the
+    gradient that flowed through this call only, however many other ops use x (a residual
+    input, the hidden states a rotary embedding also reads). The same tensor passed twice
+    gets one alias, so identity checks (``query is key``) still hold."""
+    aliases: dict[int, Tensor] = {}
+
+    def own(value):
+        if not isinstance(value, Tensor) or not value.requires_grad:
+            return value
+        alias = aliases.get(id(value))
+        if alias is None:
+            try:
+                alias = value.view_as(value)
+            except RuntimeError:  # a layout without views (sparse, nested): keep the tensor
+                return value
+            aliases[id(value)] = alias
+        return alias
+
+    new_args = tuple(own(arg) for arg in args)
+    new_kwargs = {key: own(arg) for key, arg in kwargs.items()}
+    return (new_args, new_kwargs) if aliases else None
 
 
 def _tensor_leaves(value, slot):

@@ -13,7 +13,8 @@ file's renames; a call can only pair with a call of the same module), in three p
    short, so even casts sprinkled through a whole model align in linear-ish time.
 2. Name pass. Inside each region SequenceMatcher marks as replaced, calls are aligned again
    on the op alone: same op, same place, different shapes -> paired, reported as a shape
-   change.
+   change, provided their tensor inputs have the same shapes or their arguments are the same
+   (both different: two different calls, left unpaired).
 3. Key pass. Calls still unmatched pair by key (module, op, index) only when that
    (module, op, phase) stream is identical in both runs (same number of calls, same shapes
    in the same order); this recovers calls whose order differs (e.g. backward hooks firing
@@ -52,20 +53,32 @@ def align_calls(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
     phases = [phase for phase in schema.PHASES]
     phases += sorted({c.phase for c in calls_a + calls_b} - set(phases))
     result: list[CallPair] = []
+    forward: dict = {}  # (module, op, index) of A's forward call -> its partner's in B
     for phase in phases:
         seq_a = [c for c in calls_a if c.phase == phase]
         seq_b = [c for c in calls_b if c.phase == phase]
         if seq_a or seq_b:
-            result.extend(_order(_align_phase(seq_a, seq_b), seq_b))
+            pairs = _order(_align_phase(seq_a, seq_b, forward if phase != "forward" else None), seq_b)
+            if phase == "forward":
+                forward = {_identity(p.a): _identity(p.b) for p in pairs if p.a is not None and p.b is not None}
+            result.extend(pairs)
     result.sort(key=lambda pair: pair.order)
     return result
 
 
 def _token(call: Call) -> tuple:
+    if call.kind == "module":
+        # a module is identified by what it is given: its outputs may legitimately differ in
+        # form (attention weights from eager attention, None from sdpa)
+        return (call.name[1], _inputs(call))
     return (call.name[1], call.shapes)
 
 
-def _align_phase(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
+def _identity(call: Call) -> tuple:
+    return call.name, call.index, call.element
+
+
+def _align_phase(calls_a: list[Call], calls_b: list[Call], forward: dict | None = None) -> list[CallPair]:
     streams_a: dict[str, list[Call]] = defaultdict(list)
     streams_b: dict[str, list[Call]] = defaultdict(list)
     for call in calls_a:
@@ -74,11 +87,11 @@ def _align_phase(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
         streams_b[call.name[0]].append(call)
     pairs: list[CallPair] = []
     for module in list(streams_a) + [m for m in streams_b if m not in streams_a]:
-        pairs += _align_module(streams_a.get(module, []), streams_b.get(module, []))
+        pairs += _align_module(streams_a.get(module, []), streams_b.get(module, []), forward)
     return _pair_by_key(pairs, calls_a, calls_b)
 
 
-def _align_module(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
+def _align_module(calls_a: list[Call], calls_b: list[Call], forward: dict | None = None) -> list[CallPair]:
     tokens_a = [_token(c) for c in calls_a]
     tokens_b = [_token(c) for c in calls_b]
     n_a, n_b = len(tokens_a), len(tokens_b)
@@ -90,26 +103,49 @@ def _align_module(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
         tail += 1
     pairs = [CallPair(calls_a[i], calls_b[i], SEQUENCE) for i in range(head)]
     middle_a, middle_b = calls_a[head : n_a - tail], calls_b[head : n_b - tail]
-    pairs += _match(middle_a, middle_b, tokens_a[head : n_a - tail], tokens_b[head : n_b - tail], SEQUENCE)
+    pairs += _match(middle_a, middle_b, tokens_a[head : n_a - tail], tokens_b[head : n_b - tail], SEQUENCE, forward)
     pairs += [CallPair(calls_a[n_a - tail + i], calls_b[n_b - tail + i], SEQUENCE) for i in range(tail)]
     return pairs
 
 
-def _match(calls_a, calls_b, tokens_a, tokens_b, how) -> list[CallPair]:
+def _match(calls_a, calls_b, tokens_a, tokens_b, how, forward=None) -> list[CallPair]:
     if not calls_a or not calls_b:
         return [CallPair(c, None) for c in calls_a] + [CallPair(None, c) for c in calls_b]
     matcher = difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False)
     pairs: list[CallPair] = []
     for tag, a0, a1, b0, b1 in matcher.get_opcodes():
         if tag == "equal":
-            pairs += [CallPair(calls_a[a0 + k], calls_b[b0 + k], how) for k in range(a1 - a0)]
+            for k in range(a1 - a0):
+                a, b = calls_a[a0 + k], calls_b[b0 + k]
+                if how == NAME and not _related(a, b, forward):
+                    pairs += [CallPair(a, None), CallPair(None, b)]
+                else:
+                    pairs.append(CallPair(a, b, how))
         elif tag == "replace" and how == SEQUENCE:
             sub_a, sub_b = calls_a[a0:a1], calls_b[b0:b1]
-            pairs += _match(sub_a, sub_b, [c.name[1] for c in sub_a], [c.name[1] for c in sub_b], NAME)
+            pairs += _match(sub_a, sub_b, [c.name[1] for c in sub_a], [c.name[1] for c in sub_b], NAME, forward)
         else:
             pairs += [CallPair(c, None) for c in calls_a[a0:a1]]
             pairs += [CallPair(None, c) for c in calls_b[b0:b1]]
     return pairs
+
+
+def _inputs(call: Call) -> tuple:
+    return tuple(item for item in call.shapes if not item[0].startswith("output"))
+
+
+def _related(a: Call, b: Call, forward: dict | None = None) -> bool:
+    """Two calls of one op in the same place are the same call with a change when the tensor
+    inputs both sides have agree in shape (a slot on one side only aside) or their arguments are the same; when both differ they are
+    different calls (eager attention's repeat_kv reshape against sdpa's output reshape). A
+    backward call is its forward call's: it pairs where the forward calls paired."""
+    inputs_a, inputs_b = dict(_inputs(a)), dict(_inputs(b))
+    common = inputs_a.keys() & inputs_b.keys()
+    same_inputs = all(inputs_a[slot] == inputs_b[slot] for slot in common) and (bool(common) or not inputs_a)
+    if forward is not None:
+        partner = forward.get(_identity(a))
+        return partner == _identity(b) if partner is not None else same_inputs
+    return same_inputs or a.values == b.values
 
 
 def _pair_by_key(pairs: list[CallPair], calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:

@@ -13,7 +13,7 @@ import os
 from typing import Callable, Iterable
 
 from probe.comparison import result as R
-from probe.comparison import groups, run_info, verdict
+from probe.comparison import devices, groups, run_info, verdict
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.records import Records
@@ -76,6 +76,8 @@ def compare(
     steps_info = []
     total_bytes = 0
     previous: dict[int, set] = {}  # rank -> content keys of A's last compared step file
+    devices_ab = ("", "")
+    explained: dict[int, dict] = {}  # rank -> accepted differences of A's last compared step file
     for position, (key_a, key_b) in enumerate(pairs):
         def report(done, total, read, _position=position):
             if progress is not None:
@@ -85,6 +87,7 @@ def compare(
             if position == 0:
                 notes += _attr_notes(file_a.attrs, file_b.attrs)
                 differences = run_info.run_differences(file_a.attrs, file_b.attrs)
+                devices_ab = (str(file_a.attrs.get("device") or ""), str(file_b.attrs.get("device") or ""))
             records_a = Records.from_table(file_a.records, file_a.path)
             outcome = compare_step(
                 records_a,
@@ -97,8 +100,10 @@ def compare(
                 rank=key_a[1],
                 progress=report,
                 previous=previous.get(key_a[1]),
+                previous_explained=explained.get(key_a[1]),
             )
             previous[key_a[1]] = content_keys(records_a)
+            explained[key_a[1]] = outcome.explained
         total_bytes += outcome.tensor_bytes
         outcomes.append(outcome)
         counts = outcome.counts()
@@ -112,7 +117,7 @@ def compare(
             "verdict": _step_verdict(counts, strict),
             "counts": counts,
         })
-    result = _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict)
+    result = _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab)
     result.run_differences = differences
     if replay is not None:
         # torch is imported here only: a compare without replay stays torch-free
@@ -197,7 +202,7 @@ def _describe(keys, side) -> str:
 
 def _attr_notes(attrs_a: dict, attrs_b: dict) -> list[str]:
     notes = []
-    for name in ("task", "level", "device"):
+    for name in ("task", "level"):  # a device difference is the one device note (_assemble)
         if attrs_a.get(name) != attrs_b.get(name):
             notes.append(f"{name} differs: {attrs_a.get(name)!r} in A, {attrs_b.get(name)!r} in B")
     return notes
@@ -215,15 +220,22 @@ def _step_verdict(counts: dict, strict: bool) -> str:
     return "diverged" if counts["diverged"] or _unpaired_fails(counts, strict) else "pass"
 
 
-def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict) -> R.CompareResult:
+def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict,
+              devices_ab=("", "")) -> R.CompareResult:
     rows = [row for outcome in outcomes for row in outcome.rows]
     counts = count_rows(rows)
-    first = cause = None
-    for outcome in outcomes:  # steps then ranks, in order
-        if outcome.diverged:
-            first = verdict.first_divergence(outcome.rows)
-            cause = verdict.likely_cause(outcome.rows, first)
-            break
+    placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))
+    moves = len({(row.step, row.rank, row.key) for row in rows
+                 if row.status in (R.ONLY_A, R.ONLY_B) and row.op in devices.MOVE_OPS and row.io == "out"})
+    placed: dict = {}  # (device in A, device in B) -> paired tensor records, per record
+    for outcome in outcomes:
+        for pair, count in outcome.devices.items():
+            placed[pair] = placed.get(pair, 0) + count
+    if devices_ab[0] == devices_ab[1] and placed:
+        devices_ab = max(placed, key=placed.get)  # the root attributes agree; the records do not
+    if devices_ab[0] != devices_ab[1] or placement or moves or placed:
+        notes.append(devices.device_note(*devices_ab, placement, moves))
+    first, cause = verdict.story(outcomes)
     failing = [o for o in outcomes if _unpaired_fails(o.counts(), strict)]
     if first is None and failing:
         lonely = [row for row in failing[0].rows if row.status in (R.ONLY_A, R.ONLY_B)]
@@ -250,6 +262,13 @@ def _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, 
     unmatched = counts["only_a"] + counts["only_b"]
     if unmatched and not strict:
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']}); they are not compared")
+    explained = [row for row in rows if row.status == R.EXPLAINED and row.io == "out"]
+    if explained:
+        worst = max(explained, key=lambda row: row.metrics.rel_l2 if row.metrics else 0.0)
+        notes.append(
+            f"{len(explained)} outputs are beyond their own dtype's tolerance but explained by accepted differences "
+            f"of their inputs (amplified rounding; not divergences); the largest: {worst.key} at step {worst.step} "
+            f"rank {worst.rank}, rel L2 {verdict.sci(worst.metrics.rel_l2)}: {worst.cause}")
     summaries = [s for outcome in outcomes for s in outcome.summaries]
     unranked = _unranked_backward(rows, summaries)
     if unranked:

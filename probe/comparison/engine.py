@@ -15,13 +15,14 @@ from typing import Callable
 import numpy as np
 
 from probe.comparison import result as R
-from probe.comparison import verdict
+from probe.comparison import elementwise, optimizer, verdict
 from probe.comparison.align import CallPair, align_calls
 from probe.comparison.mapping import NameMapping
 from probe.comparison.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
 from probe.comparison.prefetch import Prefetcher
 from probe.comparison.records import Call, Records, build_calls, is_param_slot
 from probe.comparison.sketch import refine as refine_with_sketch
+from probe.comparison.stale import StaleRecords
 from probe.comparison.tolerances import Tolerances, tolerance_dtype
 
 
@@ -45,6 +46,11 @@ class StepOutcome:
     summaries: list[R.OpSummary]
     evidence: set = field(default_factory=set)
     tensor_bytes: int = 0
+    #: (device in A, device in B) -> records of paired tensors that live on different devices
+    devices: dict = field(default_factory=dict)
+    #: content_key -> key of A's records whose difference was accepted (R.EXPLAINED outputs):
+    #: the next step reads them again (a parameter the optimizer updated) and accepts them too
+    explained: dict = field(default_factory=dict)
 
     @property
     def diverged(self) -> bool:
@@ -57,7 +63,7 @@ class StepOutcome:
 def count_rows(rows) -> dict:
     """matched: paired records; diverged: those beyond tolerance; changed: those within
     tolerance whose checksums differ (size unknown); only_a/only_b: without partner."""
-    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0}
+    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
     for row in rows:
         if row.status in R.PAIRED:
             counts["matched"] += 1
@@ -195,17 +201,26 @@ def compare_step(
     rank: int = 0,
     progress: Callable[[int, int, int], None] | None = None,
     previous: set | None = None,
+    previous_explained: dict | None = None,
 ) -> StepOutcome:
     """Align, measure and judge one pair of step files.
 
     progress(done_calls, total_calls, tensor_bytes_read) is called after each call pair.
     previous: content_keys() of A's previous step file of the same rank, so that state
     carried over from it (optimizer state, parameters) is told from new external inputs.
+    previous_explained: StepOutcome.explained of that step file: a record holding the same
+    values as an accepted difference there (a parameter AdamW updated from rounding noise)
+    carries that accepted difference.
     """
     rename = mapping.rename if mapping else None
-    calls_a = build_calls(records_a, rename)
-    calls_b = build_calls(records_b, rename)
-    pairs = align_calls(calls_a, calls_b)
+    # a foreach call is one call per tensor (the i-th parameter's), on both sides
+    calls_a = optimizer.split_foreach(build_calls(records_a, rename), records_a)
+    calls_b = optimizer.split_foreach(build_calls(records_b, rename), records_b)
+    # optimizer records named by the parameter they update (fused kernels pair by that name)
+    optimizer.name_targets(calls_a, records_a)
+    optimizer.name_targets(calls_b, records_b)
+    pairs = optimizer.pair_foreach(align_calls(calls_a, calls_b), records_a, records_b)
+    pairs.sort(key=lambda pair: pair.order)
     provenance = _Provenance(records_a, calls_a, previous)
     measure = _Measurer(records_a, records_b, fetch_a, fetch_b, tolerances)
     seqs = records_a.columns["seq"]
@@ -224,24 +239,47 @@ def compare_step(
     effective: dict[int, str] = {}  # A's row -> the tolerance dtype it was judged with
     origins: dict[int, tuple] = {}  # A's input row -> (kind, producing row)
     measure.start_prefetch(paired)
+    stale = StaleRecords(records_a.columns, records_b.columns)
+    firsts = {number: next(((ra, rb) for r, ra, rb in call_rows if r.slot == "input.0"), (None, None))
+              for number, call_rows in enumerate(per_pair)}
     try:
-        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step)
+        def after_judge(row, ra, rb, number):
+            stale.check(row, (ra, rb), firsts[number], number)
+            earlier = previous_explained.get(content_key(records_a.columns, ra)) if previous_explained else None
+            if earlier is not None and row.status == R.DIVERGED and verdict.is_accepted_carry(row):
+                verdict.explain(row, f"carries the accepted difference of {earlier} from the previous step")
+            elif earlier is not None and row.status in R.WITHIN:
+                row.accepted = True
+            elif previous_explained and row.status == R.DIVERGED and verdict.is_accepted_carry(row):
+                grad = previous_explained.get(("param", _param_name(records_a.columns, row, ra, origins)))
+                if grad is not None:
+                    verdict.explain(row, f"an optimizer step that is not recorded (level \"module\") updated this "
+                                         f"parameter from a gradient whose difference was accepted ({grad}); Adam-type "
+                                         "optimizers turn a rounding-noise gradient into an lr-sized update")
+
+        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step, after_judge)
+        stale.resolve(lambda number: [row for row, ra, rb in per_pair[number]
+                                      if row.io == "out" and ra is not None and rb is not None
+                                      and row.metrics is not None and row.metrics.evidence != "value"])
     finally:
         measure.close()
 
     rows: list[R.RecordRow] = []
     summaries: list[R.OpSummary] = []
     forwards = _forward_rows(pairs, per_pair)
+    # every record of A, paired or not: an input made by a call only A has names that call
+    rows_of_a = {row_a: row for call_rows in per_pair for row, row_a, _ in call_rows if row_a is not None}
     for pair, call_rows in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None:
             lookup = {id(row): row_a for row, row_a, _ in call_rows}
 
             def input_kind(row, _lookup=lookup):
                 kind, producer = origins.get(_lookup[id(row)], ("external", None))
-                return kind, judged.get(producer) if producer is not None else None
+                return kind, (judged.get(producer) or rows_of_a.get(producer)) if producer is not None else None
 
             forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
             verdict.judge_call([row for row, _, _ in call_rows], input_kind, forward)
+            _check_amplified(call_rows, measure)
             summary = verdict.summarize_call([row for row, _, _ in call_rows], forward)
             if summary is not None:
                 summaries.append(summary)
@@ -249,7 +287,78 @@ def compare_step(
     if progress is not None and not paired:
         progress(1, 1, measure.bytes_read)
     rows.sort(key=lambda row: row.order)
-    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read)
+    explained: dict = {}
+    diverged_params = {_param_name(records_a.columns, row, None, {}) for row in rows
+                       if row.slot.startswith("param.") and row.status == R.DIVERGED}
+    for row, row_a, _ in (item for call_rows in per_pair for item in call_rows):
+        if row.io == "out" and row_a is not None and verdict.accepted_difference(row):
+            key = content_key(records_a.columns, row_a)
+            if key is not None:
+                explained[key] = row.key
+            if row.slot.startswith("param_grad."):
+                name = f"{row.module}.{row.slot[len('param_grad.'):]}" if row.module else row.slot[len("param_grad."):]
+                if name not in diverged_params:
+                    # the next step's parameter was updated from it by the optimizer
+                    explained[("param", name)] = f"{row.key}, rel L2 {verdict.sci(row.metrics.rel_l2)}"
+    moved: dict = {}
+    dev_a, dev_b = records_a.columns["device"], records_b.columns["device"]
+    for _, row_a, row_b, _ in paired:
+        if dev_a[row_a] and dev_b[row_b] and dev_a[row_a] != dev_b[row_b]:
+            moved[(dev_a[row_a], dev_b[row_b])] = moved.get((dev_a[row_a], dev_b[row_b]), 0) + 1
+    return StepOutcome(step, rank, rows, summaries, measure.evidence, measure.bytes_read,
+                       devices=moved, explained=explained)
+
+
+def _param_name(cols: dict, row: R.RecordRow, row_a: int | None, origins: dict) -> str | None:
+    """fc1.weight for a param.* record, or for an input holding that parameter's tensor."""
+    if row.slot.startswith("param."):
+        name = row.slot[len("param."):]
+        return f"{row.module}.{name}" if row.module else name
+    kind, producer = origins.get(row_a, (None, None)) if row_a is not None else (None, None)
+    if kind == "param" and producer is not None:
+        name = cols["slot"][producer][len("param."):]
+        module = cols["module"][producer]
+        return f"{module}.{name}" if module else name
+    return None
+
+
+def _check_amplified(call_rows, measure: "_Measurer") -> None:
+    """Where the tensors were dumped, an output accepted as amplified by an elementwise op is
+    checked by replaying the op in float64 on each run's own inputs (elementwise.py): an
+    output its own inputs do not give was computed differently there (introduced)."""
+    outputs = [(row, ra, rb) for row, ra, rb in call_rows if row.io == "out" and row.status == R.EXPLAINED
+               and row.origin == R.AMPLIFIED and row.metrics is not None and row.metrics.evidence == "tensor"]
+    if not outputs or measure.fetch_a is None or measure.fetch_b is None:
+        return
+    op = optimizer.base_op(call_rows[0][0].op)
+    sides = []
+    for side, cols, fetch in ((1, measure.a, measure.fetch_a), (2, measure.b, measure.fetch_b)):
+        tensors, values = {}, {}
+        for row, *rows in call_rows:
+            index = rows[side - 1]
+            if row.io != "in" or index is None:
+                continue
+            if cols["dtype"][index] == "":
+                values[row.slot] = cols["value"][index]
+            elif cols["tensor_id"][index] >= 0:
+                tensors[row.slot] = fetch(cols["tensor_id"][index]).astype(np.float64)
+        sides.append({"tensors": tensors, "values": values})
+    for row, ra, rb in outputs:
+        errors = []
+        for side, cols, fetch, index in ((sides[0], measure.a, measure.fetch_a, ra), (sides[1], measure.b, measure.fetch_b, rb)):
+            if cols["tensor_id"][index] < 0:
+                return
+            errors.append(elementwise.own_error(op, side, fetch(cols["tensor_id"][index])))
+        if None in errors:
+            continue
+        limit = row.rtol or 0.0
+        if max(errors) > limit:
+            verdict.unexplain(row, f"replayed in float64 from each run's own inputs, {row.op} gives A's output within "
+                                   f"rel L2 {verdict.sci(errors[0])} and B's within {verdict.sci(errors[1])} "
+                                   f"(tolerance {limit:g}): the op itself computed differently, not its conditioning")
+        else:
+            row.cause += (f"; checked elementwise: replayed in float64 from each run's own inputs it gives both "
+                          f"outputs (rel L2 {verdict.sci(errors[0])} and {verdict.sci(errors[1])})")
 
 
 def _call_key(call_rows) -> tuple | None:
@@ -270,7 +379,8 @@ def _forward_rows(pairs, per_pair) -> dict:
     return found
 
 
-def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step=0) -> None:
+def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step=0,
+                    check_stale=None) -> None:
     """Judge every paired record in A's execution order, carrying the precision floors."""
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
@@ -286,6 +396,8 @@ def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origin
         if row.io == "out" and number in call_floor:
             upstream = lower_precision(upstream, call_floor[number])
         measure.judge(row, row_a, row_b, upstream)
+        if check_stale is not None:
+            check_stale(row, row_a, row_b, number)
         verdict.judge_checksum_change(row, _untouched(row, kind, order, step, provenance, differed))
         differed = differed or _differs(row)
         judged[row_a] = row
@@ -329,6 +441,10 @@ def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int
     slots_a = a.slots if a else {}
     slots_b = b.slots if b else {}
     ordered = sorted(slots_a, key=slots_a.get) + sorted((s for s in slots_b if s not in slots_a), key=slots_b.get)
+    if a is not None and b is not None:
+        # a foreach call's argument shared by all its elements, without a partner: once, with element 0
+        ordered = [slot for slot in ordered if slot in slots_a and slot in slots_b
+                   or _own_slot(a, slot) and _own_slot(b, slot)]
     out = []
     for position, slot in enumerate(ordered):
         row_a, row_b = slots_a.get(slot), slots_b.get(slot)
@@ -340,6 +456,10 @@ def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int
             slot = records.get("slot", extra)
             out.append((_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, len(out)), row_a, row_b))
     return out
+
+
+def _own_slot(call, slot: str) -> bool:
+    return call.element <= 0 or slot not in call.shared
 
 
 def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position) -> R.RecordRow:
@@ -362,6 +482,7 @@ def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, positio
         kind=get["kind"][main_row],
         source=get["source"][main_row],
         paired_by=pair.how,
+        target=(pair.a.target if pair.a is not None and pair.a.target else (pair.b.target if pair.b else "")),
         # a record's own seq: a module's output comes after the API calls inside it
         order=(int(records_a.columns["seq"][row_a]), row_a, 0, 0) if row_a is not None else (*pair.order, position),
     )
@@ -419,6 +540,18 @@ class _Measurer:
         a, b = self.a, self.b
         if a["dtype"][row_a] == "" or b["dtype"][row_b] == "":
             if a["dtype"][row_a] != b["dtype"][row_b]:
+                number_a, number_b = _scalar_text(a, row_a), _scalar_text(b, row_b)
+                if number_a is not None and number_b is not None:
+                    # torch.tensor(1.0) on one side, the number 1 on the other (foreach vs per-tensor)
+                    verdict.judge_value(row, value_metrics(number_a, number_b))
+                    row.notes.append("a one-element tensor on one side, a plain number on the other")
+                    return
+                if a["value"][row_a] == "null" or b["value"][row_b] == "null":
+                    # attention weights from eager attention, None from sdpa: absent, not different
+                    row.status = R.ONLY_A if b["value"][row_b] == "null" else R.ONLY_B
+                    row.reasons.append(f"absent on one side: None in {'B' if row.status == R.ONLY_A else 'A'}, "
+                                       "a tensor in the other")
+                    return
                 row.status = R.DIVERGED
                 row.reasons.append("a tensor on one side, a plain value on the other")
                 return
@@ -464,6 +597,20 @@ class _Measurer:
             if found.sketch is not None:
                 self.evidence.add("sketch")
         return found
+
+
+def _scalar_text(cols: dict, row: int) -> str | None:
+    """A plain number's text, or a one-element tensor's value as text (its min == max)."""
+    if cols["dtype"][row] == "":
+        value = cols["value"][row]
+        try:
+            number = json.loads(value)
+        except ValueError:
+            return None
+        return value if isinstance(number, (int, float)) and not isinstance(number, bool) else None
+    if cols["numel"][row] == 1 and cols["min"][row] == cols["max"][row] and math.isfinite(cols["min"][row]):
+        return json.dumps(cols["min"][row])
+    return None
 
 
 def _same_shape(text_a: str, text_b: str) -> bool:

@@ -160,16 +160,20 @@ def rank_top_ops(summaries: list[R.OpSummary], top: int) -> list[R.OpSummary]:
 
     Calls are grouped by (module, op, index, phase) over steps and ranks; a group is shown by
     its worst call (the one adding the most error), with ``where`` = every step file in which
-    the op adds error. Ranked by that worst error in tolerance units; ops whose divergence is
+    the op adds error (in which it diverges, when its worst call diverges). Ranked by that worst error in tolerance units; ops whose divergence is
     only inherited come after every op that introduces error or stays within tolerance."""
     pool = [s for s in ranked_pool(summaries) if s.introduced > NEGLIGIBLE]
     groups: dict[tuple, list[R.OpSummary]] = {}
     for summary in pool:
-        groups.setdefault((summary.module, summary.op, summary.index, summary.phase), []).append(summary)
+        groups.setdefault((summary.module, summary.op, summary.index, summary.phase, summary.target),
+                          []).append(summary)
     ranked = []
     for calls in groups.values():
         worst = max(calls, key=lambda s: (not _only_inherited(s), s.introduced, -s.step, -s.rank))
-        worst.where = sorted({(s.step, s.rank) for s in calls})
+        # an op that diverges somewhere is shown where it diverges: a fault on rank 1 only is
+        # not also "where" rank 0 merely rounds a little differently
+        shown = [s for s in calls if s.diverged] if worst.diverged else calls
+        worst.where = sorted({(s.step, s.rank) for s in shown})
         worst.diverged_in = sum(1 for s in calls if s.diverged)
         ranked.append(worst)
     ranked.sort(key=lambda s: (_only_inherited(s), -s.introduced, s.step, s.rank, s.key))

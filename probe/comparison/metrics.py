@@ -138,6 +138,8 @@ def tensor_metrics(
 ) -> Metrics:
     """Metrics of two same-shape arrays (decoded values). A is the reference."""
     flat_a, flat_b = _as_real(a), _as_real(b)
+    if dtype_a != dtype_b:
+        flat_a, flat_b = _limits_as_inf(flat_a, dtype_a), _limits_as_inf(flat_b, dtype_b)
     if flat_a.size != flat_b.size:
         raise ValueError(f"tensor_metrics needs equal sizes, got {flat_a.size} and {flat_b.size}")
     numel = int(np.asarray(a).size)
@@ -192,6 +194,32 @@ def tensor_metrics(
     return _finish(acc, numel, size, ulp_ok)
 
 
+#: the largest finite value of each float dtype: masks are filled with -finfo(dtype).max
+_DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+              "float64": 1.7976931348623157e308}
+
+
+def is_limit(value: float, dtype: str) -> bool:
+    """value is +-finfo(dtype).max (a mask value that follows the dtype, not a number)."""
+    limit = _DTYPE_MAX.get(dtype)
+    return limit is not None and abs(value) == limit
+
+
+def _limits_as_inf(flat: np.ndarray, dtype: str) -> np.ndarray:
+    """Two runs in different dtypes fill masks with their own dtype's limit (float32's
+    -3.4e38, float64's -1.8e308): both are "minus infinity" to the computation, so they
+    compare as -inf (equal when in the same places)."""
+    limit = _DTYPE_MAX.get(dtype)
+    if limit is None or not np.issubdtype(flat.dtype, np.floating):
+        return flat
+    hits = np.abs(flat) == limit
+    if not hits.any():
+        return flat
+    out = flat.astype(np.float64)
+    out[hits] = np.copysign(np.inf, out[hits])
+    return out
+
+
 def _drop_non_finite(ca, cb, raw_a, raw_b, acc):
     """Count NaN/Inf disagreements and keep the positions finite on both sides."""
     nan_a, nan_b = np.isnan(ca), np.isnan(cb)
@@ -240,6 +268,11 @@ def _finish(acc: _Accumulator, numel: int, size: int, ulp_ok: bool) -> Metrics:
 def statistics_metrics(ra: dict, rb: dict, evidence: str = "statistics") -> Metrics:
     """Lower bounds of the error from the recorded min/max/mean/norm/NaN/Inf counts."""
     numel = int(ra["numel"])
+    masked = _limit_masked(ra, rb)
+    if masked:
+        # both hold their dtype's limit as a mask value: the sums (mean, norm) are the mask's
+        ra = dict(ra, **{name: math.nan for name in ("mean", "norm", *masked)})
+        rb = dict(rb, **{name: math.nan for name in ("mean", "norm", *masked)})
     rms_a = ra["norm"] / math.sqrt(numel) if numel > 0 and math.isfinite(ra["norm"]) else math.nan
     diffs = {}
     for name in ("norm", "mean", "min", "max"):
@@ -254,6 +287,9 @@ def statistics_metrics(ra: dict, rb: dict, evidence: str = "statistics") -> Metr
     known = [value for value in bounds if math.isfinite(value)]
     err = max(known) if known else 0.0
     norm_a = float(ra["norm"]) if math.isfinite(ra["norm"]) else 0.0
+    if masked:  # the scale of the values that are not the mask: the unmasked extreme
+        unmasked = [abs(float(ra[name])) for name in ("min", "max") if math.isfinite(ra[name])]
+        norm_a = max(unmasked, default=0.0) * math.sqrt(max(numel, 1))
     if norm_a > 0:
         rel = err / norm_a
     else:
@@ -287,6 +323,15 @@ def statistics_metrics(ra: dict, rb: dict, evidence: str = "statistics") -> Metr
         if same:  # identical bytes: the statistics cannot disagree, the error is exactly zero
             metrics.err_l2 = metrics.rel_l2 = metrics.max_abs = 0.0
     return metrics
+
+
+def _limit_masked(ra: dict, rb: dict) -> list[str]:
+    """The extremes (min/max) that are the two dtypes' limits on both sides (dtypes differ)."""
+    if ra.get("dtype") == rb.get("dtype"):
+        return []
+    return [name for name in ("min", "max")
+            if is_limit(float(ra[name]), ra.get("dtype", "")) and is_limit(float(rb[name]), rb.get("dtype", ""))
+            and (ra[name] > 0) == (rb[name] > 0)]
 
 
 def same_extremes(metrics: Metrics) -> bool:

@@ -47,6 +47,13 @@ class Records:
     def row(self, row: int) -> dict:
         return {name: values[row] for name, values in self.columns.items()}
 
+    def append(self, record: dict) -> int:
+        """Add a derived record (a foreach call's per-element argument); returns its row."""
+        for name, values in self.columns.items():
+            values.append(record[name])
+        self._length += 1
+        return self._length - 1
+
     @classmethod
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
@@ -113,10 +120,20 @@ class Call:
     extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
     name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
     shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
+    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
+    #: a foreach call's i-th tensor seen as its own call (optimizer.py): i, else -1
+    element: int = -1
+    #: the parameter group (foreach block, optimizer.py) a foreach element belongs to, else -1
+    block: int = -1
+    #: slots of a foreach element that every element of the call shares (a scalar argument)
+    shared: frozenset = frozenset()
+    #: the parameter an optimizer call updates ("fc1.weight"; optimizer.py), "" when not known
+    target: str = ""
 
     @property
     def key(self) -> str:
-        return f"{self.module}/{self.op}#{self.index}/{self.phase}"
+        element = f"[{self.element}]" if self.element >= 0 else ""
+        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
 
     def order(self) -> tuple[int, int]:
         return (self.seq, self.first_row)
@@ -150,6 +167,9 @@ def build_calls(records: Records, rename=None) -> list[Call]:
         call.name = rename(call.module, call.op) if rename else (call.module, call.op)
         call.shapes = tuple(
             sorted((slot, shapes[row]) for slot, row in call.slots.items() if dtypes[row] != "")
+        )
+        call.values = tuple(
+            sorted((slot, cols["value"][row]) for slot, row in call.slots.items() if dtypes[row] == "")
         )
     result.sort(key=Call.order)
     return result

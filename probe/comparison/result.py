@@ -18,12 +18,18 @@ MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
 #: paired, within tolerance by the statistics, but the checksums differ: the bytes changed by an
 #: amount no recorded number can size (verdict.judge_checksum_change decides CHANGED or DIVERGED)
 CHANGED = "changed"
-WITHIN = (MATCH, CHANGED)  # paired and within tolerance
-PAIRED = (MATCH, CHANGED, DIVERGED)
+#: paired, beyond its own dtype's tolerance, but explained by differences that were accepted
+#: (rounding amplified by the op's conditioning: Adam's division by sqrt(v), a cancelling sum)
+#: or without effect: not a divergence (verdict.judge_call decides; docs/compare.md)
+EXPLAINED = "explained"
+WITHIN = (MATCH, CHANGED, EXPLAINED)  # paired and accepted: within tolerance or explained
+PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
 #: how reports name a record whose checksums differ while its statistics agree
 SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
+#: the note of a device/placement argument that differs (devices.py): counted once per report
+PLACEMENT_NOTE = "placement argument"
 # origin of a divergent record
-INTRODUCED, INHERITED = "introduced", "inherited"
+INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
 # what kind of divergence a row is
 OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
 
@@ -51,7 +57,14 @@ class RecordRow:
     shape_a: str = ""
     shape_b: str = ""
     source: str = ""
-    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY)
+    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, optimizer.FOREACH)
+    target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
+    stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (stale.py)
+    #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
+    scale_norm: float = 0.0
+    #: its difference is rounding or explained by accepted differences (verdict.accepted), when
+    #: judge_call decided it; None: not decided (accepted() decides from the row alone)
+    accepted: bool | None = None
     tol_dtype: str = ""
     rtol: float | None = None
     atol: float | None = None
@@ -102,6 +115,8 @@ class RecordRow:
             "shape_b": self.shape_b,
             "source": self.source,
             "paired_by": self.paired_by,
+            "target": self.target or None,
+            "stale": self.stale or None,
             "tolerance": {"dtype": self.tol_dtype, "rtol": self.rtol, "atol": self.atol} if self.tol_dtype else None,
             "score": self.score,
             "divergence": self.divergence or None,
@@ -139,6 +154,7 @@ class OpSummary:
     origin: str
     source: str = ""
     where: list = field(default_factory=list)  # every (step, rank) where this op adds error
+    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
     diverged_in: int = 0  # in how many of those its output is beyond tolerance
 
     def to_dict(self) -> dict:
@@ -259,6 +275,7 @@ def divergence_dict(row: RecordRow | None) -> dict | None:
         "origin": row.origin or None,
         "cause": row.cause or None,
         "source": row.source,
+        "target": row.target or None,
         "dtype_a": row.dtype_a,
         "dtype_b": row.dtype_b,
         "shape": row.shape_a or row.shape_b,

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 
+from probe.comparison import devices
 from probe.comparison import result as R
 from probe.comparison.metrics import Metrics, parse_value, same_extremes
 from probe.comparison.records import is_param_slot
@@ -176,6 +177,9 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
     elif row.io == "in" and is_dtype_value(metrics.value_a or "") and is_dtype_value(metrics.value_b or ""):
         row.status = R.MATCH  # a dtype choice, never an error by itself
         row.notes.append(f"dtype argument {metrics.value_a} in A, {metrics.value_b} in B")
+    elif row.io == "in" and devices.is_placement_pair(row.slot, metrics.value_a or "", metrics.value_b or ""):
+        row.status = R.MATCH  # where a tensor lives, never a numerical difference
+        row.notes.append(f"{R.PLACEMENT_NOTE} {metrics.value_a} in A, {metrics.value_b} in B (not compared)")
     else:
         row.status = R.DIVERGED
         row.reasons.append(f"value {metrics.value_a} in A, {metrics.value_b} in B")
@@ -184,6 +188,8 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
 #: input kinds (engine._Provenance): where the tensor an input slot holds came from
 PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
     "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
+#: a produced input whose producing call has no partner in the other run
+UNPAIRED = "unpaired"
 #: a tensor record of the forward of the call whose backward is judged: the values the
 #: backward computes from (saved activations, the weight the forward read)
 FORWARD = "forward"
@@ -245,14 +251,27 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
                 dtype_args.append(row)  # a dtype choice: named as a cause, never an error alone
             continue
         kind, producer = (PARAM_INPUT, None) if is_param_slot(row.slot) else input_kind(row)
-        if (kind == PRODUCED and row.status == R.DIVERGED and producer is not None and producer.status in R.WITHIN
-                and producer.order < row.order):
-            # the op that made this tensor agreed, yet it differs here: something that was
-            # not recorded changed it in between (a custom autograd Function, a hook, ...)
-            kind = CHANGED
+        if kind == PRODUCED and row.status == R.DIVERGED and producer is not None:
+            if producer.status == R.EXPLAINED and _explainable(row) and _rel(row) <= 2 * _rel(producer) + 1e-12:
+                # the same tensor, whose difference was accepted where it was made
+                explain(row, f"carries the accepted difference made by {producer.key} "
+                             f"(rel L2 {sci(_rel(producer))}): {producer.cause or 'amplified rounding'}")
+            elif producer.status in (R.ONLY_A, R.ONLY_B):
+                # made by a call the other run does not have: the runs compute it differently
+                kind = UNPAIRED
+            elif producer.status in R.WITHIN and producer.order < row.order:
+                # the op that made this tensor agreed, yet it differs here: something that was
+                # not recorded changed it in between (a custom autograd Function, a hook, ...)
+                kind = CHANGED
         kinds[id(row)] = kind
+        if kind == CARRIED and row.status in R.WITHIN and row.accepted is None:
+            # state from the previous step, judged there: within tolerance here, accepted
+            row.accepted = True
         if producer is not None:
             producers[id(row)] = producer
+            if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
+                # the same tensor as its producer's output: accepted as that one was
+                row.accepted = bool(row.accepted) or rounding_ok(row) or is_accepted(producer)
         (carriers if is_carrier(kind, row.status) else sources).append(row)
         if row.status == R.DIVERGED:
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
@@ -262,37 +281,243 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
         kinds[id(row)] = FORWARD
     carried_rel = max((_rel(r) for r in carriers), default=0.0)
     source_rel = max((_rel(r) for r in sources), default=0.0)
+    # every input agreed or its difference was accepted: what the output may differ by is
+    # what those differences explain through the op (judged below), not a new error
+    accepted = not sources and not changed_args and all(is_accepted(r) for r in carriers)
+    amplifier = amplifies(rows[0].op) if rows else False
     summary = [_input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     summary += [_input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
-    for row in rows:
-        if row.io != "out" or row.status not in R.PAIRED:
-            continue
+    outputs = [row for row in rows if row.io == "out" and row.status in R.PAIRED]
+    if changed_args and _identical(outputs):
+        # use_cache=True against False: the call computed exactly the same; no effect here
+        for arg in changed_args:
+            arg.status, arg.origin, arg.divergence = R.MATCH, "", ""
+            arg.reasons.clear()
+            arg.notes.append(f"argument {arg.slot} differs ({arg.metrics.value_a} in A, {arg.metrics.value_b} in B) "
+                             "but every output of the call is identical: no effect here")
+        changed_args = []
+    _reduction_scales(rows, outputs)
+    for row in outputs:
         row.input_errors = summary
         if changed_args and row.status in R.WITHIN:
             row.status = R.DIVERGED
             row.reasons.append("computed with a changed argument")
         if row.status != R.DIVERGED:
+            if row.status in R.WITHIN and not changed_args:
+                row.accepted = bool(row.accepted) or rounding_ok(row) or (accepted and (
+                    _explains(carriers, _rel(row), carried_rel) or (amplifier and carried_rel > 0)))
+            continue
+        if not changed_args and _within_scaled_budget(row):
+            explain(row, f"a cancelling sum: tiny against the tensor it was reduced from (norm "
+                         f"{row.scale_norm:.3g}, its own {row.metrics.ref_norm:.3g}); judged against that scale it "
+                         f"is within tolerance", R.AMPLIFIED)
             continue
         row.divergence = R.OUTPUT
         out_rel = _rel(row)
         from_source = bool(sources) and not source_rel < carried_rel
-        amplified = not carriers or not out_rel <= AMPLIFICATION * carried_rel
-        if changed_args or from_source or amplified:
+        within_ratio = _explains(carriers, out_rel, carried_rel)
+        conditioned = amplifier and carried_rel > 0 and math.isfinite(out_rel)
+        if changed_args or from_source:
             row.origin = R.INTRODUCED
             row.cause = _cause(changed_args + dtype_args, sources if from_source else [], kinds, producers,
-                               amplified and not from_source, carriers, out_rel, carried_rel)
-            if row.kind != "api" and not (changed_args or from_source):
-                row.cause += ": the error arises inside this module"
-        else:
+                               False, carriers, out_rel, carried_rel)
+        elif accepted and _explainable(row) and (within_ratio or conditioned):
+            explain(row, _amplified_cause(row, carriers, out_rel, carried_rel, within_ratio), R.AMPLIFIED)
+        elif within_ratio:
             row.origin = R.INHERITED
             worst = max(carriers, key=_rel)
             row.cause = _inherited_cause(worst, kinds[id(worst)], producers.get(id(worst)), out_rel)
+        elif conditioned and _explainable(row):
+            row.origin = R.AMPLIFIED
+            row.cause = _amplified_cause(row, carriers, out_rel, carried_rel, False)
+        else:
+            row.origin = R.INTRODUCED
+            row.cause = _cause(changed_args + dtype_args, [], kinds, producers, True, carriers, out_rel, carried_rel)
+            if row.kind != "api":
+                row.cause += ": the error arises inside this module"
+    stale = [r for r in rows if r.io == "in" and r.stale]
+    for row in outputs:
+        if stale and row.status == R.DIVERGED and row.origin == R.INTRODUCED:
+            row.cause += (f"; input {stale[0].slot} was not compared ({stale[0].stale}'s record holds the values from "
+                          "before an in-place write): if that write did not happen, the error entered there")
+    _unused_inputs(rows, outputs, kinds)
+
+
+#: ops whose output can differ far more than their inputs (relatively) without any error of
+#: their own: a division or reciprocal by values near their own error, a square root near 0,
+#: a subtraction of nearly equal values, exp/pow of a difference, and the optimizer updates
+#: built on them (Adam's m / (sqrt(v) + eps) is about sign(g) whatever |g|)
+_AMPLIFIERS = frozenset({
+    "div", "divide", "true_divide", "addcdiv", "reciprocal", "rsqrt", "sqrt", "sub", "rsub", "subtract",
+    "exp", "exp2", "expm1", "pow", "log", "log1p", "log_softmax", "softmax", "adam", "adamw", "sgd",
+    "fused_adam", "fused_adamw", "fused_sgd", "normalize", "batch_norm", "layer_norm", "group_norm",
+    "instance_norm", "rms_norm", "var", "std", "var_mean", "std_mean", "atan2", "tan",
+})
+
+
+def accepted_difference(row: R.RecordRow) -> bool:
+    """An accepted output that differs at all: the next step file accepts the same values again
+    when it reads them (a parameter the optimizer updated, judged here with the precision of
+    what it was computed from, read there as a float32 parameter)."""
+    m = row.metrics
+    return is_accepted(row) and m is not None and m.evidence != "value" and m.err_l2 > 0
+
+
+def is_accepted_carry(row: R.RecordRow) -> bool:
+    """A divergent record that may carry an accepted difference from an earlier step (sized)."""
+    return _explainable(row)
+
+
+def _identical(outputs) -> bool:
+    """The call has tensor outputs and every one is the same in both runs (no measured
+    difference at all, NaN and Inf in the same places)."""
+    tensors = [r for r in outputs if r.metrics is not None and r.metrics.evidence != "value"]
+    return bool(tensors) and all(
+        r.metrics.err_l2 == 0 and not r.metrics.nan_mismatch and not r.metrics.inf_mismatch
+        and r.metrics.bit_equal is not False and not (r.shape_a and r.shape_b and r.shape_a != r.shape_b)
+        for r in tensors)
+
+
+def _explains(carriers, out_rel: float, carried_rel: float) -> bool:
+    """The output's relative error is no more than its inputs' can make: AMPLIFICATION times
+    theirs, and, for inputs that differ by more than their own size (rounding noise compared
+    with rounding noise), the growth of a product of two such inputs ((1 + e)^2 - 1)."""
+    return bool(carriers) and out_rel <= AMPLIFICATION * carried_rel * max(1.0, 1.0 + carried_rel)
+
+
+def rounding_ok(row: R.RecordRow) -> bool:
+    """Its difference is within the relative tolerance of its scale (its own norm, or the norm
+    of what it was reduced from): rounding, not a small real difference hidden under the
+    absolute floor atol."""
+    m = row.metrics
+    if m is None or m.evidence == "value" or m.err_l2 == 0:
+        return True
+    if m.nan_mismatch or m.inf_mismatch or not math.isfinite(m.err_l2):
+        return False
+    # statistics and checksum evidence: the lower bound is all there is (as for the status)
+    return m.err_l2 <= (row.rtol or 0.0) * max(m.ref_norm, row.scale_norm)
+
+
+def is_accepted(row: R.RecordRow) -> bool:
+    """The row's difference is one a correct run may have: explained, or within tolerance and
+    rounding (or explained by accepted differences, as judge_call decided for outputs)."""
+    if row.status == R.EXPLAINED:
+        return True
+    if row.status not in R.WITHIN:
+        return False
+    return row.accepted if row.accepted is not None else rounding_ok(row)
+
+
+def _reduction_scales(rows, outputs) -> None:
+    """Outputs that sum over many elements of an input (a bias gradient sums grad_output over
+    all but one dimension; torch.sum, torch.mean) get that input's scale: a cancelling sum is
+    tiny against its summands, and so is the rounding it carries."""
+    head = rows[0] if rows else None
+    if head is None:
+        return
+    if head.phase == "backward":
+        source = next((r for r in rows if r.slot == "grad_output.0" and r.metrics is not None
+                       and r.metrics.evidence != "value"), None)
+        name = None
+    else:
+        name = head.op.rsplit(".", 1)[-1]
+        source = next((r for r in rows if r.slot == "input.0" and r.metrics is not None
+                       and r.metrics.evidence != "value"), None) if name in ("sum", "mean", "nansum", "nanmean") else None
+    if source is None or not source.metrics.numel:
+        return
+    for row in outputs:
+        m = row.metrics
+        if m is None or m.evidence == "value" or not m.numel or m.numel >= source.metrics.numel:
+            continue
+        if head.phase == "backward" and (row.shape_a or "").count(",") > 0:
+            continue  # a weight gradient is a product, not a plain sum
+        scale = source.metrics.ref_norm
+        if name in ("mean", "nanmean"):
+            scale /= source.metrics.numel / m.numel
+        row.scale_norm = max(row.scale_norm, scale)
+
+
+def _within_scaled_budget(row: R.RecordRow) -> bool:
+    m = row.metrics
+    if not row.scale_norm or row.scale_norm <= m.ref_norm or not _explainable(row) or row.rtol is None:
+        return False
+    return m.err_l2 <= row.rtol * row.scale_norm + (row.atol or 0.0) * math.sqrt(max(m.numel, 0))
+
+
+def amplifies(op: str) -> bool:
+    """The op is one whose conditioning can amplify relative error (see _AMPLIFIERS)."""
+    name = op.rsplit(".", 1)[-1].removeprefix("_foreach_").removeprefix("_fused_").strip("_")
+    if name in _AMPLIFIERS or name.removeprefix("fused_") in _AMPLIFIERS:
+        return True
+    # a module (kind "module": the class name): BatchNorm2d, LayerNorm, LlamaRMSNorm, Softmax
+    lowered = name.lower().rstrip("123d")
+    return lowered.endswith(("norm", "softmax"))
+
+
+def _explainable(row: R.RecordRow) -> bool:
+    """A difference that other differences can explain: a sized, finite one (NaN or Inf on
+    one side only, a shape change or a tensor against a value never is)."""
+    m = row.metrics
+    if m is None or m.evidence == "value" or m.nan_mismatch or m.inf_mismatch:
+        return False
+    if row.size_unknown or (row.shape_a and row.shape_b and row.shape_a != row.shape_b):
+        return False
+    return math.isfinite(m.rel_l2)
+
+
+def explain(row: R.RecordRow, cause: str, origin: str = R.AMPLIFIED) -> None:
+    """Accept a difference beyond the row's own tolerance that accepted differences explain."""
+    row.status = R.EXPLAINED
+    row.origin = origin
+    row.cause = cause
+    row.divergence = ""
+    kept = [r for r in row.reasons if not (r.startswith("rel L2 ") and " tolerance (score " in r)]
+    row.notes.extend(f"{R.EXPLAINED} ({r})" for r in row.reasons if r not in kept)
+    row.reasons = kept
+
+
+def unexplain(row: R.RecordRow, cause: str) -> None:
+    """Undo explain(): the output is a divergence its own op introduced."""
+    row.status = R.DIVERGED
+    row.origin = R.INTRODUCED
+    row.divergence = R.OUTPUT
+    row.cause = cause
+    row.reasons.extend(note.removeprefix(f"{R.EXPLAINED} (").removesuffix(")") for note in row.notes
+                       if note.startswith(f"{R.EXPLAINED} ("))
+    row.notes = [note for note in row.notes if not note.startswith(f"{R.EXPLAINED} (")]
+
+
+def _amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
+    worst = max(carriers, key=_rel)
+    if within_ratio:
+        how = f"{out_rel / carried_rel:.3g}x" if carried_rel > 0 else "no more"
+        return (f"amplified: its inputs' accepted differences explain it (largest {worst.slot}, rel L2 "
+                f"{sci(carried_rel)}; output {sci(out_rel)}, {how} that)")
+    return (f"amplified: {row.op} turns its inputs' small differences (largest {worst.slot}, rel L2 "
+            f"{sci(carried_rel)}) into rel L2 {sci(out_rel)} by its conditioning (division by values near their "
+            f"own error, cancellation), not by an error of its own")
+
+
+def _unused_inputs(rows, outputs, kinds) -> None:
+    """An input read from outside the step's records (a buffer, state carried over) that
+    differs while every tensor output of the call agrees had no effect on this call
+    (BatchNorm's running statistics in training mode): accepted, with a note."""
+    tensors = [r for r in outputs if r.metrics is not None and r.metrics.evidence != "value"]
+    if not tensors or any(r.status not in R.WITHIN for r in tensors):
+        return
+    for row in rows:
+        if row.io == "in" and row.status == R.DIVERGED and kinds.get(id(row)) in (EXTERNAL, CARRIED, UNRECORDED) \
+                and _explainable(row):
+            explain(row, f"differs (rel L2 {sci(_rel(row))}) but every output of this call agrees: it has no effect "
+                         f"here (a buffer such as BatchNorm's running statistics in training mode)", "")
 
 
 def _rel(row: R.RecordRow) -> float:
     """The rel L2 error of a row; inf when it diverged without one (NaN/Inf on one side,
     shapes differ, a tensor against a plain value, changed bytes of unknown size)."""
     m = row.metrics
+    if row.stale:
+        return 0.0  # not compared: its record holds values from before an in-place write (stale.py)
     if m is None or m.nan_mismatch or m.inf_mismatch or (row.status == R.DIVERGED and row.size_unknown):
         return math.inf if row.status == R.DIVERGED else 0.0
     return m.rel_l2
@@ -323,6 +548,8 @@ _ENTERS = {
               "parameter)",
     CHANGED: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
              "(a custom autograd Function, a hook, ...)",
+    UNPAIRED: "differs and was made by {producer}, which has no partner in the other run: the runs compute it "
+              "with different ops",
 }
 
 
@@ -378,14 +605,24 @@ def _inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None
     elif kind == EXTERNAL:
         origin = "read from outside the recorded ops (data, a buffer), within tolerance"
     elif kind == FORWARD:
-        return (f"forward {worst.slot} of this call already carries the error (rel L2 {sci(_rel(worst))}, "
+        return (f"forward {worst.slot} of this call {_carries(worst)} (rel L2 {sci(_rel(worst))}, "
                 f"output {sci(out_rel)}); the backward computes from the values its forward saw")
     elif producer is not None:
         origin = f"made by {producer.key}"
     else:
         origin = "made upstream"
-    return (f"input {worst.slot} already carries the error (rel L2 {sci(_rel(worst))}, output {sci(out_rel)}); "
+    return (f"input {worst.slot} {_carries(worst)} (rel L2 {sci(_rel(worst))}, output {sci(out_rel)}); "
             f"it was {origin}")
+
+
+def _carries(row: R.RecordRow) -> str:
+    """How an input hands on its error, in words that agree with its own status."""
+    if row.status == R.DIVERGED:
+        return "already carries the error"
+    if row.status == R.EXPLAINED:
+        return "carries an accepted difference"
+    return ("carries a difference within its own tolerance (under the absolute floor atol, not rounding) that "
+            "this op scales beyond the output's")
 
 
 def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
@@ -410,6 +647,34 @@ def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.Record
     return first
 
 
+def story(outcomes) -> tuple[R.RecordRow | None, R.RecordRow | None]:
+    """(first divergence, likely cause) of a whole compare: one story for every report.
+
+    The earliest step file pair with a divergence decides the step. Among its ranks, a rank
+    where an op introduced its error tells the story (on the other ranks the error arrives
+    through a collective, DDP's gradient all-reduce, and is only inherited): a rank-1-only
+    fault is named on rank 1. When no op of that step introduced its error, the likely cause
+    is the first introduced one of a later step file, if any."""
+    diverged = [o for o in outcomes if o.diverged]
+    if not diverged:
+        return None, None
+    step = min(o.step for o in diverged)
+    told = []
+    for outcome in (o for o in diverged if o.step == step):
+        first = first_divergence(outcome.rows)
+        told.append((outcome.rank, first, likely_cause(outcome.rows, first)))
+    introducing = [t for t in told if t[2] is not None and t[2].origin == R.INTRODUCED]
+    if introducing:
+        rank, first, cause = min(introducing, key=lambda t: (t[2].order, t[0]))
+        return first, cause
+    rank, first, cause = min(told, key=lambda t: (t[1].order, t[0]))
+    for outcome in sorted(diverged, key=lambda o: (o.step, o.rank)):
+        later = likely_cause(outcome.rows, None)
+        if later is not None and later.origin == R.INTRODUCED:
+            return first, later
+    return first, cause
+
+
 def added_score(score: float, out_rel: float, carried_rel: float) -> float:
     """The part of an output's score its inputs do not explain, in tolerance units: the
     share ``1 - carried/out`` of its relative error that is new here. Scale-free: an op that
@@ -432,13 +697,16 @@ def summarize_call(rows: list[R.RecordRow], forward: list[R.RecordRow] = ()) -> 
     carried over, and for a backward call the tensor records of its forward); parameters,
     changed arguments and external inputs are error entering here, so they count as nothing
     carried."""
-    outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"]
+    outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"
+               and not r.stale]
     if not outputs:
         return None
     carried = {e["slot"] for e in outputs[0].input_errors if is_carrier(e["source"], e["status"])}
     input_rel = max((_rel(r) for r in rows if r.io == "in" and r.slot in carried), default=0.0)
     input_rel = max([input_rel] + [_rel(r) for r in forward_carriers(forward)])
-    added = [(added_score(_score(r), _rel(r), input_rel), _score(r), r) for r in outputs]
+    # an explained output adds nothing: its inputs' accepted differences account for it
+    added = [(0.0 if r.status == R.EXPLAINED else added_score(_score(r), _rel(r), input_rel), _score(r), r)
+             for r in outputs]
     introduced, _, worst = max(added, key=lambda item: (item[0], item[1]))
     out_rel = _rel(worst)
     head = rows[0]
@@ -458,6 +726,7 @@ def summarize_call(rows: list[R.RecordRow], forward: list[R.RecordRow] = ()) -> 
         diverged=any(r.status == R.DIVERGED for r in outputs),
         origin=worst.origin,
         source=worst.source,
+        target=head.target,
     )
 
 

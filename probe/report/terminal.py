@@ -32,6 +32,9 @@ def verdict_line(result: R.CompareResult) -> str:
         unmatched = counts["only_a"] + counts["only_b"]
         changed = counts.get("changed", 0)
         extra = f"; {changed} of them {R.SIZE_UNKNOWN}" if changed else ""
+        explained = counts.get("explained", 0)
+        extra += (f"; {explained} of them beyond their own tolerance but explained (amplified rounding, "
+                  "see the notes)") if explained else ""
         extra += f"; {unmatched} without partner (not compared)" if unmatched else ""
         return f"PASS: {counts['matched']} records match within tolerance in {where} (evidence: {result.evidence}){extra}"
     first = result.first_divergence
@@ -42,12 +45,18 @@ def verdict_line(result: R.CompareResult) -> str:
         return "DIVERGED"
     origin = f" -- {first.origin}" if first.origin else f" -- {first.status}"
     module = first.module or "<root>"
-    line = f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op} ({first.phase}, {first.slot}){origin}"
+    line = (f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op}{updates(first.target)} "
+            f"({first.phase}, {first.slot}){origin}")
     if result.replay is not None:  # issue 11 hook: the replay verdict of the first divergence
         from probe.report.replay_text import headline_suffix
 
         line += headline_suffix(result)
     return line
+
+
+def updates(target: str) -> str:
+    """" [updates fc1.weight]" for an optimizer record named by its parameter, else ""."""
+    return f" [updates {target}]" if target else ""
 
 
 def metrics_line(row: R.RecordRow) -> str:
@@ -87,6 +96,8 @@ def metrics_line(row: R.RecordRow) -> str:
 def _judged(row: R.RecordRow) -> str:
     if not row.tol_dtype:
         return "exact comparison"
+    if row.rtol is None or row.score is None:
+        return "not measured: " + ("; ".join(row.reasons) or "no metrics")
     return (f"score {num(row.score)}: the error is {num(row.score)}x the {row.tol_dtype} tolerance "
             f"(rtol {row.rtol:g}, atol {row.atol:g}); above 1 fails")
 
@@ -101,6 +112,7 @@ def _came_from(item: dict) -> str:
         "unrecorded": "made after the backward began by something not recorded (a .grad)",
         "external": "external: no recorded op made it (data, a buffer, a weight)",
         "changed": f"changed after {producer or 'the op that made it'} made it",
+        "unpaired": f"made by {producer or 'a call'}, which the other run does not have",
     }.get(item["source"], item["source"])
 
 
@@ -115,6 +127,8 @@ def _describe(row: R.RecordRow, indent: str = "  ") -> list[str]:
         lines.append(f"{indent}cause    {row.cause}")
     lines.append(f"{indent}source   {row.source or 'unknown (no user code line was recorded)'}")
     lines.append(f"{indent}key      {row.key}" + (f"  (B: {row.key_b})" if row.key_b and row.key_b != row.key_a else ""))
+    if row.target:
+        lines.append(f"{indent}updates  parameter {row.target} (an optimizer record, named by the parameter it updates)")
     evidence = f" (evidence: {row.metrics.evidence})" if row.metrics else ""
     lines.append(f"{indent}error    {metrics_line(row)}{evidence}")
     lines.append(f"{indent}judged   {_judged(row)}")
@@ -169,6 +183,8 @@ def changes_lines(result: R.CompareResult, limit: int = 5) -> list[str]:
 
 
 def _judgement(op: R.OpSummary) -> str:
+    if op.origin == R.AMPLIFIED:
+        return "amplified"
     if not op.diverged:
         return "within tol"
     return op.origin or "beyond tol"
@@ -189,7 +205,7 @@ def top_ops_lines(result: R.CompareResult) -> list[str]:
     if not result.top_ops:
         return []
     many = len(result.steps) > 1
-    names = [f"{op.module or '<root>'} {op.op}#{op.index} ({op.phase})" for op in result.top_ops]
+    names = [f"{op.module or '<root>'} {op.op}#{op.index}{updates(op.target)} ({op.phase})" for op in result.top_ops]
     one_rank = len({step["rank"] for step in result.steps}) <= 1
     label = "steps" if one_rank else "where"
     wheres = [_op_where(op, one_rank, len(result.steps)) for op in result.top_ops]
@@ -216,6 +232,8 @@ def counts_lines(result: R.CompareResult) -> list[str]:
     within = c["matched"] - c["diverged"]
     changed = c.get("changed", 0)
     bytes_differ = f" ({changed} of them not bit-equal: checksums differ, size unknown)" if changed else ""
+    if c.get("explained"):
+        bytes_differ += f" ({c['explained']} of them explained: amplified rounding)"
     lines = [
         f"counts: {c['matched']} records paired in {files} step file{'s' if files != 1 else ''}: {within} within "
         f"tolerance{bytes_differ}, {c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B "
@@ -239,13 +257,15 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
     if first is not None:
         lines += _describe(first)
         cause = result.likely_cause
-        if cause is first and first.origin == R.INHERITED:
+        if cause is first and first.origin == R.INHERITED and not any(
+                op.diverged and op.origin == R.INTRODUCED for op in result.top_ops):
             lines.append("likely cause: no single op introduced an error beyond tolerance; it grew over several ops "
                          "(the top ops below add the most)")
         elif cause is not None and cause is not first:
             lines.append("likely cause (the first divergence that introduced its error):")
             lines.append(
-                f"  {cause.module or '<root>'} {cause.op} ({cause.phase}, {cause.slot}) at step {cause.step} rank {cause.rank}"
+                f"  {cause.module or '<root>'} {cause.op}{updates(cause.target)} ({cause.phase}, {cause.slot}) "
+                f"at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
     lines += run_info.block_lines(getattr(result, "run_differences", []))

@@ -1,0 +1,90 @@
+"""Check an "amplified" verdict elementwise where the tensors were dumped.
+
+An output that differs far more than its inputs is accepted as amplified when the op's
+conditioning can explain it (verdict.judge_call). With task "tensor" the claim can be
+checked instead of assumed, for the elementwise ops optimizers and normalizations are made
+of: recompute the op in float64 from each run's *own* recorded inputs. If each run's
+output is its own inputs' result up to that run's rounding, the op did its job and the
+difference between the runs is what their inputs explain; if one run's output is not, the
+op itself computed differently there (introduced).
+
+No torch: the ops are numpy expressions over the decoded arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+
+def _scalar(values: dict, *names, default=None):
+    for name in names:
+        if name in values:
+            try:
+                value = json.loads(values[name])
+            except (TypeError, ValueError):
+                return None
+            return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return default
+
+
+def _arg(tensors: dict, values: dict, slot: str):
+    """A tensor slot's array, or a scalar argument in that slot, or None."""
+    if slot in tensors:
+        return tensors[slot]
+    return _scalar(values, slot)
+
+
+def replay(op: str, tensors: dict, values: dict):
+    """The op's float64 result from its recorded inputs, or None when it is not one of the
+    elementwise ops handled here (or its arguments are not all known)."""
+    x = tensors.get("input.0")
+    if x is None:
+        return None
+    with np.errstate(all="ignore"):
+        if op in ("sqrt", "rsqrt", "reciprocal", "exp", "neg", "abs"):
+            return {"sqrt": np.sqrt, "rsqrt": lambda v: 1 / np.sqrt(v), "reciprocal": lambda v: 1 / v,
+                    "exp": np.exp, "neg": np.negative, "abs": np.abs}[op](x)
+        other = _arg(tensors, values, "input.1")
+        if op in ("add", "sub") and other is not None:
+            alpha = _scalar(values, "kwarg.alpha", "input.2", default=1)
+            if alpha is None:
+                return None
+            return x + alpha * other if op == "add" else x - alpha * other
+        if op in ("mul", "div") and other is not None:
+            if op == "div" and "kwarg.rounding_mode" in values and json.loads(values["kwarg.rounding_mode"]) is not None:
+                return None
+            return x * other if op == "mul" else x / other
+        if op == "lerp":
+            weight = _arg(tensors, values, "input.2")
+            if other is None or weight is None:
+                return None
+            return x + weight * (other - x)
+        if op in ("addcdiv", "addcmul"):
+            first, second = tensors.get("input.1"), tensors.get("input.2")
+            value = _scalar(values, "kwarg.value", "input.3", default=1)
+            if first is None or second is None or value is None:
+                return None
+            return x + value * (first / second if op == "addcdiv" else first * second)
+    return None
+
+
+def own_error(op: str, side: dict, output: np.ndarray) -> float | None:
+    """||output - replay(inputs)|| / ||replay||: how far one run's output is from its own
+    inputs' float64 result (None when the op cannot be replayed or shapes do not fit)."""
+    expected = replay(op, side["tensors"], side["values"])
+    if expected is None:
+        return None
+    try:
+        expected = np.broadcast_to(expected, output.shape)
+    except ValueError:
+        return None
+    out = output.astype(np.float64)
+    finite = np.isfinite(expected) & np.isfinite(out)
+    if not finite.any():
+        return None
+    scale = math.sqrt(float(np.sum(expected[finite] ** 2)))
+    err = math.sqrt(float(np.sum((out[finite] - expected[finite]) ** 2)))
+    return err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
