@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: (label, how to read it from a step file's root attributes), in the order printed
+#: (label, how to read it from a step file's root attributes), in the order printed. The device
+#: is not one of them: comparison/devices.py reports a change of device once, as a note.
 _FACTS = (
     ("seed", lambda a: _get(a, "seed_report", "seed")),
     ("deterministic mode", lambda a: _get(a, "seed_report", "mode")),
@@ -26,7 +27,6 @@ _FACTS = (
     ("interop threads", lambda a: _get(a, "determinism", "num_interop_threads")),
     ("torch version", lambda a: a.get("torch_version")),
     ("probe version", lambda a: a.get("probe_version")),
-    ("device", lambda a: a.get("device") or None),
     ("world size", lambda a: a.get("world_size")),
     ("deterministic algorithms", lambda a: _get(a, "determinism", "deterministic_algorithms")),
     ("cudnn.deterministic", lambda a: _get(a, "determinism", "cudnn.deterministic")),
