@@ -173,7 +173,8 @@ def threads_dumps(tmp_path_factory):
 
 def test_conv_bn_adamw_threads_1_vs_2_every_replayed_optimizer_op_is_rounding_with_its_amplification(threads_dumps):
     result = probe.compare(*threads_dumps, replay=40)
-    assert result.diverged  # thread count changes the summation order: the runs part
+    # thread count changes the summation order; AdamW amplifies it, and compare accepts that
+    assert not result.diverged and result.counts["explained"] > 0, result.to_text()
     ranked = [call for call in result.replay.calls if call["op"] in OPTIMIZER_OPS]
     assert ranked, [call["call"] for call in result.replay.calls]
     # and every optimizer call whose output differs at all, ranked or not
@@ -191,8 +192,7 @@ def test_conv_bn_adamw_threads_1_vs_2_every_replayed_optimizer_op_is_rounding_wi
         assert f"x{verdict['amplification']:.3g}" in verdict["summary"]
     # nothing in a thread-count change is a wrong kernel
     assert not [call for call in calls if call["replay"]["verdict"].startswith("introduced")], calls
-    text = result.to_text()
-    assert "[replay: rounding" in text.splitlines()[0]
+    assert result.to_text().startswith("PASS")
 
 
 @pytest.fixture(scope="module")

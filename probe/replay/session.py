@@ -1,7 +1,9 @@
 """Replay the calls a compare points at, within a time budget, and fold the verdicts back in.
 
-Which calls: the first divergence, the likely cause, then the top ``count`` ranked ops, each
-call once. Each is replayed on A from A's dump and on B from B's (probe.replay.execute), one
+Which calls: the first divergence, the likely cause, the top ``count`` ranked ops, then up to
+``count`` outputs that compare accepted as amplified rounding (status "explained", largest
+first: with statistics alone that acceptance is an assumption about the op, which replay
+checks; a note says where it does not hold), each call once. Each is replayed on A from A's dump and on B from B's (probe.replay.execute), one
 call's tensors at a time, and judged (probe.replay.judge). When the budget (seconds) runs
 out, the calls not yet replayed are listed in ``left`` and a note says so.
 
@@ -129,8 +131,19 @@ def replay_result(result, count: int = DEFAULT_COUNT, budget: float = DEFAULT_BU
             report.bytes_read += source.bytes_read
             source.close()
     _override_origins(result, report)
+    _check_explained(report)
     result.replay = report
     return report
+
+
+def _check_explained(report: ReplayReport) -> None:
+    """Say where replay contradicts compare's acceptance of an output as amplified rounding."""
+    wrong = [call["call"] for call in report.calls if "explained by compare" in call["roles"]
+             and call["replay"]["verdict"] in (J.INTRODUCED_A, J.INTRODUCED_B)]
+    if wrong:
+        report.notes.append(
+            f"replay finds {len(wrong)} call(s) that compare accepted as amplified rounding computing "
+            f"beyond rounding on one side: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
 
 
 def _replay_target(target: Target, files: dict, sources: dict, report: ReplayReport) -> dict:
@@ -190,6 +203,17 @@ def _targets(result, count: int, calls=()) -> list[Target]:
                 add(row.step, row.rank, prefix, role)
     for rank_number, op in enumerate(_ranked(result, count), 1):
         add(op.step, op.rank, op.key + "/", f"top op {rank_number}")
+    ranked = len(targets)
+    # outputs compare accepted as amplified rounding: with statistics that is an assumption
+    # about the op, and replay is the judge that can check it (largest first, count at most)
+    explained = sorted((row for row in result.rows if row.status == "explained" and row.io == "out"),
+                       key=lambda row: -(row.score or 0.0))
+    for row in explained:
+        if len(targets) - ranked >= count:
+            break
+        prefix = _call_prefix(row.key_a, row.slot)
+        if prefix:
+            add(row.step, row.rank, prefix, "explained by compare")
     for step, rank, key in calls:
         for prefix in _prefixes(key):
             add(step, rank, prefix, "asked")
