@@ -143,10 +143,11 @@ def test_distributed_compares_each_rank_and_blames_rank_1(tmp_path):
     stdout, out = run_example("distributed", tmp_path)
     for rank in (0, 1):
         assert (out / "reference" / "step0" / f"rank{rank}.h5").is_file()
-    # issue 10: rank 0's sketches measure the gradients DDP averaged in from rank 1 (about 4x the
-    # float32 tolerance): they differ, inherited from outside rank 0's recorded ops
-    assert re.search(r"^  rank 0: diverged; first divergence at step 0: \S+ \(inherited\)$", stdout, re.M), stdout
+    # rank 0 receives rank 1's gradients through DDP's (unrecorded) all-reduce: measured by the
+    # sketches beyond tolerance, but nothing rank 0 computes from them leaves the tolerance
+    assert re.search(r"^  rank 0: pass$", stdout, re.M), stdout
     assert re.search(r"^  rank 1: diverged; first divergence at step 0: "
                      r"module\.blocks\.1\.act/functional\.gelu#0/forward/output\.0 \(introduced\)$",
                      stdout, re.M), stdout
     assert "whole runs (all steps and ranks): verdict diverged" in stdout
+    assert "first divergence: step 0, rank 1, module.blocks.1.act/functional.gelu#0/forward/output.0 (introduced)" in stdout

@@ -15,8 +15,8 @@ from scripts_dump.dumpkit import make_row, root_attrs
 from test_compare_cli import REPO, _run
 
 
-def _write(dump, step=0, task="statistics", rows=None, tensors=(), **attrs):
-    writer = StepWriter(str(dump), step, 0, root_attrs(task=task, step=step, **attrs))
+def _write(dump, step=0, task="statistics", rows=None, tensors=(), rank=0, **attrs):
+    writer = StepWriter(str(dump), step, rank, root_attrs(task=task, step=step, rank=rank, **attrs))
     ids = [writer.add_tensor(t) for t in tensors]
     if rows is None:
         rows = [make_row(module="fc", seq=0, tensor_id=ids[0] if ids else -1,
@@ -159,13 +159,26 @@ def test_inspect_and_compare_report_a_folder_mixing_two_runs(tmp_path, capsys):
     _write(clean, 1, run_id="3333")
     code, _, err = _run(["inspect", str(mixed)], capsys)
     assert code == 0
-    assert "holds step files of 2 different runs (run 1111: step 0 rank 0; run 2222: step 1 rank 0)" in err
+    assert "holds step files of 2 different runs (rank 0 run 1111: step 0; rank 0 run 2222: step 1)" in err
     code, out, _ = _run(["inspect", str(mixed), "--json"], capsys)
     assert "2 different runs" in json.loads(out)["mixed_runs"]
     code, out, _ = _run(["compare", str(clean), str(mixed)], capsys)
     assert f"note: B: {mixed} holds step files of 2 different runs" in out
     code, _, err = _run(["inspect", str(clean)], capsys)
     assert "different runs" not in err
+
+
+def test_the_ranks_of_one_distributed_job_are_not_a_mix_of_runs(tmp_path, capsys):
+    # every rank has a debugger, and a run id, of its own
+    job = tmp_path / "job"
+    for step in (0, 1):
+        _write(job, step, rank=0, run_id="aaaa")
+        _write(job, step, rank=1, run_id="bbbb")
+    code, _, err = _run(["inspect", str(job)], capsys)
+    assert code == 0 and "different runs" not in err
+    _write(job, 2, rank=1, run_id="cccc")  # a second run appended to rank 1's steps
+    code, _, err = _run(["inspect", str(job)], capsys)
+    assert "2 different runs (rank 1 run bbbb: step 0, step 1; rank 1 run cccc: step 2)" in err
 
 
 # ------------------------------------------------------------------ CLI consistency

@@ -269,7 +269,9 @@ def compare_step(
     forwards = _forward_rows(pairs, per_pair)
     # every record of A, paired or not: an input made by a call only A has names that call
     rows_of_a = {row_a: row for call_rows in per_pair for row, row_a, _ in call_rows if row_a is not None}
-    for pair, call_rows in zip(pairs, per_pair):
+    # calls in the order their outputs were made: what made a call's inputs is judged before it,
+    # and a module call after the api calls inside it (verdict.explain_module_by_its_calls)
+    for pair, call_rows in sorted(zip(pairs, per_pair), key=lambda item: max(row.order for row, _, _ in item[1])):
         if pair.a is not None and pair.b is not None:
             lookup = {id(row): row_a for row, row_a, _ in call_rows}
 
@@ -279,6 +281,7 @@ def compare_step(
 
             forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
             verdict.judge_call([row for row, _, _ in call_rows], input_kind, forward)
+            verdict.explain_module_by_its_calls([row for row, _, _ in call_rows], rows)
             _check_amplified(call_rows, measure)
             summary = verdict.summarize_call([row for row, _, _ in call_rows], forward)
             if summary is not None:

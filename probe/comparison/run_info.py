@@ -86,25 +86,30 @@ def block_lines(differences: list[dict]) -> list[str]:
 
 
 def mixed_runs(dump, side: str = "") -> str:
-    """A note when the step files of one dump come from more than one run (by run_id), else ""."""
-    runs: dict[str, list[tuple[int, int]]] = {}
-    for key in dump.files:
+    """A note when the step files of one rank of a dump come from more than one run (by run_id),
+    else "". Each rank of a distributed job has a debugger, and so a run id, of its own: only
+    different run ids within one rank mean that two runs wrote the folder."""
+    runs: dict[int, dict[str, list[int]]] = {}  # rank -> run_id -> steps
+    for step, rank in dump.files:
         try:
-            with dump.open(*key) as step_file:
+            with dump.open(step, rank) as step_file:
                 run_id = step_file.attrs.get("run_id")
         except Exception:  # unreadable files are reported where they are compared
             continue
         if run_id:
-            runs.setdefault(str(run_id), []).append(key)
-    if len(runs) < 2:
+            runs.setdefault(rank, {}).setdefault(str(run_id), []).append(step)
+    mixed = {rank: by_run for rank, by_run in sorted(runs.items()) if len(by_run) > 1}
+    if not mixed:
         return ""
     parts = []
-    for run_id, keys in sorted(runs.items(), key=lambda item: min(item[1])):
-        shown = ", ".join(f"step {s} rank {r}" for s, r in sorted(keys)[:3])
-        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-        parts.append(f"run {run_id}: {shown}{more}")
+    for rank, by_run in mixed.items():
+        for run_id, steps in sorted(by_run.items(), key=lambda item: min(item[1])):
+            shown = ", ".join(f"step {s}" for s in sorted(steps)[:3])
+            more = f" and {len(steps) - 3} more" if len(steps) > 3 else ""
+            parts.append(f"rank {rank} run {run_id}: {shown}{more}")
+    count = max(len(by_run) for by_run in mixed.values())
     prefix = f"{side}: " if side else ""
-    return (f"{prefix}{dump.path} holds step files of {len(runs)} different runs ({'; '.join(parts)}); "
+    return (f"{prefix}{dump.path} holds step files of {count} different runs ({'; '.join(parts)}); "
             "steps of different runs do not belong together")
 
 

@@ -476,6 +476,40 @@ def explain(row: R.RecordRow, cause: str, origin: str = R.AMPLIFIED) -> None:
     row.reasons = kept
 
 
+def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRow]) -> None:
+    """Level "mix": a module call is the composition of the api calls recorded inside it.
+
+    call: the rows of one module call pair; judged: the rows of the calls judged before it
+    (every call whose outputs were made earlier, so every api call inside this one).
+    When every api call recorded inside the module call (same phase, between the module
+    call's first and last record, in the module or below it) is within tolerance or explained,
+    a divergent output of the module call is what those calls computed, put together by code
+    probe does not record (autograd summing the gradient of an input used twice): explained
+    when it is within AMPLIFICATION times their largest difference, not an error of its own.
+    """
+    if not call or call[0].kind != "module":
+        return
+    outputs = [r for r in call if r.io == "out" and r.status == R.DIVERGED and r.origin == R.INTRODUCED
+               and r.divergence == R.OUTPUT and _explainable(r)]
+    orders = [r.order for r in call if r.order]
+    if not outputs or not orders:
+        return
+    head = call[0]
+    first, last = min(orders), max(orders)
+    inside = [r for r in judged if r.kind == "api" and r.io == "out" and r.status in R.PAIRED
+              and r.step == head.step and r.rank == head.rank and r.phase == head.phase
+              and r.order and first < r.order < last
+              and (not head.module or r.module == head.module or r.module.startswith(head.module + "."))]
+    if not inside or any(r.status == R.DIVERGED for r in inside):
+        return
+    worst = max(inside, key=_rel)
+    for row in outputs:
+        if _rel(row) <= AMPLIFICATION * _rel(worst):
+            explain(row, f"every api call recorded inside {head.module or 'the root module'} agrees or is "
+                         f"explained (largest: {worst.key}, rel L2 {sci(_rel(worst))}); this output puts their "
+                         f"results together (rel L2 {sci(_rel(row))}) in code probe does not record")
+
+
 def unexplain(row: R.RecordRow, cause: str) -> None:
     """Undo explain(): the output is a divergence its own op introduced."""
     row.status = R.DIVERGED
