@@ -32,3 +32,17 @@ def lacks_dtype(name: str) -> str | None:
     if isinstance(getattr(torch, name, None), torch.dtype):
         return None
     return f"torch {torch.__version__} has no dtype {name}"
+
+
+def transformers_or_skip():
+    """transformers, or a skip that says why: not installed (`pip install -e '.[models]'`), or
+    installed in a version that disabled its torch backend for this torch (transformers 5
+    needs torch >= 2.6; `make setup` installs 4.x there, see scripts/torch_pins.py)."""
+    import pytest
+
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[models]'")
+    if not transformers.utils.is_torch_available():
+        pytest.skip(f"transformers {transformers.__version__} does not support torch "
+                    f"{torch.__version__} (it disabled its torch backend)")
+    return transformers
