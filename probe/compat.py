@@ -10,6 +10,10 @@ Private torch API used (present, with the same meaning, in every supported versi
   * Node._sequence_nr(): autograd numbers nodes in creation order;
   * torch.overrides._get_current_function_mode_stack, torch._C._pop_torch_function_stack,
     torch._C._push_on_torch_function_stack: take one mode out of the middle of the stack.
+Used in place, with the same meaning on every supported version (the suite checks them on
+each version CI runs): Node.next_functions and AccumulateGrad's ``variable`` (the composite
+walk in capture/api_mode.py), and the ``__module__`` of torch's C functions (torch._C._nn,
+torch._C._linalg, ...), which capture/naming.py turns into op names.
 
 Behaviour that changed:
   * autograd node wrappers (see NodeSet): up to 2.12 a C++ node does not keep its Python
