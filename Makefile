@@ -1,14 +1,18 @@
 # Everything a fresh machine needs, in a virtual environment under .venv.
 # torch is installed FIRST and pinned: an unpinned resolve on a machine without torch pulls
 # several GB of CUDA packages. Override the pin: make test TORCH_SPEC="torch==2.5.1"
-# (or TORCH_SPEC= to keep whatever torch the venv already has).
+# (or TORCH_SPEC= to keep whatever torch the venv already has). The extras are installed with
+# torch held at the installed version (scripts/torch_pins.py), so nothing replaces it.
+# Supported: torch 2.4 to 2.15 (docs/torch-versions.md); `make test-matrix` tests the range.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q
+# torch versions `make test-matrix` runs the suite on, each in its own venv, deleted after use
+MATRIX ?= 2.4.1 2.8.0 2.12.0 2.15.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-matrix bench clean
 
 setup: $(VENV)/.probe-installed
 
@@ -16,7 +20,7 @@ $(VENV)/.probe-installed: setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -q -e '.[test,examples]'
+	$(BIN)/python -m pip install -q -e '.[test,examples,models]' $$($(BIN)/python scripts/torch_pins.py)
 	touch $@
 
 demo: setup
@@ -27,9 +31,23 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
+# The suite on each torch version of MATRIX, one after another, each in a fresh .venv-<version>
+# removed after its run (a CUDA build from PyPI: 5-7 GB; it runs on CPU). Runs them all, then
+# fails if any failed.
+test-matrix:
+	@failed=""; for version in $(MATRIX); do \
+	  echo "== torch $$version: make test TORCH_SPEC=torch==$$version VENV=.venv-$$version" >&2; \
+	  start=$$(date +%s); \
+	  $(MAKE) --no-print-directory test TORCH_SPEC=torch==$$version VENV=.venv-$$version; \
+	  rc=$$?; rm -rf .venv-$$version; \
+	  echo "== torch $$version: exit $$rc after $$(( $$(date +%s) - start )) s" >&2; \
+	  if [ $$rc -ne 0 ]; then failed="$$failed $$version"; fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-matrix failed on torch$$failed" >&2; exit 1; fi
+
 bench: setup
 	$(BIN)/python bench/dump_overhead.py
 	$(BIN)/python bench/compare_speed.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-* build dist *.egg-info .pytest_cache

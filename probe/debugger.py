@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from probe import compat
 from probe import config as config_module
 from probe._version import __version__
 from probe.capture.api_mode import ApiCaptureMode
@@ -83,6 +84,7 @@ class PrecisionDebugger:
         self._seed_report_dict = self.seed_report.to_dict()
         self._filter = CaptureFilter(cfg)  # caches decisions and source files across steps
         self._locate = SourceLocator()
+        self._collectives_checked = False  # warned (once) about collectives torch hides?
         self.last_file: str | None = None  # the step file step() wrote last
         self.last_step_calls = 0  # API and module calls captured in that step
         self._nonfinite_stop: ProbeError | None = None  # stop_on_nonfinite: raised by step()
@@ -136,6 +138,8 @@ class PrecisionDebugger:
                 self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"))
                 self._hooks.install()
             if level in ("api", "mix"):
+                if not self._collectives_checked:
+                    self._collectives_checked = compat.warn_uncaptured_collectives()
                 self._mode = ApiCaptureMode(recorder)
                 self._mode.__enter__()
         except BaseException:
@@ -335,7 +339,7 @@ class PrecisionDebugger:
         problem = None
         mode, self._mode = self._mode, None
         if mode is not None:
-            stack = torch.overrides._get_current_function_mode_stack()
+            stack = compat.function_mode_stack()
             if stack and stack[-1] is mode:
                 mode.__exit__(None, None, None)
             elif any(m is mode for m in stack):
@@ -365,16 +369,16 @@ def _remove_mode(mode) -> None:
     """Pop the modes above ours, pop ours, push the others back (order kept)."""
     above = []
     while True:
-        stack = torch.overrides._get_current_function_mode_stack()
+        stack = compat.function_mode_stack()
         if not stack:
             return
         top = stack[-1]
-        torch._C._pop_torch_function_stack()
+        compat.pop_function_mode()
         if top is mode:
             break
         above.append(top)
     for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
+        compat.push_function_mode(other)
 
 
 def _resolve_config(config) -> config_module.Config:

@@ -314,9 +314,9 @@ def _active() -> DropoutRemover | None:
 
 
 def _mode_stack() -> list:
-    from torch.overrides import _get_current_function_mode_stack
+    from probe.compat import function_mode_stack
 
-    return list(_get_current_function_mode_stack())
+    return function_mode_stack()
 
 
 def dropout_removed() -> bool:

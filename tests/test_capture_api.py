@@ -342,28 +342,65 @@ def test_in_place_ops_keep_working_with_backward_hooks(tmp_path):
     assert "/Tensor.relu_#0/backward/grad_output.0" in records
 
 
-def test_collectives_are_captured_through_the_mode(tmp_path):
+@pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")  # 2.13's old names
+def test_collectives_are_captured_through_the_mode_or_warned_about_once(tmp_path):
+    import warnings
+
     import torch.distributed as dist
 
+    from probe import compat
+
+    from torch_versions import ALL_COLLECTIVES, collectives_this_torch_hides
+
+    hidden = collectives_this_torch_hides()
+    assert set(compat.uncaptured_collectives()) == hidden
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
         tensor = torch.full((3,), 2.0)
+        gathered = torch.zeros(3)
+        scattered = torch.zeros(3)
 
         def work():
             dist.all_reduce(tensor)
             dist.broadcast(tensor, src=0)
             tensor.add_(1.0)
-            gathered = [torch.zeros(3)]
-            dist.all_gather(gathered, tensor)
+            listed = [torch.zeros(3)]
+            dist.all_gather(listed, tensor)
+            dist.all_gather_into_tensor(gathered, tensor * 2)  # FSDP's two collectives
+            dist.reduce_scatter_tensor(scattered, tensor * 3)
 
-        records = _capture(tmp_path / "dump", work)
+        debugger = PrecisionDebugger(Config(dump_path=str(tmp_path / "dump")))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # two steps: the warning comes once
+                with debugger.capture():
+                    work()
     finally:
         dist.destroy_process_group()
-    assert {"distributed.all_reduce", "distributed.broadcast", "distributed.all_gather"} <= \
-        _ops(records)
-    assert records["/distributed.all_reduce#0/forward/output.0"]["max"] == 2.0
-    assert records["/distributed.all_gather#0/forward/output.0"]["max"] == 3.0
+    records = {row["key"]: row for row in load(tmp_path / "dump").records(step=0)}
+    told = [str(w.message) for w in caught if issubclass(w.category, compat.TorchVersionWarning)]
+    if hidden:
+        assert len(told) == 1, told
+        listed = "any collective" if hidden == ALL_COLLECTIVES else ", ".join(
+            name for name in compat.COLLECTIVES if name in hidden)
+        assert f"does not pass {listed} through __torch_function__" in told[0]
+    else:
+        assert told == []
+    # one name per collective on every version: 2.13 calls these all_gather_single and
+    # reduce_scatter_single, older versions all_gather_into_tensor and reduce_scatter_tensor
+    expected = {"all_reduce": 2.0, "broadcast": 2.0, "all_gather": 3.0,
+                "all_gather_into_tensor": ("all_gather_single", 6.0),
+                "reduce_scatter_tensor": ("reduce_scatter_single", 9.0)}
+    for called, want in expected.items():
+        op, value = want if isinstance(want, tuple) else (called, want)
+        key = f"/distributed.{op}#0/forward/output.0"
+        if called in hidden:
+            assert key not in records
+        else:
+            assert records[key]["max"] == value, called
+    assert not any("all_gather_into_tensor" in key or "reduce_scatter_tensor" in key
+                   for key in records)
 
 
 def test_foreach_in_place_ops_record_the_updated_list_as_output(tmp_path):

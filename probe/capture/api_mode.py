@@ -6,7 +6,9 @@ A TorchFunctionMode sees torch.*, torch.nn.functional.*, Tensor methods and oper
 torch.distributed (all_reduce, broadcast, all_gather, all_gather_into_tensor,
 reduce_scatter_tensor, all_to_all_single, send/recv, ...) also check for a mode and arrive
 here as ``distributed.<name>`` (all_gather_into_tensor as ``distributed.all_gather_single``,
-reduce_scatter_tensor as ``distributed.reduce_scatter_single``).
+reduce_scatter_tensor as ``distributed.reduce_scatter_single``, on every torch version) --
+from torch 2.12 on; older versions pass only some or none (probe.compat.uncaptured_collectives,
+warned about at start()).
 
 A collective writes into its tensor arguments without bumping their autograd version, so
 its output (``output.0`` = the buffer it wrote, e.g. all_reduce's ``tensor``) is always
@@ -41,14 +43,15 @@ import inspect
 import torch
 from torch.overrides import TorchFunctionMode
 
+from probe import compat
 from probe.capture import naming
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
-_DisableTorchFunction = torch._C.DisableTorchFunction
+_DisableTorchFunction = compat.DisableTorchFunction
 _is_grad_enabled = torch.is_grad_enabled
-# one id per backward pass (torch >= 2.1); older torch: every pass looks the same
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_graph_task_id = compat.graph_task_id
+_sequence_nr = compat.sequence_nr
 _names = naming._cache
 _MISSING = naming._MISSING
 _op_name = naming.op_name
@@ -65,7 +68,8 @@ COMPOSITE_GRAD_INPUT = True
 #: ops that return None but write into their first argument, which is then their output
 #: (besides every in-place "..._" op that returns None, such as torch._foreach_add_)
 _WRITES_ARG = frozenset({"Tensor.__setitem__"})
-#: torch.distributed ops: the parameter holding what the collective produced
+#: torch.distributed ops (names after compat.COLLECTIVE_ALIASES): the parameter holding what
+#: the collective produced, spelled the same by every version's signature
 _DIST_OUTPUT = {
     "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "recv": "tensor",
     "scatter": "tensor", "all_gather": "tensor_list", "all_gather_single": "output_tensor",
@@ -322,24 +326,23 @@ def _composite_edges(out_nodes, edges):
             by_leaf.setdefault(id(tensor), []).append(slot)
         else:
             by_node.setdefault(id(grad_fn), []).append((output_nr, slot))
-            number = grad_fn._sequence_nr()
+            number = _sequence_nr(grad_fn)
             if number > oldest:
                 oldest = number
     for node in out_nodes:
         # an output that is an input (x.contiguous() of a contiguous x) made no node here
-        if id(node) in by_node or node._sequence_nr() <= oldest:
+        if id(node) in by_node or _sequence_nr(node) <= oldest:
             return None
     found = []
     stack = list(out_nodes)
-    seen = {id(node) for node in out_nodes}
+    seen = compat.NodeSet(out_nodes)  # the nodes, not their ids: ids are reused up to 2.12
     while stack:
         node = stack.pop()
         positions = []
         for position, (fn, output_nr) in enumerate(node.next_functions):
             if fn is None:
                 continue
-            key = id(fn)
-            hits = by_node.get(key)
+            hits = by_node.get(id(fn))  # input nodes stay alive: edges holds them
             if hits is not None:
                 slots = [slot for number, slot in hits if number == output_nr]
                 if slots:
@@ -351,9 +354,9 @@ def _composite_edges(out_nodes, edges):
                 if slots:
                     positions.append((position, slots))
                 continue
-            if key in seen or fn._sequence_nr() <= oldest:
+            if fn in seen or _sequence_nr(fn) <= oldest:
                 continue
-            seen.add(key)
+            seen.add(fn)
             if len(seen) > _WALK_LIMIT:
                 return None
             stack.append(fn)

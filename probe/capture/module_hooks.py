@@ -42,10 +42,11 @@ import functools
 import torch
 import torch.nn.modules.module as _module_hooks
 
+from probe import compat
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
-_DisableTorchFunction = torch._C.DisableTorchFunction
+_DisableTorchFunction = compat.DisableTorchFunction
 _is_grad_enabled = torch.is_grad_enabled
 
 

@@ -114,6 +114,10 @@ def _classify(func) -> str | None:
     name = _raw_name(func)
     if name is None or name in IGNORED_OPS or name.rsplit(".", 1)[-1] in ("__get__", "__set__"):
         return None
+    if name.startswith("distributed."):
+        from probe.compat import COLLECTIVE_ALIASES  # one name per collective on every torch
+
+        name = COLLECTIVE_ALIASES.get(name, name)
     return name
 
 

@@ -1,0 +1,191 @@
+"""Every place probe relies on torch behaviour that is private or changed between versions.
+
+probe supports torch 2.4 to 2.15 (setup.cfg). What differs across that range, and what each
+difference means for a user, is in docs/torch-versions.md; this module is the one place the
+code deals with it, so a new torch release is checked here first. Nothing here imports h5py.
+
+Private torch API used (present, with the same meaning, in every supported version):
+  * torch._C.DisableTorchFunction: run torch calls inside a hook without re-entering the mode;
+  * torch._C._current_graph_task_id (2.1+): one id per backward pass;
+  * Node._sequence_nr(): autograd numbers nodes in creation order;
+  * torch.overrides._get_current_function_mode_stack, torch._C._pop_torch_function_stack,
+    torch._C._push_on_torch_function_stack: take one mode out of the middle of the stack.
+Used in place, with the same meaning on every supported version (the suite checks them on
+each version CI runs): Node.next_functions and AccumulateGrad's ``variable`` (the composite
+walk in capture/api_mode.py), and the ``__module__`` of torch's C functions (torch._C._nn,
+torch._C._linalg, ...), which capture/naming.py turns into op names.
+
+Behaviour that changed:
+  * autograd node wrappers (see NodeSet): up to 2.12 a C++ node does not keep its Python
+    wrapper alive, so ``id(node)`` of a dropped wrapper is reused by the next one;
+  * collectives and __torch_function__ (see uncaptured_collectives): none reach a
+    TorchFunctionMode up to 2.6, some from 2.7, all from 2.12;
+  * collective names (see COLLECTIVE_ALIASES): all_gather_into_tensor became all_gather_single
+    and reduce_scatter_tensor became reduce_scatter_single in 2.13;
+  * dtypes: float8_e8m0fnu exists from 2.7, float4_e2m1fn_x2 from 2.8 (see has_dtype).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+#: the context manager that turns every TorchFunctionMode off (all supported versions)
+DisableTorchFunction = torch._C.DisableTorchFunction
+#: one id per backward pass; -1 (every pass looks the same) where torch lacks it
+graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def sequence_nr(node) -> int:
+    """Creation number of an autograd node: a node made later has a larger one."""
+    return node._sequence_nr()
+
+
+def function_mode_stack() -> list:
+    """The active TorchFunctionModes, innermost last."""
+    return list(torch.overrides._get_current_function_mode_stack())
+
+
+def pop_function_mode() -> None:
+    torch._C._pop_torch_function_stack()
+
+
+def push_function_mode(mode) -> None:
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def has_dtype(name: str) -> bool:
+    """Whether this torch has the dtype ``torch.<name>`` (float8_e8m0fnu: 2.7+,
+    float4_e2m1fn_x2: 2.8+). Dumps holding such tensors still read on any version: the
+    reader decodes them with numpy alone."""
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class NodeSet:
+    """A set of autograd nodes that holds the nodes themselves, not only their ids.
+
+    ``node.next_functions`` returns Python wrappers of C++ nodes. Up to torch 2.12 the C++
+    node does not keep its wrapper alive: once a walk drops a wrapper, the next wrapper made
+    can get the same ``id()``. A set of ids then "remembers" a node it never saw (on 2.11 the
+    LinalgVectorNormBackward0 of F.normalize got the freed ExpandBackward0's id and was
+    skipped, so its grad_input was recorded wrong). Holding the wrapper keeps its id unique
+    and makes torch hand back that same wrapper for that node (2.13+ always does)."""
+
+    __slots__ = ("_nodes",)
+
+    def __init__(self, nodes=()) -> None:
+        self._nodes = {id(node): node for node in nodes}
+
+    def __contains__(self, node) -> bool:
+        return id(node) in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def add(self, node) -> None:
+        self._nodes[id(node)] = node
+
+
+# ---------------------------------------------------------------------------- collectives
+
+#: torch.distributed functions whose tensors a TorchFunctionMode can see, by public name
+COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+    "scatter", "send", "recv", "isend", "irecv", "all_reduce_coalesced", "all_gather_coalesced",
+)
+
+#: One name per collective, whatever the torch version calls it, so that records of two runs
+#: on different versions pair in a compare. torch 2.13 renamed all_gather_into_tensor to
+#: all_gather_single and reduce_scatter_tensor to reduce_scatter_single (the old names still
+#: work and dispatch under the new ones); up to 2.12 the mode sees the old names, and the
+#: private _all_gather_base / _reduce_scatter_base are the same ops. The new names win.
+COLLECTIVE_ALIASES = {
+    "distributed.all_gather_into_tensor": "distributed.all_gather_single",
+    "distributed._all_gather_base": "distributed.all_gather_single",
+    "distributed.reduce_scatter_tensor": "distributed.reduce_scatter_single",
+    "distributed._reduce_scatter_base": "distributed.reduce_scatter_single",
+}
+
+
+class _Reached(Exception):
+    """Raised by _Sentinel: the collective checked for a TorchFunctionMode."""
+
+
+class _Sentinel(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        raise _Reached
+
+
+_UNCAPTURED: tuple | None = None
+
+
+def uncaptured_collectives() -> tuple[str, ...]:
+    """Public names of the torch.distributed collectives this torch runs without asking a
+    TorchFunctionMode: the API level cannot record them (without monkey-patching torch).
+
+    Measured: torch 2.4-2.6 none reach the mode; 2.7-2.11 only all_reduce, all_gather,
+    all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single do; 2.12+ all do.
+    Decided here by asking torch itself, not by version number: each collective is called
+    once, under a mode that raises as soon as it is consulted, with a string where the tensor
+    goes. A collective that consults the mode raises at once; one that does not fails its
+    own argument check on the string before it could communicate. Computed once per process.
+    """
+    global _UNCAPTURED
+    if _UNCAPTURED is None:
+        _UNCAPTURED = tuple(name for name in COLLECTIVES if not _reaches_mode(name))
+    return _UNCAPTURED
+
+
+def _reaches_mode(name: str) -> bool:
+    distributed = torch.distributed
+    if not distributed.is_available():
+        return True  # nothing to miss
+    function = getattr(distributed, name, None)
+    if function is None:
+        return True
+    import inspect
+
+    try:
+        required = [p for p in inspect.signature(function).parameters.values()
+                    if p.default is inspect.Parameter.empty
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    with warnings.catch_warnings():  # deprecation notices of the old names
+        warnings.simplefilter("ignore")
+        try:
+            with _Sentinel():
+                function(*["not a tensor"] * len(required))
+        except _Reached:
+            return True
+        except Exception:
+            return False
+    return False
+
+
+class TorchVersionWarning(UserWarning):
+    """This torch version keeps probe from recording something it records on others."""
+
+
+def warn_uncaptured_collectives() -> bool:
+    """Warn when a process group is up and this torch hides some collectives from the API
+    level. Returns True once the question is settled (a process group exists, or
+    torch.distributed is unavailable), so that the caller (PrecisionDebugger.start) asks,
+    and warns, once."""
+    distributed = torch.distributed
+    if not distributed.is_available():
+        return True
+    if not distributed.is_initialized():
+        return False
+    missing = uncaptured_collectives()
+    if missing:
+        which = "any collective" if len(missing) == len(COLLECTIVES) else ", ".join(missing)
+        warnings.warn(
+            f"probe: torch {torch.__version__} does not pass {which} through "
+            "__torch_function__, so the api level cannot record those calls (torch 2.12 and "
+            "later passes them all); module-level records are unaffected. "
+            "See docs/torch-versions.md.", TorchVersionWarning, stacklevel=3)
+    return True

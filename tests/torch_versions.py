@@ -1,0 +1,48 @@
+"""What each torch version can and cannot do, as measured by hand: the independent
+expectations tests hold probe's run-time checks (probe/compat.py) against."""
+
+import torch
+
+VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+#: every collective probe.compat probes
+ALL_COLLECTIVES = frozenset({
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send",
+    "recv", "isend", "irecv", "all_reduce_coalesced", "all_gather_coalesced",
+})
+#: the only collectives torch 2.7-2.11 passes through __torch_function__
+PASSED_FROM_2_7 = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor",
+                             "reduce_scatter_tensor", "all_to_all_single"})
+
+
+def collectives_this_torch_hides() -> frozenset:
+    """Collectives a TorchFunctionMode never sees on this torch (measured on 2.4.1, 2.8.0,
+    2.11.0, 2.12.0, 2.13.0 and 2.15.0; none reach it up to 2.6, all from 2.12)."""
+    if VERSION < (2, 7):
+        return ALL_COLLECTIVES
+    if VERSION < (2, 12):
+        return ALL_COLLECTIVES - PASSED_FROM_2_7
+    return frozenset()
+
+
+def lacks_dtype(name: str) -> str | None:
+    """A skip reason when this torch has no torch.<name> (float8_e8m0fnu came in 2.7,
+    float4_e2m1fn_x2 in 2.8), else None."""
+    if isinstance(getattr(torch, name, None), torch.dtype):
+        return None
+    return f"torch {torch.__version__} has no dtype {name}"
+
+
+def transformers_or_skip():
+    """transformers, or a skip that says why: not installed (`pip install -e '.[models]'`), or
+    installed in a version that disabled its torch backend for this torch (transformers 5
+    needs torch >= 2.6; `make setup` installs 4.x there, see scripts/torch_pins.py)."""
+    import pytest
+
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[models]'")
+    if not transformers.utils.is_torch_available():
+        pytest.skip(f"transformers {transformers.__version__} does not support torch "
+                    f"{torch.__version__} (it disabled its torch backend)")
+    return transformers
