@@ -18,7 +18,7 @@ from probe.comparison import result as R
 from probe.comparison import elementwise, optimizer, verdict
 from probe.comparison.align import CallPair, align_calls
 from probe.comparison.mapping import NameMapping
-from probe.comparison.metrics import Metrics, statistics_metrics, tensor_metrics, value_metrics
+from probe.comparison.metrics import Metrics, limit_masked, statistics_metrics, tensor_metrics, value_metrics
 from probe.comparison.prefetch import Prefetcher
 from probe.comparison.records import Call, Records, build_calls, is_param_slot
 from probe.comparison.sketch import refine as refine_with_sketch
@@ -595,7 +595,10 @@ class _Measurer:
         stats_b = {name: b[name][row_b] for name in _STAT_COLUMNS}
         evidence = "checksum" if stats_a["checksum"] and stats_b["checksum"] else "statistics"
         found = statistics_metrics(stats_a, stats_b, evidence)
-        if "sketch" in a and "sketch" in b:  # issue 10: sketches measure what statistics only bound
+        # issue 10: sketches measure what statistics only bound; not a tensor whose extremes are
+        # its dtype's limit on both sides (a mask filled with finfo.min in a float32 and a float64
+        # run): the mask values alone would make the sketches differ by ~1e308
+        if "sketch" in a and "sketch" in b and not limit_masked(stats_a, stats_b):
             refine_with_sketch(found, a["sketch"][row_a], b["sketch"][row_b], stats_a["dtype"], stats_b["dtype"])
             if found.sketch is not None:
                 self.evidence.add("sketch")

@@ -268,7 +268,7 @@ def _finish(acc: _Accumulator, numel: int, size: int, ulp_ok: bool) -> Metrics:
 def statistics_metrics(ra: dict, rb: dict, evidence: str = "statistics") -> Metrics:
     """Lower bounds of the error from the recorded min/max/mean/norm/NaN/Inf counts."""
     numel = int(ra["numel"])
-    masked = _limit_masked(ra, rb)
+    masked = limit_masked(ra, rb)
     if masked:
         # both hold their dtype's limit as a mask value: the sums (mean, norm) are the mask's
         ra = dict(ra, **{name: math.nan for name in ("mean", "norm", *masked)})
@@ -325,7 +325,7 @@ def statistics_metrics(ra: dict, rb: dict, evidence: str = "statistics") -> Metr
     return metrics
 
 
-def _limit_masked(ra: dict, rb: dict) -> list[str]:
+def limit_masked(ra: dict, rb: dict) -> list[str]:
     """The extremes (min/max) that are the two dtypes' limits on both sides (dtypes differ)."""
     if ra.get("dtype") == rb.get("dtype"):
         return []
