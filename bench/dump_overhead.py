@@ -65,14 +65,15 @@ MODELS = {
 TENSOR_MODELS = ("mlp", "convnet")
 
 
-_SKETCH_TIME = [0.0]  # seconds spent in the recorder's host_sketch during the current step
+_SKETCH_TIME = [0.0]  # seconds spent in sketch.array_sketch during the current step
 
 
 def _time_sketches() -> None:
-    """Wrap the recorder's sketch function with a timer (about 0.2 us per call)."""
-    from probe.capture import recorder
+    """Wrap the host sketch's numpy part (every CPU sketch goes through it) with a timer
+    (about 0.2 us per call)."""
+    from probe.capture import sketch
 
-    inner = recorder.host_sketch
+    inner = sketch.array_sketch
 
     def timed(tensor, k):
         begin = time.perf_counter()
@@ -81,7 +82,7 @@ def _time_sketches() -> None:
         finally:
             _SKETCH_TIME[0] += time.perf_counter() - begin
 
-    recorder.host_sketch = timed
+    sketch.array_sketch = timed
 
 
 class Variant:

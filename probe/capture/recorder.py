@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from probe.capture import stats
-from probe.capture.sketch import host_sketch
+from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, encode_value, flatten, value_type
@@ -204,9 +204,7 @@ class Recorder:
             values_t, counts_t = stats.device_stats(values, self._sketch_size)
             pending = (values_t, counts_t, numel)
         else:
-            numbers = stats.host_stats(values)
-            if self._sketch_size:
-                sketched = host_sketch(values, self._sketch_size)
+            numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
         if self._plain:
             return head + numbers + (numel, "", -1), pending, sketched
         digest = stats.checksum(tensor) if self._want_checksum else ""

@@ -122,6 +122,23 @@ def host_stats(tensor: torch.Tensor) -> tuple:
     return (low, high, total / numel, norm, nans, infs)
 
 
+def host_stats_and_sketch(tensor: torch.Tensor, k: int) -> tuple:
+    """(host_stats(tensor), sketch.host_sketch(tensor, k)), the same numbers, with fewer torch
+    calls: the sketch of a float32/float64 tensor (most records) reads its numpy view
+    directly instead of going through a torch reshape."""
+    numbers = host_stats(tensor)
+    if k <= 0 or tensor.numel() == 0:
+        return numbers, None
+    dtype = tensor.dtype
+    if dtype is not _FLOAT32 and dtype is not _FLOAT64:
+        return numbers, sketch.host_sketch(tensor, k)
+    x = tensor.detach() if tensor.requires_grad else tensor
+    try:
+        return numbers, sketch.array_sketch(x.numpy(), k)
+    except (RuntimeError, TypeError, ValueError):  # as host_sketch: the statistics stay
+        return numbers, None
+
+
 def _torch_stats(x: torch.Tensor, numel: int, accumulate: torch.dtype) -> tuple:
     low, high = torch.aminmax(x)
     total = x.sum(dtype=accumulate)
