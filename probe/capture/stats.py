@@ -51,6 +51,11 @@ _maximum = np.maximum.reduce
 #: by itemsize: a sum of squares above this would overflow float32 / float64 (with headroom)
 _SQUARES_MAX = {4: 1e37, 8: 1e306}
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
+#: [keep?, (tensor, numpy view)]: while host_stats_and_sketch runs, host_stats leaves the
+#: numpy view it made here, so the sketch reads it instead of converting the tensor again
+#: (Tensor.numpy() dispatches detach, to, resolve_conj and resolve_neg). host_stats is still
+#: called through the module (tests count its calls to check the recorder's cache).
+_shared_view: list = [False, None]
 _dtype_names: dict = {}
 _shape_texts: dict = {}
 _device_texts: dict = {}
@@ -103,6 +108,8 @@ def host_stats(tensor: torch.Tensor) -> tuple:
         if x.dtype not in _NUMPY_FLOATS:  # a real float type numpy lacks (float8, ...)
             return _torch_stats(x, numel, torch.float32)
     array = x.numpy()
+    if _shared_view[0]:
+        _shared_view[1] = (tensor, array)
     low = float(_minimum(array, axis=None))
     high = float(_maximum(array, axis=None))
     largest = max(-low, high)
@@ -126,15 +133,24 @@ def host_stats_and_sketch(tensor: torch.Tensor, k: int) -> tuple:
     """(host_stats(tensor), sketch.host_sketch(tensor, k)), the same numbers, with fewer torch
     calls: the sketch of a float32/float64 tensor (most records) reads its numpy view
     directly instead of going through a torch reshape."""
-    numbers = host_stats(tensor)
-    if k <= 0 or tensor.numel() == 0:
+    if k <= 0:
+        return host_stats(tensor), None
+    _shared_view[0] = True
+    try:
+        numbers = host_stats(tensor)
+    finally:
+        view, _shared_view[0], _shared_view[1] = _shared_view[1], False, None
+    if tensor.numel() == 0:
         return numbers, None
     dtype = tensor.dtype
     if dtype is not _FLOAT32 and dtype is not _FLOAT64:
         return numbers, sketch.host_sketch(tensor, k)
-    x = tensor.detach() if tensor.requires_grad else tensor
     try:
-        return numbers, sketch.array_sketch(x.numpy(), k)
+        if view is not None and view[0] is tensor:
+            array = view[1]
+        else:  # host_stats took another path, or another thread's view was left
+            array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
+        return numbers, sketch.array_sketch(array, k)
     except (RuntimeError, TypeError, ValueError):  # as host_sketch: the statistics stay
         return numbers, None
 
