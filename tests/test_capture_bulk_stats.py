@@ -90,6 +90,6 @@ def test_bulk_statistics_take_a_fixed_number_of_computing_operators_per_bucket()
     many = [torch.randn(32, 64, generator=g) for _ in range(64)]
     bulk_few, bulk_many = _ops(lambda: bulk_device_stats(few)), _ops(lambda: bulk_device_stats(many))
     per_tensor_many = _ops(lambda: [stats.device_stats(t) for t in many])
-    # on CPU _foreach_norm falls back to one norm per tensor; on CUDA it is one launch
-    assert bulk_many - bulk_few <= 60 * 1
-    assert bulk_many < per_tensor_many / 4
+    # measured: 17 operators for 4 tensors and for 64, against 640 for device_stats one by one
+    assert bulk_many == bulk_few
+    assert bulk_many < per_tensor_many / 10
