@@ -245,7 +245,7 @@ def array_sketch(values: np.ndarray, k: int) -> tuple:
             values = padded
         products = values.reshape(used, BLOCK) @ columns
         signed = _row_signs_table(values.dtype, k, used)
-        return tuple(np.einsum("rj,rj->j", products, signed[:used], dtype=np.float64).tolist())
+        return tuple(np.multiply(products, signed[:used]).sum(0, dtype=np.float64).tolist())
     if n > _NUMPY_MAX:
         flat = torch.from_numpy(values)
         fold = _fold_table(flat.device, flat.dtype, values.size // (GROUPS * BLOCK) + 1)
