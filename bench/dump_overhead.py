@@ -26,7 +26,9 @@ Columns:
   stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
-  sketch share       time inside the sketch function over the rest of a stats api step (CPU):
+  sketch share       time inside sketch.array_sketch (the sketch's numpy part; before issue 12
+                     it timed host_sketch, which also converted the tensor) over the rest of
+                     a stats api step (CPU):
                      the same cost measured inside one step, so it is far less sensitive to
                      other processes' load than the ratio of two medians
   tensor api         task tensor at level api (every distinct tensor stored once)
