@@ -93,3 +93,48 @@ def test_bulk_statistics_take_a_fixed_number_of_computing_operators_per_bucket()
     # measured: 17 operators for 4 tensors and for 64, against 640 for device_stats one by one
     assert bulk_many == bulk_few
     assert bulk_many < per_tensor_many / 10
+
+
+def _recorded(recorder, steps):
+    """Rows of one call per entry of steps: (tensor, optional in-place write after it)."""
+    for position, (tensor, write) in enumerate(steps):
+        call = recorder.call("api", "", "torch.neg", position, "forward", "", 1)
+        recorder.add(call, "input.0", "in", tensor)
+        if write is not None:
+            write(tensor)
+    recorder.resolve()
+    return recorder.rows
+
+
+@pytest.mark.parametrize("sketch_size", [0, 16])
+def test_recorder_bulk_rows_equal_per_tensor_rows_even_after_in_place_writes(monkeypatch, sketch_size):
+    from probe.capture import recorder as recorder_module
+    from probe.capture.recorder import Recorder
+    from probe.config import Config
+
+    monkeypatch.setattr(recorder_module, "BUCKET_TENSORS", 3)  # several flushes in one step
+
+    def steps():
+        g = torch.Generator().manual_seed(2)
+        shared = torch.randn(16, 16, generator=g)
+        return [(shared, lambda t: t.mul_(-3.0)),  # recorded, then written in place
+                (shared, None),  # its new version: a second record
+                (torch.randn(5, 7, generator=g).t(), None),
+                (torch.randn(9, generator=g).to(torch.float16), lambda t: t.zero_()),
+                (torch.arange(-4, 8), None),
+                (torch.tensor([float("nan"), 1.0, float("inf")]), None),
+                (torch.randn(40, generator=g, dtype=torch.float64), None)]
+
+    config = Config(sketch_size=sketch_size)
+    per_tensor = _recorded(Recorder(config, defer_stats=True, bulk_stats=False), steps())
+    bulk = _recorded(Recorder(config, defer_stats=True, bulk_stats=True), steps())
+    assert len(per_tensor) == len(bulk) == 7
+    for a, b in zip(per_tensor, bulk):
+        assert a[:13] == b[:13] and a[19:-1] == b[19:-1]
+        low, high, mean, norm, nans, infs = b[13:19]
+        assert (nans, infs) == a[17:19]
+        assert str((low, high)) == str(a[13:15])  # exact, NaN included
+        assert (mean, norm) == pytest.approx(a[15:17], rel=1e-5, abs=1e-6, nan_ok=True)
+        assert str(a[-1]) == str(b[-1])  # the same sketch of the same (frozen) values
+    # the first record kept the values it had when recorded, not the later write's
+    assert bulk[0][13:17] != bulk[1][13:17]
