@@ -38,6 +38,8 @@ Columns:
                      and in one stats api step (start to step()), counted by torch.profiler in
                      an untimed step; ops ratio = api / plain
   kernels plain/api  with --device cuda: CUDA kernels (and copies) of the same two steps
+  bulk api, kernels bulk   with --device cuda: stats api with recorder.BULK_STATS on (a
+                     bucket's statistics in a few launches, probe/capture/bulk_stats.py)
   us/call            (stats api - baseline) / calls; (no write): the same without step()
   dump/distinct      tensor-mode step file size / bytes of the distinct tensors it stores
 
@@ -96,7 +98,7 @@ class Variant:
     """One way of running a step: baseline, or with a debugger in some configuration."""
 
     def __init__(self, name, model, optimizer, batch, dump_root, config=None, construct=False,
-                 select=True, synchronize=None):
+                 select=True, synchronize=None, bulk=False):
         from examples.models import train_step
         from probe.config import Config
         from probe.debugger import PrecisionDebugger
@@ -105,6 +107,7 @@ class Variant:
         self._train = lambda: train_step(model, optimizer, *batch)
         #: torch.cuda.synchronize on a GPU (a step's time is its kernels' time), else nothing
         self._sync = synchronize or (lambda: None)
+        self._bulk = bulk  # recorder.BULK_STATS during this variant's steps
         self.model = model
         self.debugger = None
         self.calls = 0
@@ -122,7 +125,10 @@ class Variant:
     def run(self) -> float:
         """One step; returns seconds. self.last_capture: the same without step()'s file write."""
         debugger = self.debugger
+        from probe.capture import recorder
+
         _SKETCH_TIME[0] = 0.0
+        recorder.BULK_STATS = self._bulk
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
@@ -135,6 +141,7 @@ class Variant:
             self._train()
         self._sync()
         elapsed = time.perf_counter() - start
+        recorder.BULK_STATS = False
         self.last_sketch = _SKETCH_TIME[0]
         if not self._captures:
             self.last_capture = elapsed
@@ -208,6 +215,8 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         variants[1:1] = [make("not started", construct=True),
                          make("unselected", config={"level": "api"}, select=False)]
         variants += [make("stats module", config={"level": "module"}), make("stats mix", config={"level": "mix"})]
+    if device != "cpu":  # the bulk statistics path (issue 12) only serves deferred records
+        variants.append(make("bulk api", config={"level": "api"}, bulk=True))
     if with_tensor and not sketch_only:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
     times = {variant.name: [] for variant in variants}
@@ -246,6 +255,9 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         result.update(ops_plain=plain_ops, ops_captured=ops, ops_ratio=ops / max(plain_ops, 1),
                       kernels_plain=plain_kernels, kernels_captured=kernels,
                       kernels_ratio=None if kernels is None else kernels / max(plain_kernels, 1))
+        if "bulk api" in by_name:
+            _, bulk_kernels = count_dispatches(by_name["bulk api"], device)
+            result["kernels_bulk"] = bulk_kernels
     for variant in variants[1:]:
         result[variant.name] = statistics.median(times[variant.name]) / base
     result["sketch cost"] = statistics.median(times["stats api"]) / statistics.median(times["no sketch"])
@@ -281,6 +293,8 @@ COLUMNS = [
     ("kernels plain", "{}", "kernels_plain"),
     ("kernels api", "{}", "kernels_captured"),
     ("kernels ratio", "{:.1f}x", "kernels_ratio"),
+    ("bulk api", "{:.2f}x", "bulk api"),
+    ("kernels bulk", "{}", "kernels_bulk"),
     ("us/call", "{:.1f}", "us_per_call"),
     ("(no write)", "{:.1f}", "us_per_call_capture"),
     ("dump/distinct", "{:.3f}x", "dump_over_distinct"),
