@@ -18,10 +18,9 @@ in another order (rounding-level differences, like device_stats against host_sta
 Sketches (sketch.py) are still one call per tensor here: the fold of a whole bucket is the
 next step (docs/format.md, "Folding into a bulk statistics pass").
 
-Not wired into the recorder yet: the recorder computes device statistics as each tensor is
-recorded, because the tensor may be written in place afterwards. Using this path needs the
-bucket's values frozen at record time (a copy into a bucket buffer, one launch per tensor)
-or proof that no write happens before the flush. See docs/performance.md.
+The recorder uses it when ``recorder.BULK_STATS`` is on (off by default until measured on a
+GPU): each record's values are frozen by one copy at record time, since the tensor may be
+written in place before the bucket is flushed. See docs/performance.md.
 """
 
 from __future__ import annotations
