@@ -4,6 +4,7 @@
     python bench/dump_overhead.py --models mlp,convnet --repeats 20
     python bench/dump_overhead.py --quick               # smoke run: 2 small models, 5 repeats
     python bench/dump_overhead.py --sketch-only         # baseline, stats api with/without sketch
+    python bench/dump_overhead.py --device cuda         # on a GPU: also CUDA kernels per step
 
 One training step = forward + cross-entropy + backward + SGD step (lr 0.01, torch's default
 per-parameter loop on CPU), examples.models.train_step. A captured step also includes
@@ -25,12 +26,20 @@ Columns:
   stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
-  sketch share       time inside the sketch function over the rest of a stats api step (CPU):
+  sketch share       time inside sketch.array_sketch (the sketch's numpy part; before issue 12
+                     it timed host_sketch, which also converted the tensor) over the rest of
+                     a stats api step (CPU):
                      the same cost measured inside one step, so it is far less sensitive to
                      other processes' load than the ratio of two medians
   tensor api         task tensor at level api (every distinct tensor stored once)
   (no write)         stats api without step(), i.e. without writing the HDF5 file
   calls/step         API calls captured per step (statistics, api)
+  ops plain/api      torch operators (aten::, nested ones included) dispatched in one plain step
+                     and in one stats api step (start to step()), counted by torch.profiler in
+                     an untimed step; ops ratio = api / plain
+  kernels plain/api  with --device cuda: CUDA kernels (and copies) of the same two steps
+  bulk api, kernels bulk   with --device cuda: stats api with recorder.BULK_STATS on (a
+                     bucket's statistics in a few launches, probe/capture/bulk_stats.py)
   us/call            (stats api - baseline) / calls; (no write): the same without step()
   dump/distinct      tensor-mode step file size / bytes of the distinct tensors it stores
 
@@ -65,14 +74,15 @@ MODELS = {
 TENSOR_MODELS = ("mlp", "convnet")
 
 
-_SKETCH_TIME = [0.0]  # seconds spent in the recorder's host_sketch during the current step
+_SKETCH_TIME = [0.0]  # seconds spent in sketch.array_sketch during the current step
 
 
 def _time_sketches() -> None:
-    """Wrap the recorder's sketch function with a timer (about 0.2 us per call)."""
-    from probe.capture import recorder
+    """Wrap the host sketch's numpy part (every CPU sketch goes through it) with a timer
+    (about 0.2 us per call)."""
+    from probe.capture import sketch
 
-    inner = recorder.host_sketch
+    inner = sketch.array_sketch
 
     def timed(tensor, k):
         begin = time.perf_counter()
@@ -81,20 +91,23 @@ def _time_sketches() -> None:
         finally:
             _SKETCH_TIME[0] += time.perf_counter() - begin
 
-    recorder.host_sketch = timed
+    sketch.array_sketch = timed
 
 
 class Variant:
     """One way of running a step: baseline, or with a debugger in some configuration."""
 
     def __init__(self, name, model, optimizer, batch, dump_root, config=None, construct=False,
-                 select=True):
+                 select=True, synchronize=None, bulk=False):
         from examples.models import train_step
         from probe.config import Config
         from probe.debugger import PrecisionDebugger
 
         self.name = name
         self._train = lambda: train_step(model, optimizer, *batch)
+        #: torch.cuda.synchronize on a GPU (a step's time is its kernels' time), else nothing
+        self._sync = synchronize or (lambda: None)
+        self._bulk = bulk  # recorder.BULK_STATS during this variant's steps
         self.model = model
         self.debugger = None
         self.calls = 0
@@ -112,17 +125,23 @@ class Variant:
     def run(self) -> float:
         """One step; returns seconds. self.last_capture: the same without step()'s file write."""
         debugger = self.debugger
+        from probe.capture import recorder
+
         _SKETCH_TIME[0] = 0.0
+        recorder.BULK_STATS = self._bulk
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
             self._train()
             debugger.stop()
+            self._sync()
             self.last_capture = time.perf_counter() - start
             debugger.step()
         else:
             self._train()
+        self._sync()
         elapsed = time.perf_counter() - start
+        recorder.BULK_STATS = False
         self.last_sketch = _SKETCH_TIME[0]
         if not self._captures:
             self.last_capture = elapsed
@@ -133,6 +152,34 @@ class Variant:
             os.remove(debugger.last_file)  # keep the disk small; not timed
             debugger.last_file = None
         return elapsed
+
+
+def count_dispatches(variant: Variant, device: str) -> tuple[int, int | None]:
+    """(torch operators, CUDA kernels) of one step of the variant, counted by torch.profiler
+    (untimed; the operators include nested ones, e.g. aten::linear and the aten::addmm it
+    calls). Kernels are None off CUDA."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    variant.run()  # warm: lazy tables and caches are not part of a steady step
+    with profile(activities=activities) as prof:
+        variant.run()
+    operators = kernels = 0
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            kernels += 1
+        elif event.name.startswith("aten::"):
+            operators += 1
+    return operators, (kernels if device == "cuda" else None)
+
+
+def msprobe_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("msprobe") is not None
 
 
 def _dump_ratio(path: str) -> float:
@@ -146,17 +193,19 @@ def _dump_ratio(path: str) -> float:
     return os.path.getsize(path) / max(distinct, 1)
 
 
-def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketch_only: bool = False) -> dict:
+def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketch_only: bool = False,
+                device: str = "cpu", count: bool = True) -> dict:
     import torch
 
     import examples.models as models
 
     constructor, batch_size, label = MODELS[key]
     torch.manual_seed(0)
-    model = getattr(models, constructor)()
+    model = getattr(models, constructor)().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batch = models.make_batch(key, batch_size, generator=torch.Generator().manual_seed(0))
-    make = lambda name, **kw: Variant(name, model, optimizer, batch, dump_root, **kw)  # noqa: E731
+    batch = models.make_batch(key, batch_size, generator=torch.Generator().manual_seed(0), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    make = lambda name, **kw: Variant(name, model, optimizer, batch, dump_root, synchronize=sync, **kw)  # noqa: E731
     variants = [
         make("baseline"),
         make("stats api", config={"level": "api"}),
@@ -166,6 +215,8 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         variants[1:1] = [make("not started", construct=True),
                          make("unselected", config={"level": "api"}, select=False)]
         variants += [make("stats module", config={"level": "module"}), make("stats mix", config={"level": "mix"})]
+    if device != "cpu":  # the bulk statistics path (issue 12) only serves deferred records
+        variants.append(make("bulk api", config={"level": "api"}, bulk=True))
     if with_tensor and not sketch_only:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
     times = {variant.name: [] for variant in variants}
@@ -196,7 +247,17 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
                     shares.append(variant.last_sketch / (times[variant.name][-1] - variant.last_sketch))
     base = statistics.median(times["baseline"])
     by_name = {variant.name: variant for variant in variants}
-    result = {"model": key, "label": label, "baseline_ms": base * 1e3, "repeats": repeats}
+    result = {"model": key, "label": label, "baseline_ms": base * 1e3, "repeats": repeats,
+              "device": device}
+    if count:
+        plain_ops, plain_kernels = count_dispatches(by_name["baseline"], device)
+        ops, kernels = count_dispatches(by_name["stats api"], device)
+        result.update(ops_plain=plain_ops, ops_captured=ops, ops_ratio=ops / max(plain_ops, 1),
+                      kernels_plain=plain_kernels, kernels_captured=kernels,
+                      kernels_ratio=None if kernels is None else kernels / max(plain_kernels, 1))
+        if "bulk api" in by_name:
+            _, bulk_kernels = count_dispatches(by_name["bulk api"], device)
+            result["kernels_bulk"] = bulk_kernels
     for variant in variants[1:]:
         result[variant.name] = statistics.median(times[variant.name]) / base
     result["sketch cost"] = statistics.median(times["stats api"]) / statistics.median(times["no sketch"])
@@ -226,6 +287,14 @@ COLUMNS = [
     ("stats mix", "{:.2f}x", "stats mix"),
     ("tensor api", "{:.2f}x", "tensor api"),
     ("calls/step", "{}", "calls_per_step"),
+    ("ops plain", "{}", "ops_plain"),
+    ("ops api", "{}", "ops_captured"),
+    ("ops ratio", "{:.1f}x", "ops_ratio"),
+    ("kernels plain", "{}", "kernels_plain"),
+    ("kernels api", "{}", "kernels_captured"),
+    ("kernels ratio", "{:.1f}x", "kernels_ratio"),
+    ("bulk api", "{:.2f}x", "bulk api"),
+    ("kernels bulk", "{}", "kernels_bulk"),
     ("us/call", "{:.1f}", "us_per_call"),
     ("(no write)", "{:.1f}", "us_per_call_capture"),
     ("dump/distinct", "{:.3f}x", "dump_over_distinct"),
@@ -260,6 +329,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tensor-models", default=",".join(TENSOR_MODELS),
                         help="models that also run the tensor-mode variant")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the models train (cuda: timings synchronise every step, and "
+                             "kernels per step are counted)")
+    parser.add_argument("--no-count", action="store_true",
+                        help="skip the torch.profiler count of operators (and kernels) per step")
     parser.add_argument("--sketch-only", action="store_true",
                         help="only baseline, stats api and stats api without sketch (the sketch's cost)")
     args = parser.parse_args(argv)
@@ -276,6 +350,8 @@ def main(argv=None) -> int:
 
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     torch.set_num_threads(1)
     _time_sketches()
     tensor_models = set(args.tensor_models.split(","))
@@ -284,18 +360,22 @@ def main(argv=None) -> int:
     try:
         for key in models:
             print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
-            results.append(bench_model(key, repeats, key in tensor_models, dump_root, args.sketch_only))
+            results.append(bench_model(key, repeats, key in tensor_models, dump_root, args.sketch_only,
+                                       args.device, not args.no_count))
     finally:
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if args.json:
         print(json.dumps({"torch": torch.__version__, "threads": 1, "load_average": load,
+                          "device": args.device, "msprobe": msprobe_available(),
                           "optimizer": "SGD(lr=0.01)", "results": results}, indent=2))
     else:
         print(format_table(results))
         print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), median of at least "
               f"{repeats} interleaved steps per variant, 1-minute load average at the end "
-              f"{load:.2f}")
+              f"{load:.2f}, device {args.device}")
+        print("no msprobe column: this benchmark does not drive msprobe yet (mindstudio-probe "
+              f"importable here: {'yes' if msprobe_available() else 'no'})")
     return 0
 
 

@@ -30,7 +30,8 @@ import weakref
 import torch
 
 from probe.capture import stats
-from probe.capture.sketch import host_sketch
+from probe.capture.bulk_stats import bulk_device_stats
+from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, encode_value, flatten, value_type
@@ -46,7 +47,18 @@ _STATS_END = _STATS_AT + 6
 _UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
 #: resolve pending device statistics after this many records (bounds device memory)
 PENDING_LIMIT = 20_000
+#: issue 12, opt-in until measured on a GPU: deferred (device) statistics through
+#: bulk_stats.bulk_device_stats. Each record's values are frozen by one copy at record time
+#: (a later in-place write must not change them) and a bucket's statistics are computed
+#: together when it reaches BUCKET_TENSORS tensors or BUCKET_BYTES bytes, or at resolve().
+BULK_STATS = False
+BUCKET_TENSORS = 256
+BUCKET_BYTES = 64 << 20
 _ref = weakref.ref
+#: what the bulk path reads (bulk_stats: segment reductions); others take device_stats
+_BULK_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                          torch.bool, torch.complex64, torch.complex128))
 _STRIDED = torch.strided
 
 
@@ -66,7 +78,7 @@ class Recorder:
 
     def __init__(self, config: Config, open_writer=None, *, defer_stats: bool | None = None,
                  capture_filter: CaptureFilter | None = None,
-                 locate: SourceLocator | None = None):
+                 locate: SourceLocator | None = None, bulk_stats: bool | None = None):
         self.config = config
         self.task = config.task
         # both keep caches that stay valid across steps: the debugger passes the same ones
@@ -88,6 +100,9 @@ class Recorder:
         self.write_error: DumpError | None = None
         self._defer = defer_stats  # None: defer on non-CPU devices only
         self._pending: list[tuple[int, tuple]] = []
+        self._bulk = BULK_STATS if bulk_stats is None else bulk_stats
+        self._bucket: list[tuple[Tensor, list]] = []  # (frozen copy, its pending slot)
+        self._bucket_bytes = 0
         self._cache: dict = {}
         self._want_checksum = config.task == "checksum" or config.task == "tensor"
         self._want_tensor = config.task == "tensor"
@@ -201,17 +216,37 @@ class Recorder:
             numbers = stats.EMPTY_STATS
         elif self._defer if self._defer is not None else not tensor.is_cpu:
             numbers = _UNKNOWN_STATS
-            values_t, counts_t = stats.device_stats(values, self._sketch_size)
-            pending = (values_t, counts_t, numel)
+            if self._bulk and values.dtype in _BULK_DTYPES:
+                pending = self._queue(values, numel)
+            else:
+                values_t, counts_t = stats.device_stats(values, self._sketch_size)
+                pending = (values_t, counts_t, numel)
         else:
-            numbers = stats.host_stats(values)
-            if self._sketch_size:
-                sketched = host_sketch(values, self._sketch_size)
+            numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
         if self._plain:
             return head + numbers + (numel, "", -1), pending, sketched
         digest = stats.checksum(tensor) if self._want_checksum else ""
         tensor_id = self._store(tensor) if self._want_tensor else -1
         return head + numbers + (numel, digest, tensor_id), pending, sketched
+
+    def _queue(self, values: Tensor, numel: int) -> list:
+        """A pending slot [values, counts, numel] that _flush_bucket fills (bulk path)."""
+        slot = [None, None, numel]
+        copy = values.detach().clone()  # frozen now: one copy instead of ~14 launches
+        self._bucket.append((copy, slot))
+        self._bucket_bytes += numel * copy.element_size()
+        if len(self._bucket) >= BUCKET_TENSORS or self._bucket_bytes >= BUCKET_BYTES:
+            self._flush_bucket()
+        return slot
+
+    def _flush_bucket(self) -> None:
+        """Statistics of the queued copies in a few calls; the copies are freed."""
+        if not self._bucket:
+            return
+        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        pairs = bulk_device_stats([copy for copy, _ in bucket], self._sketch_size)
+        for (_, slot), (values_t, counts_t) in zip(bucket, pairs):
+            slot[0], slot[1] = values_t, counts_t
 
     def _store(self, tensor: Tensor) -> int:
         if not _storable(tensor):
@@ -233,6 +268,7 @@ class Recorder:
     # ------------------------------------------------------------------ step end
 
     def _resolve_pending(self) -> None:
+        self._flush_bucket()
         if not self._pending:
             return
         pending, self._pending = self._pending, []

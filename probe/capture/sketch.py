@@ -226,7 +226,13 @@ def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
         flat = tensor.detach().reshape(-1)  # the common case, without sketch_values' dispatches
     else:
         flat = sketch_values(tensor)
-    values = flat.numpy()
+    return array_sketch(flat.numpy(), k)
+
+
+def array_sketch(values: np.ndarray, k: int) -> tuple:
+    """host_sketch of a float32/float64 numpy array (any shape: read row-major), for callers
+    that already hold the tensor's numpy view (stats.host_stats_and_sketch): no torch call."""
+    values = values.reshape(-1)
     columns, rows = _projection_tables("numpy", values.dtype, k)
     n = values.size
     if n <= _DENSE_MAX:
@@ -239,8 +245,9 @@ def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
             values = padded
         products = values.reshape(used, BLOCK) @ columns
         signed = _row_signs_table(values.dtype, k, used)
-        return tuple(np.einsum("rj,rj->j", products, signed[:used], dtype=np.float64).tolist())
+        return tuple(np.multiply(products, signed[:used]).sum(0, dtype=np.float64).tolist())
     if n > _NUMPY_MAX:
+        flat = torch.from_numpy(values)
         fold = _fold_table(flat.device, flat.dtype, values.size // (GROUPS * BLOCK) + 1)
         folded = _fold(flat, fold, lambda size: torch.zeros(size, dtype=flat.dtype)).numpy()
     else:

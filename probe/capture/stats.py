@@ -21,8 +21,11 @@ pays nothing for them.
 Other devices (``device_stats``): the statistics stay on the device as two small tensors per
 record and no host synchronisation happens per tensor; ``resolve_device_stats`` copies a
 whole batch to the host at once (the debugger does it at stop()/step()).
+``bulk_stats.bulk_device_stats`` gives the same pairs for a whole bucket of tensors in a
+fixed number of torch calls (issue 12; the recorder uses it when recorder.BULK_STATS is on).
 
-Sketches (sketch.py) are computed next to the statistics: ``host_sketch`` on CPU, and on
+Sketches (sketch.py) are computed next to the statistics: on CPU by ``host_stats_and_sketch``
+(the sketch reads the numpy view the statistics made: one Tensor.numpy() per record), and on
 other devices inside ``device_stats``, appended to the same small tensor, so they reach the
 host in the same single copy.
 
@@ -51,6 +54,11 @@ _maximum = np.maximum.reduce
 #: by itemsize: a sum of squares above this would overflow float32 / float64 (with headroom)
 _SQUARES_MAX = {4: 1e37, 8: 1e306}
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
+#: [keep?, (tensor, numpy view)]: while host_stats_and_sketch runs, host_stats leaves the
+#: numpy view it made here, so the sketch reads it instead of converting the tensor again
+#: (Tensor.numpy() dispatches detach, to, resolve_conj and resolve_neg). host_stats is still
+#: called through the module (tests count its calls to check the recorder's cache).
+_shared_view: list = [False, None]
 _dtype_names: dict = {}
 _shape_texts: dict = {}
 _device_texts: dict = {}
@@ -103,6 +111,8 @@ def host_stats(tensor: torch.Tensor) -> tuple:
         if x.dtype not in _NUMPY_FLOATS:  # a real float type numpy lacks (float8, ...)
             return _torch_stats(x, numel, torch.float32)
     array = x.numpy()
+    if _shared_view[0]:
+        _shared_view[1] = (tensor, array)
     low = float(_minimum(array, axis=None))
     high = float(_maximum(array, axis=None))
     largest = max(-low, high)
@@ -120,6 +130,32 @@ def host_stats(tensor: torch.Tensor) -> tuple:
     if not (math.isfinite(total) and math.isfinite(norm)):
         nans, infs = _count_nonfinite(x)
     return (low, high, total / numel, norm, nans, infs)
+
+
+def host_stats_and_sketch(tensor: torch.Tensor, k: int) -> tuple:
+    """(host_stats(tensor), sketch.host_sketch(tensor, k)), the same numbers, with fewer torch
+    calls: the sketch of a float32/float64 tensor (most records) reads its numpy view
+    directly instead of going through a torch reshape."""
+    if k <= 0:
+        return host_stats(tensor), None
+    _shared_view[0] = True
+    try:
+        numbers = host_stats(tensor)
+    finally:
+        view, _shared_view[0], _shared_view[1] = _shared_view[1], False, None
+    if tensor.numel() == 0:
+        return numbers, None
+    dtype = tensor.dtype
+    if dtype is not _FLOAT32 and dtype is not _FLOAT64:
+        return numbers, sketch.host_sketch(tensor, k)
+    try:
+        if view is not None and view[0] is tensor:
+            array = view[1]
+        else:  # host_stats took another path, or another thread's view was left
+            array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
+        return numbers, sketch.array_sketch(array, k)
+    except (RuntimeError, TypeError, ValueError):  # as host_sketch: the statistics stay
+        return numbers, None
 
 
 def _torch_stats(x: torch.Tensor, numel: int, accumulate: torch.dtype) -> tuple:

@@ -1,0 +1,33 @@
+"""stats.host_stats_and_sketch, the recorder's CPU path: the exact numbers of host_stats and
+sketch.host_sketch, for every layout and dtype (it shares one numpy view between them)."""
+
+import pytest
+import torch
+
+from probe.capture import sketch, stats
+
+_g = torch.Generator().manual_seed(5)
+CASES = {
+    "transposed": torch.randn(300, 200, generator=_g).t(),
+    "strided slice": torch.randn(64, 64, generator=_g)[:, ::3],
+    "folded by torch (350k values)": torch.randn(700, 500, generator=_g),
+    "float64 transposed": torch.randn(1100, 300, generator=_g, dtype=torch.float64).t(),
+    "folded by numpy": torch.randn(30000, generator=_g),
+    "whole rows": torch.randn(7, 251, generator=_g),
+    "requires grad": torch.randn(3, generator=_g).requires_grad_(),
+    "float16": torch.randn(40, 40, generator=_g).half(),
+    "int64 transposed": torch.arange(100).reshape(10, 10).t(),
+    "nan": torch.tensor([float("nan"), 1.0]),
+    "complex": torch.randn(5, generator=_g, dtype=torch.complex64),
+    "empty": torch.zeros(0, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("k", [0, 16])
+def test_combined_host_path_gives_exactly_the_separate_numbers(name, k):
+    tensor = CASES[name]
+    want_sketch = sketch.host_sketch(tensor, k) if tensor.numel() else None
+    want = (stats.host_stats(tensor), want_sketch)
+    # str: NaN compares equal to NaN, and every bit of every float is in its repr
+    assert str(stats.host_stats_and_sketch(tensor, k)) == str(want)
