@@ -165,3 +165,13 @@ def test_a_sketch_table_of_the_wrong_length_is_one_dump_format_error(tmp_path):
     with load(path).open(0, 0) as step:
         with pytest.raises(DumpFormatError, match=r"sketches have shape \(1, 16\)"):
             step.records.sketches()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_sketching_nan_inf_or_huge_values_warns_nothing(dtype, recwarn):
+    values = torch.tensor([1.0, float("inf"), float("nan"), -2.0], dtype=dtype)
+    huge = torch.full((300,), torch.finfo(dtype).max / 2, dtype=dtype)
+    for tensor in (values, huge):
+        numbers, sketched = stats.host_stats_and_sketch(tensor, 16)
+        assert len(sketched) == 16
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]

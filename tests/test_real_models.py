@@ -112,3 +112,35 @@ def test_two_parameter_groups_pair_and_name_each_parameter_both_ways(tmp_path):
         shapes = {f"{r.module}.{r.slot[6:]}": r.shape_a for r in result.rows if r.slot.startswith("param.")}
         outputs = [r for r in result.rows if r.paired_by == "foreach" and r.slot == "output.0" and r.shape_a != "[]"]
         assert outputs and all(shapes[r.target] == r.shape_a for r in outputs)
+
+
+class MaskedScores(torch.nn.Module):
+    """Attention-style masking as transformers 4.x writes it: the masked scores are the
+    smallest value of the run's dtype (finfo.min differs between a float32 and a float64 run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = self.proj(x) @ x.transpose(-1, -2)
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        floor = torch.full([], torch.finfo(scores.dtype).min, dtype=scores.dtype)
+        return torch.where(mask, scores, floor).softmax(-1) @ x
+
+
+def masked_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 6, 8, generator=g), torch.randint(0, 8, (4,), generator=g)
+
+
+def test_a_dtype_limit_mask_in_float32_and_float64_runs_is_not_a_divergence(tmp_path):
+    def loss(model, x, y):
+        return torch.nn.functional.cross_entropy(model(x).mean(1), y)
+
+    a = dump_run(tmp_path / "fp32", MaskedScores, masked_batch, loss=loss)
+    b = dump_run(tmp_path / "fp64", MaskedScores, masked_batch, loss=loss, dtype=torch.float64)
+    result = compare(a, b)
+    assert result.verdict == "pass", result.to_text()
+    full = [row for row in result.rows if row.op == "torch.full" and row.io == "out"]
+    assert full and all(row.status in R.WITHIN for row in full)

@@ -145,17 +145,36 @@ def host_stats_and_sketch(tensor: torch.Tensor, k: int) -> tuple:
         view, _shared_view[0], _shared_view[1] = _shared_view[1], False, None
     if tensor.numel() == 0:
         return numbers, None
+    if _tame(numbers):
+        return numbers, _host_sketch(tensor, view, k)
+    # NaN/Inf, or values near the float limits: the sketch holds NaN/Inf too (compare reads the
+    # statistics' counts for those), and numpy's "invalid value" warnings would only be noise
+    with np.errstate(all="ignore"):
+        return numbers, _host_sketch(tensor, view, k)
+
+
+#: beyond this magnitude a float32 sketch's sums may overflow
+_TAME_LIMIT = 1e30
+
+
+def _tame(numbers: tuple) -> bool:
+    """Finite statistics well inside the float32 range (checked on the numbers already made)."""
+    low, high, _mean, norm = numbers[:4]
+    return -_TAME_LIMIT < low and high < _TAME_LIMIT and norm < _TAME_LIMIT
+
+
+def _host_sketch(tensor: torch.Tensor, view, k: int) -> tuple | None:
     dtype = tensor.dtype
     if dtype is not _FLOAT32 and dtype is not _FLOAT64:
-        return numbers, sketch.host_sketch(tensor, k)
+        return sketch.host_sketch(tensor, k)
     try:
         if view is not None and view[0] is tensor:
             array = view[1]
         else:  # host_stats took another path, or another thread's view was left
             array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
-        return numbers, sketch.array_sketch(array, k)
+        return sketch.array_sketch(array, k)
     except (RuntimeError, TypeError, ValueError):  # as host_sketch: the statistics stay
-        return numbers, None
+        return None
 
 
 def _torch_stats(x: torch.Tensor, numel: int, accumulate: torch.dtype) -> tuple:
