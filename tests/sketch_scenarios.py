@@ -90,7 +90,8 @@ def _deep():
     return DeepMLP(in_features=WIDTH, width=WIDTH, depth=3, out_features=4)
 
 
-def _replace_block(**options):
+def replace_block(**options):
+    """A variant that swaps blocks.1 for a ResidualBlock built with options (same weights)."""
     def variant(model):
         block = ResidualBlock(WIDTH, **options)
         block.load_state_dict(model.blocks[1].state_dict())
@@ -128,8 +129,8 @@ def _tokens(g):
 #: everything after them with the bfloat16 tolerance (a dtype choice is not an error).
 SCENARIOS = {
     "conv-weight-noise": (SmallConvNet, _conv_weight_noise, lambda g: make_batch("convnet", 4, generator=g), "mix"),
-    "gelu-tanh": (_deep, _replace_block(approximate="tanh"), _deep_batch, "mix"),
-    "layernorm-eps": (_deep, _replace_block(eps=1e-3), _deep_batch, "mix"),
+    "gelu-tanh": (_deep, replace_block(approximate="tanh"), _deep_batch, "mix"),
+    "layernorm-eps": (_deep, replace_block(eps=1e-3), _deep_batch, "mix"),
     "layer-in-bf16": (_deep, _fc_in_bf16, _deep_batch, "module"),
     "rotary-in-bf16": (TinyLlama, _rotary_in_bf16, _tokens, "mix"),
 }

@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.models import DeepMLP, ResidualBlock, SmallConvNet, make_batch, train_step
+from examples.models import DeepMLP, SmallConvNet, make_batch, train_step
 from probe.cli import main
 from probe.comparison.api import compare
 from probe.config import from_dict
 from probe.debugger import PrecisionDebugger
 from real_models import threads as _threads
+from sketch_scenarios import replace_block  # blocks.1 of the same width-32 DeepMLP
 
 WIDTH = 32
 
@@ -152,21 +153,13 @@ def _noisy_weight(model):
         fc.weight.add_(torch.randn(fc.weight.shape, generator=torch.Generator().manual_seed(3)) * 1e-3)
 
 
-def _replace_block(**options):
-    def variant(model):
-        block = ResidualBlock(WIDTH, **options)
-        block.load_state_dict(model.blocks[1].state_dict())
-        model.blocks[1] = block
-    return variant
-
-
 @pytest.mark.parametrize(
     "variant, level, module, op",
     [
         (_noisy_weight, "mix", "blocks.1.fc", "functional.linear"),
-        (_replace_block(eps=1e-3), "mix", "blocks.1.norm", "functional.layer_norm"),
-        (_replace_block(approximate="tanh"), "mix", "blocks.1.act", "functional.gelu"),
-        (_replace_block(approximate="tanh"), "module", "blocks.1.act", "GELU"),
+        (replace_block(eps=1e-3), "mix", "blocks.1.norm", "functional.layer_norm"),
+        (replace_block(approximate="tanh"), "mix", "blocks.1.act", "functional.gelu"),
+        (replace_block(approximate="tanh"), "module", "blocks.1.act", "GELU"),
         (_noisy_weight, "api", "blocks.1.fc", "functional.linear"),
     ],
     ids=["weight-noise", "layernorm-eps", "gelu-tanh", "gelu-tanh-module-level", "weight-noise-api-level"],
