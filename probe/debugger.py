@@ -44,7 +44,9 @@ from probe import compat
 from probe import config as config_module
 from probe._version import __version__
 from probe.capture.api_mode import ApiCaptureMode
+from probe.capture import recorder as recorder_module
 from probe.capture.filters import CaptureFilter
+from probe.capture.host_batch import HostBatch
 from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
 from probe.capture.values import SourceLocator
@@ -84,6 +86,8 @@ class PrecisionDebugger:
         self._seed_report_dict = self.seed_report.to_dict()
         self._filter = CaptureFilter(cfg)  # caches decisions and source files across steps
         self._locate = SourceLocator()
+        # arenas of small CPU tensors' statistics, reused step after step (capture/host_batch.py)
+        self._host_batch = HostBatch(cfg.sketch_size) if recorder_module.HOST_BATCH else None
         self._collectives_checked = False  # warned (once) about collectives torch hides?
         self.last_file: str | None = None  # the step file step() wrote last
         self.last_step_calls = 0  # API and module calls captured in that step
@@ -280,7 +284,7 @@ class PrecisionDebugger:
             return StepWriter(cfg.dump_path, step, rank, attrs, buffer_bytes=cfg.buffer_mb << 20)
 
         self._recorder = Recorder(cfg, open_writer, capture_filter=self._filter,
-                                  locate=self._locate)
+                                  locate=self._locate, host_batch=self._host_batch or False)
         self._recorder.step_attrs = attrs
         return self._recorder
 

@@ -114,6 +114,7 @@ def test_recorder_rows_end_with_the_sketch():
     call = recorder.call("api", "", "torch.neg", 0, "forward", "", 1)
     recorder.add(call, "input.0", "in", torch.ones(3))
     recorder.add(call, "kwarg.alpha", "in", 2.0)
+    recorder.resolve()  # CPU statistics are computed a batch at a time (host_batch.py)
     tensor_row, value_row = recorder.rows
     assert len(tensor_row[-1]) == 8 and value_row[-1] is None
 
@@ -145,6 +146,7 @@ def test_sketches_of_two_sizes_in_one_step_are_one_dump_error_and_no_file(tmp_pa
     for k in (4, 8):
         recorder = Recorder(Config(sketch_size=k))
         recorder.add(recorder.call("api", "", "torch.neg", 0, "forward", "", 1), f"input.{k}", "in", torch.ones(3))
+        recorder.resolve()
         rows += recorder.rows
     writer = StepWriter(str(tmp_path), 0, 0, root_attrs(task="statistics"))
     writer.add_rows(rows)

@@ -110,9 +110,9 @@ def test_deferred_recorder_rows_equal_immediate_rows():
 
 def test_statistics_are_computed_once_per_unchanged_tensor(monkeypatch):
     calls = []
-    original = stats.host_stats
-    monkeypatch.setattr(stats, "host_stats", lambda t: calls.append(1) or original(t))
     recorder = Recorder(Config())
+    original = recorder._compute  # statistics of one tensor, whichever path computes them
+    monkeypatch.setattr(recorder, "_compute", lambda t: calls.append(1) or original(t))
     x = torch.randn(10)
     view = x.view(10)  # another object, same data and layout: the same entry
     _rows(recorder, [x, x, view])
@@ -127,9 +127,9 @@ def test_an_alias_outliving_the_recorded_tensor_object_still_hits_the_cache(monk
     # autograd gives a hook the gradient, then keeps grad.detach() as param.grad: the hooked
     # object dies, the bytes live on in a new object with the same version counter
     calls = []
-    original = stats.host_stats
-    monkeypatch.setattr(stats, "host_stats", lambda t: calls.append(1) or original(t))
     recorder = Recorder(Config())
+    original = recorder._compute  # statistics of one tensor, whichever path computes them
+    monkeypatch.setattr(recorder, "_compute", lambda t: calls.append(1) or original(t))
     x = torch.randn(64)
     kept = x.detach()
     _rows(recorder, [x])

@@ -31,6 +31,7 @@ import torch
 
 from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
+from probe.capture.host_batch import BIG_MAX, HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
@@ -60,6 +61,9 @@ _BULK_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfl
                           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
                           torch.bool, torch.complex64, torch.complex128))
 _STRIDED = torch.strided
+#: float32/float64 CPU tensors' statistics and sketches a batch at a time (host_batch.py)
+HOST_BATCH = True
+_BATCHED_DTYPES = (torch.float32, torch.float64)
 
 
 def _DEAD():
@@ -78,7 +82,8 @@ class Recorder:
 
     def __init__(self, config: Config, open_writer=None, *, defer_stats: bool | None = None,
                  capture_filter: CaptureFilter | None = None,
-                 locate: SourceLocator | None = None, bulk_stats: bool | None = None):
+                 locate: SourceLocator | None = None, bulk_stats: bool | None = None,
+                 host_batch: HostBatch | bool | None = None):
         self.config = config
         self.task = config.task
         # both keep caches that stay valid across steps: the debugger passes the same ones
@@ -109,6 +114,12 @@ class Recorder:
         self._plain = not (self._want_checksum or self._want_tensor)
         self._heads: dict = {}  # (device, dtype, shape) -> payload head, see _compute
         self._sketch_size = getattr(config, "sketch_size", 0)
+        # a HostBatch the caller keeps across steps (its arenas are reused), or a new one
+        if host_batch is None:
+            host_batch = HOST_BATCH
+        if host_batch is True:
+            host_batch = HostBatch(self._sketch_size)
+        self._host_batch = host_batch or None
 
     # ------------------------------------------------------------------ rows
     #
@@ -222,12 +233,28 @@ class Recorder:
                 values_t, counts_t = stats.device_stats(values, self._sketch_size)
                 pending = (values_t, counts_t, numel)
         else:
-            numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
+            pending = self._batched(values, numel)
+            if pending is None:
+                numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
+            else:
+                numbers = _UNKNOWN_STATS
         if self._plain:
             return head + numbers + (numel, "", -1), pending, sketched
         digest = stats.checksum(tensor) if self._want_checksum else ""
         tensor_id = self._store(tensor) if self._want_tensor else -1
         return head + numbers + (numel, digest, tensor_id), pending, sketched
+
+    def _batched(self, values: Tensor, numel: int) -> HostSlot | None:
+        """A HostSlot for a float32/float64 CPU tensor of at most BIG_MAX values; None:
+        compute it now."""
+        batch = self._host_batch
+        if batch is None or numel > BIG_MAX or values.dtype not in _BATCHED_DTYPES:
+            return None
+        try:
+            array = (values.detach() if values.requires_grad else values).numpy()
+        except (RuntimeError, TypeError):  # conj/neg bits, subclasses without numpy()
+            return None
+        return batch.add(array)
 
     def _queue(self, values: Tensor, numel: int) -> list:
         """A pending slot [values, counts, numel] that _flush_bucket fills (bulk path)."""
@@ -269,6 +296,8 @@ class Recorder:
 
     def _resolve_pending(self) -> None:
         self._flush_bucket()
+        if self._host_batch is not None:
+            self._host_batch.compute()
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -276,20 +305,21 @@ class Recorder:
         unique: dict[int, int] = {}
         batch = []
         for _, item in pending:
-            if id(item) not in unique:
+            if type(item) is not HostSlot and id(item) not in unique:
                 unique[id(item)] = len(batch)
                 batch.append(item)
-        numbers = stats.resolve_device_stats(batch)
+        numbers = stats.resolve_device_stats(batch) if batch else []
+        results = {id(item): item.result if type(item) is HostSlot else numbers[unique[id(item)]]
+                   for _, item in pending}
         rows = self.rows
         for position, item in pending:
             row = rows[position]
-            resolved, sketched = numbers[unique[id(item)]]
+            resolved, sketched = results[id(item)]
             rows[position] = row[:_STATS_AT] + resolved + row[_STATS_END:-1] + (sketched,)
-        # cache entries keep the resolved numbers so later hits need no device work
-        resolved = {id(item): numbers[unique[id(item)]] for _, item in pending}
+        # cache entries keep the resolved numbers so later hits need no more work
         for key, (ref, payload, item, _) in list(self._cache.items()):
-            if item is not None and id(item) in resolved:
-                found, sketched = resolved[id(item)]
+            if item is not None and id(item) in results:
+                found, sketched = results[id(item)]
                 payload = payload[:4] + found + payload[10:]
                 self._cache[key] = (ref, payload, None, sketched)
 

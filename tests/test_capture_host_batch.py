@@ -1,0 +1,152 @@
+"""probe/capture/host_batch.py: CPU statistics and sketches a batch at a time give the numbers
+the per-record path (stats.host_stats_and_sketch) gives, whatever the tensors, the arena's
+fill, the thread that computes them, or what happens to a tensor after it was recorded."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from probe.capture import host_batch, stats
+from probe.capture.host_batch import HostBatch
+from probe.capture.recorder import Recorder
+from probe.config import Config
+
+BLOCK = host_batch.BLOCK
+
+
+def _tensors(dtype):
+    generator = torch.Generator().manual_seed(7)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype)
+
+    return [
+        randn(()),  # 0-dim
+        randn(1),
+        randn(BLOCK - 1), randn(BLOCK), randn(BLOCK + 1),  # row boundaries
+        randn(32, 256) * 3 + 1,
+        randn(256, 32).t(),  # non-contiguous: copied in row-major order
+        randn(64 * BLOCK),  # the largest small tensor
+        randn(64 * BLOCK + 1),  # the smallest large one
+        randn(256, 256) * 1e-3 - 5,
+        torch.zeros(300, dtype=dtype),
+        torch.arange(1000, dtype=dtype),
+    ]
+
+
+def _batched(tensors, k, background=False):
+    batch = HostBatch(k, background=background)
+    slots = [batch.add(t.numpy()) for t in tensors]
+    batch.compute()
+    return [slot.result for slot in slots]
+
+
+def _assert_same_numbers(got, want, dtype):
+    (numbers, sketched), (want_numbers, want_sketch) = got, want
+    assert numbers[0] == want_numbers[0] and numbers[1] == want_numbers[1]  # min, max exactly
+    assert numbers[4:] == want_numbers[4:]  # NaN and Inf counts exactly
+    rel = 1e-5 if dtype == torch.float32 else 1e-12
+    assert numbers[2] == pytest.approx(want_numbers[2], rel=rel, abs=rel * want_numbers[3] / 10)
+    assert numbers[3] == pytest.approx(want_numbers[3], rel=rel)
+    assert (sketched is None) == (want_sketch is None)
+    if sketched is not None:
+        # the same linear map; the products may be blocked differently (float32 rounding)
+        scale = max(map(abs, want_sketch)) or 1.0
+        assert sketched == pytest.approx(want_sketch, abs=rel * scale)
+
+
+@pytest.mark.parametrize("k", [0, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_numbers_equal_the_per_record_numbers(dtype, k):
+    tensors = _tensors(dtype)
+    for got, tensor in zip(_batched(tensors, k), tensors):
+        _assert_same_numbers(got, stats.host_stats_and_sketch(tensor, k), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nan_inf_and_huge_values_get_exactly_the_per_record_numbers(dtype):
+    huge = 1e20 if dtype == torch.float32 else 1e160  # squares beyond the dtype's range
+    tensors = [torch.tensor([1.0, float("nan"), 2.0], dtype=dtype),
+               torch.tensor([float("inf"), -float("inf"), 0.0, 3.0], dtype=dtype),
+               torch.full((500,), huge, dtype=dtype),
+               torch.tensor([-huge, 1.0], dtype=dtype),
+               torch.randn(300, dtype=dtype)]
+    batched = _batched(tensors, 16)
+    for (numbers, _), tensor in zip(batched[:4], tensors):
+        assert str(numbers) == str(stats.host_stats(tensor))  # NaN-aware exact equality
+    assert batched[0][0][4:] == (1, 0) and batched[1][0][4:] == (0, 2)
+    if dtype == torch.float32:  # float32 squares beyond float32 are summed in float64
+        assert math.isfinite(batched[2][0][3]) and batched[2][0][3] > huge
+    _assert_same_numbers(batched[4], stats.host_stats_and_sketch(tensors[4], 16), dtype)
+
+
+def test_a_full_arena_computed_on_the_worker_thread_gives_the_inline_numbers(monkeypatch):
+    monkeypatch.setattr(host_batch, "CAPACITY", 40 * BLOCK)  # a few tensors per arena
+    tensors = [torch.randn(n) for n in (10, 600, 2000, 3000, 251, 5000, 7, 9000, 260) * 4]
+    inline = _batched(tensors, 16, background=False)
+    background = _batched(tensors, 16, background=True)
+    assert str(background) == str(inline)  # the same computation, bit for bit
+
+
+def test_values_are_frozen_when_recorded_not_when_computed():
+    batch = HostBatch(16, background=False)
+    tensor = torch.randn(1000)
+    want = stats.host_stats_and_sketch(tensor, 16)
+    slot = batch.add(tensor.numpy())
+    tensor.mul_(10.0)  # an in-place write before the batch is computed
+    batch.compute()
+    _assert_same_numbers(slot.result, want, torch.float32)
+
+
+def test_records_added_from_several_threads_all_get_their_own_numbers(monkeypatch):
+    monkeypatch.setattr(host_batch, "CAPACITY", 30 * BLOCK)
+    batch = HostBatch(8, background=True)
+    per_thread = {name: [torch.full((n,), float(name * 100 + n)) for n in range(1, 400, 37)]
+                  for name in range(4)}
+    slots = {}
+
+    def record(name):
+        slots[name] = [batch.add(t.numpy()) for t in per_thread[name]]
+
+    threads = [threading.Thread(target=record, args=(name,)) for name in per_thread]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    batch.compute()
+    for name, tensors in per_thread.items():
+        for slot, tensor in zip(slots[name], tensors):
+            low, high, mean, _, _, _ = slot.result[0]
+            assert low == high == mean == tensor[0].item()
+
+
+def _recorded_rows(host_batch_on, tensors, writes):
+    recorder = Recorder(Config(), host_batch=host_batch_on)
+    for position, tensor in enumerate(tensors):
+        call = recorder.call("api", "", "torch.neg", position, "forward", "", 1)
+        recorder.add(call, "input.0", "in", tensor)
+        if position in writes:
+            tensor.add_(1.0)  # in place after recording: the row keeps the recorded values
+    recorder.add(recorder.call("api", "", "torch.neg", 99, "forward", "", 1), "input.0", "in", tensors[0])
+    recorder.resolve()
+    return recorder.rows
+
+
+def test_recorder_rows_with_the_batch_equal_rows_computed_per_record():
+    def fresh():
+        torch.manual_seed(3)
+        return [torch.randn(8, 16), torch.randn(300, requires_grad=True), torch.randn(70000),
+                torch.randn(4, 4, dtype=torch.float64), torch.arange(6), torch.randn(3).half(),
+                torch.randn(5, 5).t(), torch.randn(2_000_000)]
+
+    batched = _recorded_rows(True, fresh(), writes={0, 2})
+    per_record = _recorded_rows(False, fresh(), writes={0, 2})
+    assert len(batched) == len(per_record) == 9
+    for a, b in zip(batched, per_record):
+        assert a[:13] == b[:13] and a[19:-1] == b[19:-1]
+        assert a[13:15] == b[13:15] and a[17:19] == b[17:19]  # min, max, counts exactly
+        assert a[15:17] == pytest.approx(b[15:17], rel=1e-5, abs=1e-6)
+        scale = max(map(abs, b[-1]))
+        assert a[-1] == pytest.approx(b[-1], abs=1e-5 * scale)
