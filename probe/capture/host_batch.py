@@ -20,15 +20,18 @@ front of the arena, each starting on a row of a (rows, BLOCK) view, zero-padded 
     NaN/Inf   the tensors whose extremes are not finite, or so large that a row's squares
               could overflow, are computed alone by stats.host_stats (which counts them)
 
-Larger tensors (up to BIG_MAX values) are packed from the back of the arena and computed one
-by one by the per-record functions (stats.host_stats, sketch.array_sketch: the fold) on their
-copy: the same numbers as the per-record path, off the training thread (below).
+With a background worker (below), larger tensors (up to BIG_MAX values) are packed from the
+back of the arena and computed one by one by the per-record functions (stats.host_stats,
+sketch.array_sketch: the fold) on their copy: the same numbers as the per-record path, off the
+training thread. Inline, they are not batched: their copy would cost about what their numbers
+cost at record time.
 
-Background: when the process has a core that torch does not use (torch.get_num_threads() below
-the CPUs this process may run on; the benchmark's one-thread training on a 2-core machine, or
-a GPU job whose CPU cores wait), a full arena is computed on a worker thread while training
-goes on into a second arena. numpy's and torch's kernels release the GIL, so the two really
-run at once. With every core busy, the arena is computed inline: a thread would only compete.
+Background (off by default): with ``BACKGROUND = True`` (or None: when torch.get_num_threads()
+is below the CPUs this process may use) a full arena is computed on a worker thread while
+training goes on into a second arena. It was measured slower on the wall clock, not faster
+(DeepMLP on a 2-core machine, one torch thread, k = 16: 5.7x against 4.0x inline): the worker's
+Python and the numpy calls that keep the GIL stall the training thread more than the work it
+takes away. It stays for machines where that may differ; docs/performance.md.
 
 Statistics against ``host_stats``: min, max and the NaN/Inf counts are identical; for small
 tensors the sum and the sum of squares are accumulated per row in the tensor's dtype and then
@@ -55,6 +58,9 @@ SMALL_MAX = sketch._DENSE_MAX
 #: tensors up to this many values are copied and computed off the training thread; larger ones
 #: are computed at record time (their copy would cost about as much as their statistics)
 BIG_MAX = 1 << 18
+#: compute full arenas on a worker thread: False (measured slower, module doc), True, or None =
+#: when torch leaves a core free
+BACKGROUND: bool | None = False
 #: a small tensor whose largest |value| squared times its size exceeds this may overflow a
 #: row's sum of squares: it is computed alone (as stats.host_stats decides its norm's dtype)
 _SQUARES_MAX = {4: 1e37, 8: 1e306}
@@ -94,16 +100,23 @@ class HostBatch:
     is computed: when its arena is full, or at ``compute()`` (which fills every slot).
     Thread-safe: autograd may call hooks from its own threads.
 
-    background: compute full arenas on a worker thread (None: when a core is free, above)."""
+    background: compute full arenas on a worker thread (None: host_batch.BACKGROUND, whose
+    default None means when a core is free, above)."""
 
     def __init__(self, sketch_size: int, background: bool | None = None):
         self.sketch_size = sketch_size
+        if background is None:
+            background = BACKGROUND
         self.background = _spare_core() if background is None else background
+        #: the largest tensor add() takes. Inline, a large tensor's copy would cost about what
+        #: its numbers cost at record time (measured), so only small ones are batched; in the
+        #: background the copy is all the training thread pays.
+        self.limit = BIG_MAX if self.background else SMALL_MAX
         self._arenas: dict = {}  # dtype -> [filling, spare]
         self._lock = threading.Lock()
 
     def add(self, array: np.ndarray) -> HostSlot:
-        """A slot for array's numbers (float32 or float64, 1 <= size <= BIG_MAX)."""
+        """A slot for array's numbers (float32 or float64, 1 <= size <= self.limit)."""
         size = array.size
         slot = HostSlot()
         with self._lock:

@@ -31,7 +31,7 @@ import torch
 
 from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
-from probe.capture.host_batch import BIG_MAX, HostBatch, HostSlot
+from probe.capture.host_batch import HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
@@ -245,10 +245,10 @@ class Recorder:
         return head + numbers + (numel, digest, tensor_id), pending, sketched
 
     def _batched(self, values: Tensor, numel: int) -> HostSlot | None:
-        """A HostSlot for a float32/float64 CPU tensor of at most BIG_MAX values; None:
+        """A HostSlot for a float32/float64 CPU tensor the batch takes (batch.limit); None:
         compute it now."""
         batch = self._host_batch
-        if batch is None or numel > BIG_MAX or values.dtype not in _BATCHED_DTYPES:
+        if batch is None or numel > batch.limit or values.dtype not in _BATCHED_DTYPES:
             return None
         try:
             array = (values.detach() if values.requires_grad else values).numpy()
