@@ -26,8 +26,9 @@ Columns:
   stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
-  sketch share       time inside sketch.array_sketch (the sketch's numpy part; before issue 12
-                     it timed host_sketch, which also converted the tensor) over the rest of
+  sketch share       time inside sketch.array_sketch and host_batch._small_sketches (the
+                     sketches' numpy parts; before issue 12 it timed host_sketch, which also
+                     converted the tensor) over the rest of
                      a stats api step (CPU):
                      the same cost measured inside one step, so it is far less sensitive to
                      other processes' load than the ratio of two medians
@@ -78,20 +79,22 @@ _SKETCH_TIME = [0.0]  # seconds spent in sketch.array_sketch during the current 
 
 
 def _time_sketches() -> None:
-    """Wrap the host sketch's numpy part (every CPU sketch goes through it) with a timer
-    (about 0.2 us per call)."""
-    from probe.capture import sketch
+    """Wrap the host sketches' numpy parts with a timer (about 0.2 us per call): every CPU
+    sketch goes through sketch.array_sketch (one tensor) or host_batch._small_sketches (a
+    batch of small tensors)."""
+    from probe.capture import host_batch, sketch
 
-    inner = sketch.array_sketch
+    def timed(inner):
+        def call(*args):
+            begin = time.perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                _SKETCH_TIME[0] += time.perf_counter() - begin
+        return call
 
-    def timed(tensor, k):
-        begin = time.perf_counter()
-        try:
-            return inner(tensor, k)
-        finally:
-            _SKETCH_TIME[0] += time.perf_counter() - begin
-
-    sketch.array_sketch = timed
+    sketch.array_sketch = timed(sketch.array_sketch)
+    host_batch._small_sketches = timed(host_batch._small_sketches)
 
 
 class Variant:
