@@ -45,7 +45,8 @@ Columns:
                      at API level (L1) and module level (L0), every step, the same step
                      boundaries, timed in the same rounds (bench/msprobe_variants.py says how
                      it is kept from touching the other variants); --no-msprobe leaves it out
-  ops msprobe L1     torch operators of one msprobe L1 step, counted like ops api
+  ops msprobe L1     torch operators of one msprobe L1 step, counted like ops api (with
+                     --device cuda also its CUDA kernels: kernels msprobe L1)
   us/call            (stats api - baseline) / calls; (no write): the same without step()
   dump/distinct      tensor-mode step file size / bytes of the distinct tensors it stores
 
@@ -306,6 +307,7 @@ COLUMNS = [
     ("kernels api", "{}", "kernels_captured"),
     ("kernels ratio", "{:.1f}x", "kernels_ratio"),
     ("ops msprobe L1", "{}", "ops_msprobe_L1"),
+    ("kernels msprobe L1", "{}", "kernels_msprobe_L1"),
     ("bulk api", "{:.2f}x", "bulk api"),
     ("kernels bulk", "{}", "kernels_bulk"),
     ("us/call", "{:.1f}", "us_per_call"),
