@@ -5,6 +5,7 @@
     python bench/dump_overhead.py --quick               # smoke run: 2 small models, 5 repeats
     python bench/dump_overhead.py --sketch-only         # baseline, stats api with/without sketch
     python bench/dump_overhead.py --device cuda         # on a GPU: also CUDA kernels per step
+    pip install mindstudio-probe==26.2.0 && python bench/dump_overhead.py   # with msprobe columns
 
 One training step = forward + cross-entropy + backward + SGD step (lr 0.01, torch's default
 per-parameter loop on CPU), examples.models.train_step. A captured step also includes
@@ -41,6 +42,12 @@ Columns:
   kernels plain/api  with --device cuda: CUDA kernels (and copies) of the same two steps
   bulk api, kernels bulk   with --device cuda: stats api with recorder.BULK_STATS on (a
                      bucket's statistics in a few launches, probe/capture/bulk_stats.py)
+  msprobe L1/L0      where mindstudio-probe is installed (else "-"): msprobe's statistics dump
+                     at API level (L1) and module level (L0), every step, the same step
+                     boundaries, timed in the same rounds (bench/msprobe_variants.py says how
+                     it is kept from touching the other variants); --no-msprobe leaves it out
+  ops msprobe L1     torch operators of one msprobe L1 step, counted like ops api (with
+                     --device cuda also its CUDA kernels: kernels msprobe L1)
   us/call            (stats api - baseline) / calls; (no write): the same without step()
   dump/distinct      tensor-mode step file size / bytes of the distinct tensors it stores
 
@@ -64,6 +71,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from bench import msprobe_variants  # noqa: E402  (needs REPO on the path)
 
 MODELS = {
     # name: (constructor name, batch size, label)
@@ -179,12 +188,6 @@ def count_dispatches(variant: Variant, device: str) -> tuple[int, int | None]:
     return operators, (kernels if device == "cuda" else None)
 
 
-def msprobe_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("msprobe") is not None
-
-
 def _dump_ratio(path: str) -> float:
     from probe.dump.reader import open_step_file
 
@@ -197,7 +200,7 @@ def _dump_ratio(path: str) -> float:
 
 
 def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketch_only: bool = False,
-                device: str = "cpu", count: bool = True) -> dict:
+                device: str = "cpu", count: bool = True, msprobe: bool = False) -> dict:
     import torch
 
     import examples.models as models
@@ -222,6 +225,9 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         variants.append(make("bulk api", config={"level": "api"}, bulk=True))
     if with_tensor and not sketch_only:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
+    if msprobe and not sketch_only:
+        variants += [msprobe_variants.MsprobeVariant(name, model, optimizer, batch, dump_root, synchronize=sync)
+                     for name in msprobe_variants.LEVELS]
     times = {variant.name: [] for variant in variants}
     capture_times = {variant.name: [] for variant in variants}
     shares = []
@@ -261,6 +267,8 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         if "bulk api" in by_name:
             _, bulk_kernels = count_dispatches(by_name["bulk api"], device)
             result["kernels_bulk"] = bulk_kernels
+        if "msprobe L1" in by_name:
+            result["ops_msprobe_L1"], result["kernels_msprobe_L1"] = count_dispatches(by_name["msprobe L1"], device)
     for variant in variants[1:]:
         result[variant.name] = statistics.median(times[variant.name]) / base
     result["sketch cost"] = statistics.median(times["stats api"]) / statistics.median(times["no sketch"])
@@ -273,6 +281,9 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
     result["us_per_call"] = extra / calls if calls else float("nan")
     result["us_per_call_capture"] = (capture_only - base) * 1e6 / calls if calls else float("nan")
     result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if "tensor api" in by_name else None
+    for name in msprobe_variants.LEVELS:
+        if name in by_name:  # records in one step's dump.json
+            result[f"{name.replace(' ', '_')}_records"] = by_name[name].calls
     return result
 
 
@@ -288,6 +299,8 @@ COLUMNS = [
     ("(no write)", "{:.2f}x", "stats api capture"),
     ("stats module", "{:.2f}x", "stats module"),
     ("stats mix", "{:.2f}x", "stats mix"),
+    ("msprobe L1", "{:.2f}x", "msprobe L1"),
+    ("msprobe L0", "{:.2f}x", "msprobe L0"),
     ("tensor api", "{:.2f}x", "tensor api"),
     ("calls/step", "{}", "calls_per_step"),
     ("ops plain", "{}", "ops_plain"),
@@ -296,6 +309,8 @@ COLUMNS = [
     ("kernels plain", "{}", "kernels_plain"),
     ("kernels api", "{}", "kernels_captured"),
     ("kernels ratio", "{:.1f}x", "kernels_ratio"),
+    ("ops msprobe L1", "{}", "ops_msprobe_L1"),
+    ("kernels msprobe L1", "{}", "kernels_msprobe_L1"),
     ("bulk api", "{:.2f}x", "bulk api"),
     ("kernels bulk", "{}", "kernels_bulk"),
     ("us/call", "{:.1f}", "us_per_call"),
@@ -320,6 +335,17 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def msprobe_footer(with_msprobe: bool, args) -> str:
+    if with_msprobe:
+        return (f"msprobe: mindstudio-probe {msprobe_variants.version()}, task statistics, every step, "
+                "extra_info off, L0 on its own copy of the model (bench/msprobe_variants.py)")
+    if args.sketch_only:
+        return "msprobe columns: left out with --sketch-only"
+    if args.no_msprobe:
+        return "msprobe columns: left out (--no-msprobe)"
+    return f"msprobe columns: mindstudio-probe is not installed here; {msprobe_variants.INSTALL_HINT}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -339,6 +365,8 @@ def main(argv=None) -> int:
                         help="skip the torch.profiler count of operators (and kernels) per step")
     parser.add_argument("--sketch-only", action="store_true",
                         help="only baseline, stats api and stats api without sketch (the sketch's cost)")
+    parser.add_argument("--no-msprobe", action="store_true",
+                        help="leave out the msprobe columns even where mindstudio-probe is installed")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     repeats = args.repeats
@@ -358,27 +386,27 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     _time_sketches()
     tensor_models = set(args.tensor_models.split(","))
+    with_msprobe = msprobe_variants.available() and not args.no_msprobe and not args.sketch_only
     dump_root = tempfile.mkdtemp(prefix="probe-bench-")
     results = []
     try:
         for key in models:
             print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
             results.append(bench_model(key, repeats, key in tensor_models, dump_root, args.sketch_only,
-                                       args.device, not args.no_count))
+                                       args.device, not args.no_count, with_msprobe))
     finally:
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if args.json:
         print(json.dumps({"torch": torch.__version__, "threads": 1, "load_average": load,
-                          "device": args.device, "msprobe": msprobe_available(),
+                          "device": args.device, "msprobe": msprobe_variants.version() if with_msprobe else None,
                           "optimizer": "SGD(lr=0.01)", "results": results}, indent=2))
     else:
         print(format_table(results))
         print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), median of at least "
               f"{repeats} interleaved steps per variant, 1-minute load average at the end "
               f"{load:.2f}, device {args.device}")
-        print("no msprobe column: this benchmark does not drive msprobe yet (mindstudio-probe "
-              f"importable here: {'yes' if msprobe_available() else 'no'})")
+        print(msprobe_footer(with_msprobe, args))
     return 0
 
 
