@@ -115,6 +115,45 @@ def value_type(value) -> str:
     return ""
 
 
+#: types whose equal values always encode alike (so a value's text can be remembered):
+#: not float (0.0 == -0.0), not tuple or list (1 == 1.0 == True inside them; see
+#: describe_value)
+_MEMO_TYPES = frozenset({int, str, bool, type(None), torch.dtype, torch.device, torch.Size})
+#: (type, value) -> (text, value_type); the same few values (eps, dims, reduction names,
+#: dtypes) come back in every step
+_described: dict = {}
+_MEMO_LIMIT = 50_000
+
+
+def describe_value(value) -> tuple[str, str] | None:
+    """(encode_value(value), value_type(value)) of a non-tensor value, or None when it is
+    not a value probe records. Plain scalars, dtypes, devices and shapes are remembered."""
+    kind = type(value)
+    key = None
+    if kind in _MEMO_TYPES or (kind is float and value != 0.0 and value == value):
+        key = (kind, value)
+    elif kind is tuple:
+        # a shape or a list of dims: equal tuples with items of the same types encode
+        # alike, floats aside; a nested tuple is not recorded whatever it holds
+        types = tuple(map(type, value))
+        if float not in types:
+            key = (kind, value, types)
+    if key is not None:
+        try:
+            described = _described.get(key)
+        except TypeError:  # an unhashable item
+            key = described = None
+        if described is not None:
+            return described
+    text = encode_value(value)
+    if text is None:
+        return None
+    described = (text, value_type(value))
+    if key is not None and len(_described) < _MEMO_LIMIT:
+        _described[key] = described
+    return described
+
+
 def _float_text(value: float) -> str:
     if math.isfinite(value):
         return repr(value)
