@@ -89,16 +89,16 @@ class ApiCaptureMode(TorchFunctionMode):
         self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
         try:
             name = _names.get(func, _MISSING)
         except TypeError:
             name = _op_name(func)
         if name is _MISSING:
             name = _op_name(func)
-        if name is None:
-            return func(*args, **kwargs)
+        if name is None:  # attribute reads and metadata: most calls the mode sees
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs is None:
+            kwargs = {}
         rec = self.recorder
         stack = rec.module_stack
         module = stack[-1] if stack else ""
@@ -285,12 +285,22 @@ def _hook_nodes(rec, call, nodes, edges):
             node.register_hook(_partial(_on_backward, rec, generation, call, outs, None))
         return
     # next_functions builds a new tuple of wrappers on every read: read each node's once
-    next_functions = [node.next_functions for node, _ in nodes]
-    mappings = [_match_inputs(found, edges) for found in next_functions]
-    if not (COMPOSITE_GRAD_INPUT and None in mappings):
-        for (node, outs), mapping in zip(nodes, mappings):
+    if len(nodes) == 1:  # most calls: one node made every output
+        node, outs = nodes[0]
+        first = node.next_functions
+        mapping = _match_inputs(first, edges)
+        if mapping is not None or not COMPOSITE_GRAD_INPUT:
             node.register_hook(_partial(_on_backward, rec, generation, call, outs, mapping))
-        return
+            return
+        next_functions = (first,)
+    else:
+        next_functions = [node.next_functions for node, _ in nodes]
+        mappings = [_match_inputs(found, edges) for found in next_functions]
+        if not (COMPOSITE_GRAD_INPUT and None in mappings):
+            for (node, outs), mapping in zip(nodes, mappings):
+                node.register_hook(_partial(_on_backward, rec, generation, call, outs,
+                                            mapping))
+            return
     # the call ran as several autograd nodes: find its own edges into its inputs
     found = _composite_edges([node for node, _ in nodes], next_functions, edges)
     shared = None
