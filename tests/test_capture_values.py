@@ -2,11 +2,13 @@
 are exactly what encoding it afresh gives."""
 
 import enum
+import os
+import sys
 
 import torch
 
 from probe.capture import values
-from probe.capture.values import describe_value, encode_value, value_type
+from probe.capture.values import SourceLocator, describe_value, encode_value, value_type
 
 
 class Color(enum.IntEnum):
@@ -40,3 +42,39 @@ def test_the_value_memo_is_bounded(monkeypatch):
     for number in range(10):
         assert describe_value(number) == (str(number), "")
     assert len(values._described) == 3
+
+
+INTERNAL_CODE = '''
+def loop(locate, times):
+    return [locate(1) for _ in range(times)]  # a loop inside "torch"
+
+def resumable(locate):
+    while True:
+        yield locate(1)  # a generator: resumed from wherever next() is called
+'''
+
+
+def test_remembered_source_walk_follows_each_caller_of_internal_loops_and_generators(
+        tmp_path, monkeypatch):
+    (tmp_path / "fake_internal.py").write_text(INTERNAL_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(values, "_INTERNAL_ROOTS", values._INTERNAL_ROOTS + (str(tmp_path),))
+    import fake_internal
+
+    locate = SourceLocator()
+    here = os.path.relpath(__file__)
+    first = fake_internal.loop(locate, 3); line_first = _line()
+    second = fake_internal.loop(locate, 2); line_second = _line()
+    assert first == [f"{here}:{line_first}"] * 3
+    assert second == [f"{here}:{line_second}"] * 2
+    generator = fake_internal.resumable(locate)
+    a = next(generator); line_a = _line()
+    b = next(generator); line_b = _line()
+    assert (a, b) == (f"{here}:{line_a}", f"{here}:{line_b}")
+    locate.forget()
+    assert locate._start is None
+
+
+def _line() -> int:
+    """The caller's line number."""
+    return sys._getframe(1).f_lineno

@@ -88,6 +88,10 @@ class ApiCaptureMode(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
 
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.recorder.locate.forget()  # the source walk may hold a frame of the user's code
+        return super().__exit__(exc_type, exc_value, traceback)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         try:
             name = _names.get(func, _MISSING)
