@@ -56,7 +56,9 @@ _names = naming._cache
 _MISSING = naming._MISSING
 _op_name = naming.op_name
 _PLAIN = (int, float, bool, str, type(None))
+_partial = functools.partial
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
+_GRAD_SLOTS = tuple("grad_" + slot for slot in _INPUT_SLOTS)
 
 #: record grad_input.N of composite calls (several autograd nodes) too. On: compare judges
 #: a backward call against its grad_output and the records of the same call's forward, so a
@@ -86,17 +88,21 @@ class ApiCaptureMode(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
 
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.recorder.locate.forget()  # the source walk may hold a frame of the user's code
+        return super().__exit__(exc_type, exc_value, traceback)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
         try:
             name = _names.get(func, _MISSING)
         except TypeError:
             name = _op_name(func)
         if name is _MISSING:
             name = _op_name(func)
-        if name is None:
-            return func(*args, **kwargs)
+        if name is None:  # attribute reads and metadata: most calls the mode sees
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs is None:
+            kwargs = {}
         rec = self.recorder
         stack = rec.module_stack
         module = stack[-1] if stack else ""
@@ -117,7 +123,8 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     counts[counter] = index + 1
     seq = namer.seq
     namer.seq = seq + 1
-    call = ("api", module, name, index, "forward", seq, rec.locate(1), decision,
+    # frames 1 and 2 are this function and __torch_function__: start at the caller of torch
+    call = ("api", module, name, index, "forward", seq, rec.locate(3), decision,
             f"{module}/{name}#{index}/forward/")
     rec.calls += 1
     add = rec.add
@@ -137,8 +144,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                 else:
                     rec.add_tree(call, "kwarg." + key, "in", arg)
     track = filt.backward and _is_grad_enabled()
-    before = _grad_edges(args, kwargs) if track else None
-    edges = before if filt.backward_out else None
+    edges = _grad_edges(args, kwargs) if track else None
     out = func(*args, **kwargs)
     produced = out
     written = out is None or name.startswith("distributed.")
@@ -150,20 +156,29 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
         else:
             # collectives write their buffers without a version bump: never trust the cache
             rec.add_output(call, "out", produced, fresh=written)
-    if track and not _returns_an_input(produced, before):
-        _hook_backward(rec, call, produced, edges)
+    if track:
+        if isinstance(produced, Tensor):
+            # one tensor out (most calls): the common case without the structure walk
+            if produced.requires_grad:
+                node = produced.grad_fn
+                if node is not None and not (edges and _returns_an_input(produced, node, edges)):
+                    _hook_nodes(rec, call, ((node, ((produced.output_nr, "grad_output.0"),)),),
+                                edges if filt.backward_out else None)
+        elif isinstance(produced, (tuple, list)):
+            _hook_backward(rec, call, produced, edges if filt.backward_out else None)
     return out
 
 
-def _returns_an_input(produced, edges) -> bool:
+def _returns_an_input(produced, node, edges) -> bool:
     """The call computed nothing: it returned one of its inputs as it was (``x.to(x.dtype)``,
     ``x.contiguous()`` on a contiguous x). Its output's autograd node is the input's producer,
     so a hook there would record the gradient summed over every use of that tensor, not
     this call's: such a call records no backward (an in-place op returns its input too, but
     with a new node, and keeps its backward)."""
-    if not edges or not isinstance(produced, Tensor):
-        return False
-    return any(tensor is produced and grad_fn is produced.grad_fn for _, grad_fn, _, tensor in edges)
+    for _, grad_fn, _, tensor in edges:
+        if tensor is produced and grad_fn is node:
+            return True
+    return False
 
 
 def _written_argument(func, name, args, kwargs, out):
@@ -189,49 +204,56 @@ def _signature(func):
 
 
 def _grad_edges(args, kwargs):
-    """(slot, grad_fn, output_nr, tensor) of each input requiring grad, taken before the call."""
+    """(grad slot, grad_fn, output_nr, tensor) of each input requiring grad, taken before the
+    call; None when there is none. The grad slot is "grad_input.N" ("grad_input.N.M" inside a
+    list, "grad_input.<name>" for a keyword)."""
     edges = None
-    for position, arg in enumerate(args):
+    position = 0
+    for arg in args:
         if isinstance(arg, Tensor):
             if arg.requires_grad:
                 if edges is None:
                     edges = []
-                edges.append((_INPUT_SLOTS[position] if position < 64 else f"input.{position}",
-                              arg.grad_fn, arg.output_nr, arg))
+                edges.append((_GRAD_SLOTS[position] if position < 64
+                              else f"grad_input.{position}", arg.grad_fn, arg.output_nr, arg))
         elif isinstance(arg, (list, tuple)):
-            for inner, item in enumerate(arg):
+            inner = 0
+            for item in arg:
                 if isinstance(item, Tensor) and item.requires_grad:
                     if edges is None:
                         edges = []
-                    edges.append((f"input.{position}.{inner}", item.grad_fn, item.output_nr, item))
-    for key, arg in kwargs.items():
-        if isinstance(arg, Tensor) and arg.requires_grad:
-            if edges is None:
-                edges = []
-            edges.append(("input." + key, arg.grad_fn, arg.output_nr, arg))
+                    edges.append((f"grad_input.{position}.{inner}", item.grad_fn,
+                                  item.output_nr, item))
+                inner += 1
+        position += 1
+    if kwargs:
+        for key, arg in kwargs.items():
+            if isinstance(arg, Tensor) and arg.requires_grad:
+                if edges is None:
+                    edges = []
+                edges.append(("grad_input." + key, arg.grad_fn, arg.output_nr, arg))
     return edges
 
 
-def _match_inputs(node, edges) -> tuple | None:
-    """[(position in node inputs, grad slot)] when node's inputs are exactly the call's."""
-    if not edges:
-        return None
+def _match_inputs(next_functions, edges) -> tuple | None:
+    """((position in node inputs, grad slot), ...) when a node's inputs (its next_functions)
+    are exactly the call's, else None."""
     mapping = []
-    used = set()
-    for position, (fn, output_nr) in enumerate(node.next_functions):
+    used = set()  # grad slots (unique per call)
+    for position, (fn, output_nr) in enumerate(next_functions):
         if fn is None:
             continue
         for slot, grad_fn, edge_nr, tensor in edges:
             if slot in used:
                 continue
             if grad_fn is not None:
-                hit = fn is grad_fn and output_nr == edge_nr
-            else:
-                hit = getattr(fn, "variable", None) is tensor
-            if hit:
-                used.add(slot)
-                mapping.append((position, "grad_" + slot))
-                break
+                if fn is not grad_fn or output_nr != edge_nr:
+                    continue
+            elif getattr(fn, "variable", None) is not tensor:
+                continue
+            used.add(slot)
+            mapping.append((position, slot))
+            break
         else:
             return None  # an input of the node was made inside the call: composite op
     if len(used) != len(edges):
@@ -240,49 +262,72 @@ def _match_inputs(node, edges) -> tuple | None:
 
 
 def _hook_backward(rec, call, produced, edges):
-    if isinstance(produced, Tensor):
-        if not produced.requires_grad:
-            return
-        node = produced.grad_fn
+    """Backward hooks of a call that returned a tuple or list of tensors."""
+    nodes = []
+    for slot, tensor in _output_tensors(produced):
+        if not tensor.requires_grad:
+            continue
+        node = tensor.grad_fn
         if node is None:
-            return
-        nodes = [(node, [(produced.output_nr, "grad_output.0")])]
-    elif isinstance(produced, (tuple, list)):
-        nodes = []
-        for slot, tensor in _output_tensors(produced):
-            if not tensor.requires_grad:
-                continue
-            node = tensor.grad_fn
-            if node is None:
-                continue
-            for entry in nodes:
-                if entry[0] is node:
-                    entry[1].append((tensor.output_nr, "grad_" + slot))
-                    break
-            else:
-                nodes.append((node, [(tensor.output_nr, "grad_" + slot)]))
-    else:
-        return
-    mappings = [_match_inputs(node, edges) for node, _ in nodes] if edges else None
-    composite = COMPOSITE_GRAD_INPUT and mappings is not None and None in mappings
+            continue
+        for entry in nodes:
+            if entry[0] is node:
+                entry[1].append((tensor.output_nr, "grad_" + slot))
+                break
+        else:
+            nodes.append((node, [(tensor.output_nr, "grad_" + slot)]))
+    if nodes:
+        _hook_nodes(rec, call, [(node, tuple(outs)) for node, outs in nodes], edges)
+
+
+def _hook_nodes(rec, call, nodes, edges):
+    """Register the hooks of one call: nodes are (node, ((output_nr, grad slot), ...)) of the
+    nodes that made its outputs; edges (_grad_edges) None when grad_input is not wanted."""
     generation = rec.generation
-    for position, (node, outs) in enumerate(nodes):
-        mapping = None if composite or not mappings else mappings[position]
-        node.register_hook(functools.partial(_on_backward, rec, generation, call, tuple(outs),
-                                             mapping))
-    if composite:
-        # the call ran as several autograd nodes: find its own edges into its inputs
-        # (registered after the grad_output hooks, which fire first on a shared node)
-        found = _composite_edges([node for node, _ in nodes], edges)
-        if found:
-            counts = _edge_counts(found)
-            shared = None
-            if any(count > 1 for count in counts.values()):
-                shared = _CallBackward()
-                shared.edges = {slot: count for slot, count in counts.items() if count > 1}
-            for node, positions in found:
-                node.register_hook(functools.partial(_on_input_grads, rec, generation, call,
-                                                     shared, positions))
+    if not edges:
+        for node, outs in nodes:
+            node.register_hook(_partial(_on_backward, rec, generation, call, outs, None))
+        return
+    # next_functions builds a new tuple of wrappers on every read: read each node's once
+    if len(nodes) == 1:  # most calls: one node made every output
+        node, outs = nodes[0]
+        first = node.next_functions
+        mapping = _match_inputs(first, edges)
+        if mapping is not None or not COMPOSITE_GRAD_INPUT:
+            node.register_hook(_partial(_on_backward, rec, generation, call, outs, mapping))
+            return
+        next_functions = (first,)
+    else:
+        next_functions = [node.next_functions for node, _ in nodes]
+        mappings = [_match_inputs(found, edges) for found in next_functions]
+        if not (COMPOSITE_GRAD_INPUT and None in mappings):
+            for (node, outs), mapping in zip(nodes, mappings):
+                node.register_hook(_partial(_on_backward, rec, generation, call, outs,
+                                            mapping))
+            return
+    # the call ran as several autograd nodes: find its own edges into its inputs
+    found = _composite_edges([node for node, _ in nodes], next_functions, edges)
+    shared = None
+    if found:
+        counts = _edge_counts(found)
+        if any(count > 1 for count in counts.values()):
+            shared = _CallBackward()
+            shared.edges = {slot: count for slot, count in counts.items() if count > 1}
+    # an output node that is also one of those nodes gets one hook doing both, grad_output
+    # first (as two hooks registered in that order would)
+    inputs_of = {id(node): positions for node, positions in found} if found else {}
+    for node, outs in nodes:
+        positions = inputs_of.pop(id(node), None)
+        if positions is None:
+            node.register_hook(_partial(_on_backward, rec, generation, call, outs, None))
+        else:
+            node.register_hook(_partial(_on_output_and_input_grads, rec, generation, call,
+                                        outs, shared, positions))
+    if inputs_of:
+        for node, positions in found:
+            if id(node) in inputs_of:
+                node.register_hook(_partial(_on_input_grads, rec, generation, call, shared,
+                                            positions))
 
 
 class _CallBackward:
@@ -310,68 +355,78 @@ class _CallBackward:
 _WALK_LIMIT = 64
 
 
-def _composite_edges(out_nodes, edges):
+def _composite_edges(out_nodes, out_next_functions, edges):
     """[(node, ((position, grad slot), ...))] for the edges inside the call's own autograd
     nodes that lead to one of its inputs; None when there are none or the walk is too big.
+    out_next_functions: each output node's next_functions, already read.
 
     The walk starts at the output nodes and stops at the inputs' nodes (a non-leaf input's
     grad_fn, a leaf's AccumulateGrad), at nodes older than every input's node (they belong to
     earlier calls: autograd numbers nodes in creation order) and after _WALK_LIMIT nodes.
     """
-    by_node: dict = {}  # id(input grad_fn) -> [(output_nr, slot)]
-    by_leaf: dict = {}  # id(leaf tensor) -> [slot]
+    by_edge: dict = {}  # (id(input grad_fn), output_nr) -> [grad slot]
+    by_leaf: dict = {}  # id(leaf tensor) -> [grad slot]
+    input_nodes = set()  # input nodes stay alive while this runs: edges holds them
     oldest = -1
     for slot, grad_fn, output_nr, tensor in edges:
         if grad_fn is None:
-            by_leaf.setdefault(id(tensor), []).append(slot)
+            key = id(tensor)
+            slots = by_leaf.get(key)
+            if slots is None:
+                by_leaf[key] = [slot]
+            else:
+                slots.append(slot)
         else:
-            by_node.setdefault(id(grad_fn), []).append((output_nr, slot))
+            key = (id(grad_fn), output_nr)
+            slots = by_edge.get(key)
+            if slots is None:
+                by_edge[key] = [slot]
+            else:
+                slots.append(slot)
+            input_nodes.add(id(grad_fn))
             number = _sequence_nr(grad_fn)
             if number > oldest:
                 oldest = number
     for node in out_nodes:
         # an output that is an input (x.contiguous() of a contiguous x) made no node here
-        if id(node) in by_node or _sequence_nr(node) <= oldest:
+        if id(node) in input_nodes or _sequence_nr(node) <= oldest:
             return None
-    found = []
-    stack = list(out_nodes)
-    seen = compat.NodeSet(out_nodes)  # the nodes, not their ids: ids are reused up to 2.12
+    result = []
+    stack = list(zip(out_nodes, out_next_functions))
+    # the nodes, not only their ids (compat.NodeSet: ids are reused up to torch 2.12)
+    seen = {id(node): node for node in out_nodes}
     while stack:
-        node = stack.pop()
-        positions = []
-        for position, (fn, output_nr) in enumerate(node.next_functions):
+        node, next_functions = stack.pop()
+        if next_functions is None:
+            next_functions = node.next_functions
+        # the same tensor passed in two slots (x * x) is one autograd edge: which slot the
+        # gradient belongs to is not defined, so such slots get no grad_input
+        kept = None
+        for position, (fn, output_nr) in enumerate(next_functions):
             if fn is None:
                 continue
-            hits = by_node.get(id(fn))  # input nodes stay alive: edges holds them
-            if hits is not None:
-                slots = [slot for number, slot in hits if number == output_nr]
-                if slots:
-                    positions.append((position, slots))
+            slots = by_edge.get((id(fn), output_nr))
+            if slots is None:
+                variable = getattr(fn, "variable", None)  # only AccumulateGrad has one
+                if variable is not None:
+                    slots = by_leaf.get(id(variable))
+                    if slots is None:
+                        continue
+                elif id(fn) in seen or _sequence_nr(fn) <= oldest:
                     continue
-            variable = getattr(fn, "variable", None)  # only AccumulateGrad has one
-            if variable is not None:
-                slots = by_leaf.get(id(variable))
-                if slots:
-                    positions.append((position, slots))
-                continue
-            if fn in seen or _sequence_nr(fn) <= oldest:
-                continue
-            seen.add(fn)
-            if len(seen) > _WALK_LIMIT:
-                return None
-            stack.append(fn)
-        if positions:
-            found.append((node, positions))
-    if not found:
-        return None
-    # the same tensor passed in two slots (x * x) is one autograd edge: which slot the
-    # gradient belongs to is not defined, so such slots get no grad_input
-    result = []
-    for node, positions in found:
-        kept = tuple((position, "grad_" + slots[0]) for position, slots in positions
-                     if len(slots) == 1)
-        if kept:
-            result.append((node, kept))
+                else:
+                    seen[id(fn)] = fn
+                    if len(seen) > _WALK_LIMIT:
+                        return None
+                    stack.append((fn, None))
+                    continue
+            if len(slots) == 1:
+                if kept is None:
+                    kept = [(position, slots[0])]
+                else:
+                    kept.append((position, slots[0]))
+        if kept is not None:
+            result.append((node, tuple(kept)))
     return result or None
 
 
@@ -418,6 +473,15 @@ def _on_input_grads(rec, generation, forward_call, shared, positions, grad_input
             call = rec.call(kind, module, op, index, "backward", source, decision)
             for slot, grad in ready:
                 rec.add(call, slot, "out", grad)
+
+
+def _on_output_and_input_grads(rec, generation, forward_call, outs, shared, positions,
+                               grad_inputs, grad_outputs):
+    """An output node that is also one of a composite call's nodes with edges into its
+    inputs: the grad_output event, then the grad_input event, as two hooks would."""
+    _on_backward(rec, generation, forward_call, outs, None, grad_inputs, grad_outputs)
+    _on_input_grads(rec, generation, forward_call, shared, positions, grad_inputs,
+                    grad_outputs)
 
 
 def _output_tensors(produced):

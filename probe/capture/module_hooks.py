@@ -112,6 +112,7 @@ class ModuleHooks:
         for handle in handles:
             handle.remove()
         self._open_calls.clear()
+        self.recorder.locate.forget()
 
     # ------------------------------------------------------------------ forward
 

@@ -35,7 +35,7 @@ from probe.capture.host_batch import HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
-from probe.capture.values import SourceLocator, encode_value, flatten, value_type
+from probe.capture.values import SourceLocator, describe_value, flatten
 from probe.config import Config
 from probe.dump.schema import COLUMN_NAMES
 from probe.errors import DumpError, ProbeError
@@ -140,9 +140,9 @@ class Recorder:
         fresh: the tensor was written without a version bump (a collective's buffer), so
         its cached statistics are stale: compute them again and replace the cache entry.
         """
-        if call[7] == BY_KEY and not self.filter.key_wanted(call[2], call[8] + slot):
+        kind, module, op, index, phase, seq, source, decision, prefix = call
+        if decision == BY_KEY and not self.filter.key_wanted(op, prefix + slot):
             return
-        kind, module, op, index, phase, seq, source, _, prefix = call
         if isinstance(value, Tensor):
             try:
                 cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
@@ -161,12 +161,11 @@ class Recorder:
                 if len(self._pending) >= PENDING_LIMIT:
                     self._resolve_pending()
             return
-        text = encode_value(value)
-        if text is not None:
+        described = describe_value(value)  # (JSON text, value_type)
+        if described is not None:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
-                              "", text,
-                              NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
-                              "" if type(value) in _PLAIN else value_type(value), None))
+                              "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
+                              described[1], None))
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
         """Records for every leaf of a nested structure under prefix (see values.flatten)."""

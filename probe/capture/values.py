@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import json
 import math
 import numbers
@@ -115,6 +116,45 @@ def value_type(value) -> str:
     return ""
 
 
+#: types whose equal values always encode alike (so a value's text can be remembered):
+#: not float (0.0 == -0.0), not tuple or list (1 == 1.0 == True inside them; see
+#: describe_value)
+_MEMO_TYPES = frozenset({int, str, bool, type(None), torch.dtype, torch.device, torch.Size})
+#: (type, value) -> (text, value_type); the same few values (eps, dims, reduction names,
+#: dtypes) come back in every step
+_described: dict = {}
+_MEMO_LIMIT = 50_000
+
+
+def describe_value(value) -> tuple[str, str] | None:
+    """(encode_value(value), value_type(value)) of a non-tensor value, or None when it is
+    not a value probe records. Plain scalars, dtypes, devices and shapes are remembered."""
+    kind = type(value)
+    key = None
+    if kind in _MEMO_TYPES or (kind is float and value != 0.0 and value == value):
+        key = (kind, value)
+    elif kind is tuple:
+        # a shape or a list of dims: equal tuples with items of the same types encode
+        # alike, floats aside; a nested tuple is not recorded whatever it holds
+        types = tuple(map(type, value))
+        if float not in types:
+            key = (kind, value, types)
+    if key is not None:
+        try:
+            described = _described.get(key)
+        except TypeError:  # an unhashable item
+            key = described = None
+        if described is not None:
+            return described
+    text = encode_value(value)
+    if text is None:
+        return None
+    described = (text, value_type(value))
+    if key is not None and len(_described) < _MEMO_LIMIT:
+        _described[key] = described
+    return described
+
+
 def _float_text(value: float) -> str:
     if math.isfinite(value):
         return repr(value)
@@ -180,29 +220,53 @@ _INTERNAL_ROOTS = tuple(
 )
 
 
-class SourceLocator:
-    """``file:line`` of the first frame outside torch and probe, walking out from the caller."""
+#: code flags of frames that can be resumed from another caller (their f_back changes)
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
-    __slots__ = ("_names",)
+
+class SourceLocator:
+    """``file:line`` of the first frame outside torch and probe, walking out from the caller.
+
+    The walk from torch code to the user's line passes several frames (an nn.Module call is
+    four), each made into a frame object on the way. A loop inside torch (an optimizer's
+    per-parameter loop) starts every walk at the same internal frame: while that frame runs,
+    the frames above it stay where they were, so its answer is remembered until the walk
+    starts somewhere else (the frame is held until then; forget() lets it go).
+    """
+
+    __slots__ = ("_names", "_start", "_text")
 
     def __init__(self) -> None:
         self._names: dict = {}  # code object -> display file name, or None for internal code
+        self._start = None  # the internal frame the last walk started at
+        self._text = ""  # that walk's answer
 
     def __call__(self, depth: int = 2) -> str:
         try:
             frame = sys._getframe(depth)
         except ValueError:
             return ""
+        if frame is self._start:
+            return self._text
         names = self._names
+        start = frame
         while frame is not None:
             code = frame.f_code
             name = names.get(code, False)
             if name is False:
                 name = names[code] = _display_name(code.co_filename)
             if name is not None:
-                return f"{name}:{frame.f_lineno}"
+                text = f"{name}:{frame.f_lineno}"
+                if frame is not start and not start.f_code.co_flags & _RESUMABLE:
+                    self._start, self._text = start, text
+                return text
             frame = frame.f_back
         return ""
+
+    def forget(self) -> None:
+        """Drop the remembered frame (at the end of a capture: it holds its locals)."""
+        self._start = None
+        self._text = ""
 
 
 def _display_name(filename: str) -> str | None:
