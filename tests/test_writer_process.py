@@ -211,6 +211,38 @@ def test_a_killed_writer_process_is_a_dump_error_naming_the_step_not_a_hang(tmp_
     assert dump.steps == [0, 2] and dump.incomplete == []  # stopped before it began step 1
 
 
+def test_ctrl_c_while_handing_over_a_step_loses_only_that_step(tmp_path):
+    from scripts_dump.dumpkit import root_attrs, rows_for
+
+    process = background.shared_process()
+    pending = background.PendingSteps()
+    job = lambda step, rows: {"dump_path": str(tmp_path), "step": step, "rank": 0,  # noqa: E731
+                              "attrs": root_attrs("statistics"), "extra": {}, "rows": rows}
+    pending.submit(job(0, rows_for(3)), str(tmp_path / "step0" / "rank0.h5"))
+    assert pending.pop_done(block=True)[2] is None
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    os.kill(process.pid, signal.SIGSTOP)  # the pipe fills up: the hand-over blocks half-way
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            pending.submit(job(1, rows_for(30_000)), str(tmp_path / "step1" / "rank0.h5"))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.kill(process.pid, signal.SIGCONT)
+    step, path, error = pending.pop_done(block=True)
+    assert step == 1 and path is None
+    assert "interrupted while it was handed to the writer process" in str(error)
+    assert _wait_gone(process.pid, 10)  # it saw end of file inside the half message
+    pending.submit(job(2, rows_for(3)), str(tmp_path / "step2" / "rank0.h5"))  # a new process
+    assert pending.pop_done(block=True) == (2, str(tmp_path / "step2" / "rank0.h5"), None)
+    assert probe.load(tmp_path).steps == [0, 2]
+
+
 # ------------------------------------------------------------------ lifetime
 
 def _script(tmp_path, body):

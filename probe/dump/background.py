@@ -80,25 +80,47 @@ class WriterProcess:
         self._orphans: dict[int, int] = {}
         #: why the process is gone (None while it runs)
         self.failure: str | None = None
+        #: why this handle sends no more steps (an interrupted hand-over), None while it does
+        self._abandoned: str | None = None
 
     @property
     def usable(self) -> bool:
-        return self.failure is None and self._owner == os.getpid()
+        return self.failure is None and self._abandoned is None and self._owner == os.getpid()
 
-    def submit(self, job: dict, path: str) -> int:
-        """Hand one step file to the process; return its ticket. Blocks only while the pipe
-        is full (the process then holds several steps already)."""
+    def _abandon(self, why: str, ticket: int | None = None) -> None:
+        """Send nothing more: the process writes what it received whole and ends; this
+        handle still collects its replies. ticket: the step that is lost."""
+        self._abandoned = why
+        try:
+            self._requests.close()
+        except OSError:
+            pass
+        if ticket is not None:
+            self._unanswered.pop(ticket, None)
+            self._results[ticket] = (None, why)
+
+    def ticket(self, path: str) -> int:
+        """A new ticket for the file at path, to send() next."""
         with self._send_lock:
             ticket = self._next_ticket
             self._next_ticket += 1
             self._unanswered[ticket] = os.path.abspath(path)
+        return ticket
+
+    def send(self, ticket: int, job: dict) -> None:
+        """Hand one step file to the process. Blocks only while the pipe is full (the
+        process then holds several steps already)."""
+        with self._send_lock:
             payload = pickle.dumps((ticket, job), protocol=pickle.HIGHEST_PROTOCOL)
             if self.failure is None:
                 try:
                     self._requests.send_bytes(payload)
                 except OSError:  # the process is gone: its reply pipe says how
                     self._read_replies(block_for=ticket)
-        return ticket
+                except BaseException:  # Ctrl-C half-way: the process gets end of file there
+                    self._abandon(f"interrupted while it was handed to the writer process "
+                                  f"(pid {self.pid})", ticket)
+                    raise
 
     def result(self, ticket: int, block: bool) -> tuple[str | None, str | None] | None:
         """(path, None) or (None, error message) once the ticket's file is done, else None
@@ -123,6 +145,14 @@ class WriterProcess:
                     self._answered(ticket, path, error)
             except (EOFError, OSError):
                 self._died()
+            except BaseException:  # Ctrl-C mid-reply: the replies that follow cannot be trusted
+                self._abandon(f"interrupted while waiting for the writer process (pid "
+                              f"{self.pid}); it may still have written this step's file: see "
+                              "`probe inspect`")
+                self.failure = self._abandoned
+                for ticket in list(self._unanswered):
+                    self._answered(ticket, None, self.failure)
+                raise
             if self.failure is not None:
                 for ticket in list(self._unanswered):
                     self._answered(ticket, None, self.failure)
@@ -171,7 +201,10 @@ class WriterProcess:
         if self._owner != os.getpid():
             return
         with self._send_lock:
-            self._requests.close()
+            try:
+                self._requests.close()
+            except OSError:
+                pass
         try:
             self._process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -240,7 +273,9 @@ class PendingSteps:
         """Hand over one step (job as worker.write_job takes it); path: where it will be."""
         job = dict(job, attrs=_plain(job["attrs"]), extra=_plain(job["extra"]))
         process = shared_process()
-        self._items.append((process, process.submit(job, path), job["step"], path))
+        ticket = process.ticket(path)
+        self._items.append((process, ticket, job["step"], path))  # even if send() is interrupted
+        process.send(ticket, job)
 
     def full(self) -> bool:
         return len(self._items) >= self.max_in_flight
