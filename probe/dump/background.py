@@ -22,6 +22,7 @@ one write to a pipe.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import pickle
 import signal
@@ -40,7 +41,8 @@ _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux), absent from the fcntl module
 #: seconds interpreter exit waits for the writer process after handing it its last step
 EXIT_WAIT_SECONDS = 600
 
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+#: the child imports what this process would: this process's sys.path comes first
+_BOOT = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
          "from probe.dump.worker import main; sys.exit(main(sys.argv[2:]))")
 
 
@@ -56,7 +58,8 @@ class WriterProcess:
             _grow_pipe(request_write)
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             self._process = subprocess.Popen(
-                [sys.executable or "python", "-c", _BOOT, root, str(request_read),
+                [sys.executable or "python", "-c", _BOOT, json.dumps([root, *sys.path]),
+                 str(request_read),
                  str(reply_write), str(os.getpid())],
                 pass_fds=(request_read, reply_write), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, close_fds=True)
