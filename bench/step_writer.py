@@ -144,7 +144,7 @@ def synthetic_rows(count: int, sketch: int = 16) -> list[tuple]:
 def profile(repeats: int = 30) -> None:
     import h5py
 
-    from probe.dump import schema, writer
+    from probe.dump import writer
 
     attrs = {name: "x" for name in writer.REQUIRED_ATTRS}
     attrs.update(schema_version=2, step=0, rank=0, world_size=1, config={"task": "statistics"},
