@@ -37,6 +37,9 @@ INDEX_MAX = 2**31 - 1
 MAX_SELECTED = 1_000_000
 BUFFER_MB_MAX = 1_048_576
 WRITE_ERROR_POLICIES = ("raise", "warn")
+#: who writes statistics/checksum step files: a writer process, step() itself, or the process
+#: where this process may run on two CPUs or more (probe/dump/background.py)
+WRITERS = ("auto", "process", "inline")
 #: a config file larger than this is refused before it is parsed (a 120 MB file took 50 s)
 MAX_CONFIG_BYTES = 1 << 20
 #: sketch_size: numbers per tensor of the random-projection sketch (probe/capture/sketch.py)
@@ -96,6 +99,10 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("on_write_error", "string", "raise", "raise | warn",
                 "when a step file cannot be written (disk full, ...): raise DumpError at "
                 "step(), or warn once and keep training; never raised inside forward/backward"),
+        KeySpec("writer", "string", "auto", "auto | process | inline",
+                "who writes a statistics/checksum step file: a writer process while the next "
+                "step trains (process), step() itself (inline), or process when this process "
+                "may use two CPUs or more (auto); task tensor always writes inline"),
         KeySpec("sketch_size", "int", 16, f"0 .. {SKETCH_SIZE_MAX}",
                 "numbers per tensor of the random-projection sketch that lets compare measure "
                 "errors from a statistics dump; 0 = no sketch"),
@@ -268,6 +275,7 @@ class Config:
     random_on_cpu: bool = False
     stop_on_nonfinite: bool = False
     on_write_error: str = "raise"
+    writer: str = "auto"
     sketch_size: int = 16
     source: str = field(default="<defaults>", compare=False)
     _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
@@ -291,6 +299,7 @@ class Config:
             "stop_on_nonfinite": self._flag(src, "stop_on_nonfinite", self.stop_on_nonfinite),
             "on_write_error": _choice(src, "on_write_error", self.on_write_error,
                                       WRITE_ERROR_POLICIES),
+            "writer": _choice(src, "writer", self.writer, WRITERS),
             "sketch_size": _bounded_int(src, "sketch_size", self.sketch_size, 0, SKETCH_SIZE_MAX),
             "source": src,
         }

@@ -15,13 +15,18 @@ Rules (docs/capture.md):
   would hook everything twice, and a stray stop() means the script's structure is not what
   its author thinks. step() while started stops first;
 * on a step or rank the config does not select, start() installs nothing at all;
-* step() writes ``{dump_path}/step{N}/rank{R}.h5`` (synchronously: a background thread
-  was measured to be slower, because the HDF5 work holds the GIL the training thread
-  needs); interpreter exit writes a step still open. A process killed mid-step leaves at
-  most ``rank{R}.<token>.h5.partial``, never a file that looks finished;
+* step() finishes ``{dump_path}/step{N}/rank{R}.h5``: with config ``writer`` "process"
+  (what "auto" picks on two CPUs or more; statistics and checksum) it hands the records to
+  this process's writer process (probe/dump/background.py) and returns, and the file is
+  written while the next step trains (a thread would not help: the HDF5 work holds the GIL
+  the training thread needs); with "inline", and always for task tensor, step() writes it.
+  wait(), close(), reading ``last_file``, interpreter exit, and probe.load in this process
+  wait for the files in flight. A process killed mid-step leaves at most
+  ``rank{R}.<token>.h5.partial``, never a file that looks finished;
 * a step file that cannot be written (disk full, ...) never raises inside the user's
-  forward, backward or optimizer step: storing stops, the step runs to its end, and step()
-  raises DumpError (``on_write_error: raise``, the default) or warns once (``warn``);
+  forward, backward or optimizer step: storing stops, the step runs to its end, and the next
+  step(), wait(), close() or read of last_file after the failure is known raises DumpError
+  naming the step (``on_write_error: raise``, the default) or warns once (``warn``);
 * one live debugger per dump_path and rank: the first selected start() takes a lock
   (writer.RankLock) that close() or the death of the process releases;
 * every step file carries this debugger's ``run_id``.
@@ -50,7 +55,7 @@ from probe.capture.host_batch import HostBatch
 from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
 from probe.capture.values import SourceLocator
-from probe.dump.schema import COLUMN_NAMES, SCHEMA_VERSION
+from probe.dump.schema import COLUMN_NAMES, SCHEMA_VERSION, step_file_path
 from probe.errors import CaptureError, DumpError, ProbeError
 from probe.seed import determinism_state, seed_all
 
@@ -89,7 +94,10 @@ class PrecisionDebugger:
         # arenas of small CPU tensors' statistics, reused step after step (capture/host_batch.py)
         self._host_batch = HostBatch(cfg.sketch_size) if recorder_module.HOST_BATCH else None
         self._collectives_checked = False  # warned (once) about collectives torch hides?
-        self.last_file: str | None = None  # the step file step() wrote last
+        self._last_file: str | None = None  # see last_file
+        #: steps handed to the writer process and not yet confirmed (config writer "process")
+        self._pending = None
+        self._no_process = False  # the writer process could not be started: write inline
         self.last_step_calls = 0  # API and module calls captured in that step
         self._nonfinite_stop: ProbeError | None = None  # stop_on_nonfinite: raised by step()
         # random_on_cpu: between start() and stop(); for the whole run when `probe run`
@@ -111,6 +119,24 @@ class PrecisionDebugger:
     @property
     def rank(self) -> int:
         return _current_rank()
+
+    @property
+    def last_file(self) -> str | None:
+        """Path of the step file written last (None when the last step could not be written).
+        Waits for the step files still being written, as wait() does."""
+        self.wait()
+        return self._last_file
+
+    @last_file.setter
+    def last_file(self, path: str | None) -> None:
+        self.wait()
+        self._last_file = path
+
+    def wait(self) -> None:
+        """Wait until every step file handed to the writer process is on disk (or failed).
+        A step that could not be written raises DumpError here (on_write_error "raise") or
+        warns (on_write_error "warn"), as step() would."""
+        self._deliver(block=True)
 
     def start(self, model: torch.nn.Module | None = None) -> None:
         """Begin (or resume) capturing the current step. model: the root nn.Module."""
@@ -200,17 +226,20 @@ class PrecisionDebugger:
             self.step()
 
     def close(self) -> None:
-        """Stop if started, write the open step's file (what the exit handler does) and
-        release the dump folder's lock."""
+        """Stop if started, write the open step's file (what the exit handler does), wait
+        for every step file in flight and release the dump folder's lock."""
         try:
             if self._started:
                 self.stop()
             if self._recorder is not None:
                 self._finish_step()
         finally:
-            lock, self._lock = self._lock, None
-            if lock is not None:
-                lock.release()
+            try:
+                self._deliver(block=True)
+            finally:
+                lock, self._lock = self._lock, None
+                if lock is not None:
+                    lock.release()
 
     # ------------------------------------------------------------------ internals
 
@@ -291,11 +320,12 @@ class PrecisionDebugger:
     def _finish_step(self) -> None:
         recorder, self._recorder = self._recorder, None
         if recorder is None:
+            self._deliver(block=False)
             return
         recorder.resolve()
         rows, recorder.rows = recorder.rows, []
         writer = recorder.writer
-        open_writer = recorder._open_writer
+        attrs = recorder.step_attrs
         device = recorder.device or "cpu"
         self.last_step_calls = recorder.calls
         recorder.end_step()
@@ -304,30 +334,95 @@ class PrecisionDebugger:
         if recorder.write_error is not None:
             if writer is not None:
                 writer.abort()
-            self._write_failed(recorder.write_error)
+            self._deliver(block=False)
+            self._write_failed(recorder.write_error, attrs["step"])
             return
+        if writer is None and self._in_background() and self._hand_over(rows, attrs, device):
+            path = step_file_path(self.config.dump_path, attrs["step"], attrs["rank"])
+        else:
+            path = self._write_inline(writer or recorder._open_writer(), rows, device)
+        if path is not None and self.config.stop_on_nonfinite:
+            from probe.nonfinite import stop_error
+
+            stop = stop_error(rows, COLUMN_NAMES, attrs["step"], attrs["rank"], path)
+            if stop is not None:
+                self._deliver(block=True)  # "its file is written": make it so first
+                if self._last_file == path:
+                    self._nonfinite_stop = stop
+
+    def _in_background(self) -> bool:
+        """Statistics and checksum steps go to the writer process (config writer)."""
+        choice = self.config.writer
+        if choice == "auto":
+            choice = "process" if _usable_cpus() >= 2 else "inline"
+        return choice == "process" and self.config.task != "tensor" and not self._no_process
+
+    def _write_inline(self, target, rows: list, device: str) -> str | None:
+        path = error = None
         try:
-            target = writer or open_writer()
             try:
                 target.add_rows(rows)
-                self.last_file = target.close({"device": device})
+                path = target.close({"device": device})
             except BaseException:
                 target.abort()
                 raise
-        except DumpError as error:
-            self._write_failed(error)
-            return
-        if self.config.stop_on_nonfinite:
-            from probe.nonfinite import stop_error
+        except DumpError as failure:
+            error = failure
+        if self._pending is not None and len(self._pending):
+            # steps are still with the writer process: report this one after them, in order
+            self._pending.add_done(target.step, path, error)
+            self._deliver(block=True)
+        elif error is not None:
+            self._write_failed(error, target.step)
+        else:
+            self._last_file = path
+        return path
 
-            self._nonfinite_stop = stop_error(rows, COLUMN_NAMES, recorder.step_attrs["step"],
-                                              recorder.step_attrs["rank"], self.last_file)
+    def _hand_over(self, rows: list, attrs: dict, device: str) -> bool:
+        """Give the step to the writer process; False when none can be started (then this
+        debugger writes inline from now on, and says so once)."""
+        from probe.dump import background
 
-    def _write_failed(self, error: DumpError) -> None:
+        if self._pending is None:
+            self._pending = background.PendingSteps()
+        if self._pending.full():
+            self._pending.wait_oldest()  # bounds memory; its result is delivered below
+        job = {"dump_path": os.path.abspath(self.config.dump_path), "step": attrs["step"],
+               "rank": attrs["rank"], "attrs": attrs, "extra": {"device": device}, "rows": rows}
+        try:
+            self._pending.submit(job, step_file_path(self.config.dump_path, attrs["step"],
+                                                     attrs["rank"]))
+        except OSError as error:
+            self._no_process = True
+            warnings.warn(f"probe: cannot start the writer process ({error}); step() writes "
+                          "the step files itself from now on", RuntimeWarning, stacklevel=4)
+            return False
+        self._deliver(block=False)
+        return True
+
+    def _deliver(self, block: bool) -> None:
+        """Take in the results of the steps the writer process finished (all of them when
+        block), oldest first: last_file, and on_write_error for a step that failed."""
+        while self._deliver_one(block):
+            pass
+
+    def _deliver_one(self, block: bool) -> bool:
+        pending = self._pending
+        done = pending.pop_done(block) if pending is not None else None
+        if done is None:
+            return False
+        step, path, error = done
+        if error is None:
+            self._last_file = path
+        else:
+            self._write_failed(error, step)
+        return True
+
+    def _write_failed(self, error: DumpError, step: int) -> None:
         """Apply on_write_error to a step that could not be written (its file is gone;
         the steps finished before it are intact)."""
-        self.last_file = None
-        message = f"step {self.current_step} was not written: {error}"
+        self._last_file = None
+        message = f"step {step} was not written: {error}"
         if self.config.on_write_error == "raise":
             raise DumpError(message) from error
         self.write_errors.append(error)
@@ -440,11 +535,24 @@ def _hook_exit() -> None:
 
 def _close_all_at_exit() -> None:
     for debugger in list(_LIVE):
-        try:
-            debugger.close()
-        except Exception as error:
-            print(f"probe: error: closing step {debugger.current_step} at exit: {error}",
-                  file=sys.stderr)
+        for _ in range(1000):  # every step that failed is reported, one message each
+            try:
+                debugger.close()
+                break
+            except Exception as error:
+                print(f"probe: error: closing step {debugger.current_step} at exit: {error}",
+                      file=sys.stderr)
+    background = sys.modules.get("probe.dump.background")
+    if background is not None:
+        background.shutdown()
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 __all__ = ["PrecisionDebugger"]

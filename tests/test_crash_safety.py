@@ -190,8 +190,9 @@ def _assert_failed_cleanly(report, dump_path, steps, some_fit=True):
     # the disk filled up during the run: some steps were written (some_fit), then the rest failed
     assert report["errors"], "the disk never filled up: the scenario tests nothing"
     assert bool(report["steps_written"]) == some_fit
-    # never inside forward/backward/optimizer.step(): only at step(), one error per lost step
-    assert {error["where"] for error in report["errors"]} == {"step"}
+    # never inside forward/backward/optimizer.step(): only at step() (or, for the last steps
+    # handed to the writer process, close()), one error per lost step
+    assert {error["where"] for error in report["errors"]} <= {"step", "close"}
     assert all("was not written" in error["message"] for error in report["errors"])
     assert report["optimizer_ok"], "an optimizer step was left half-applied"
     assert report["open_h5"] == 0, "HDF5 objects leaked after the write errors"

@@ -81,6 +81,7 @@ def test_capture_leaves_losses_outputs_and_gradients_bit_identical(tmp_path, lev
             assert torch.equal(grads_a[name], grads_b[name]), name
     for (name, a), b in zip(captured_model.state_dict().items(), plain_model.state_dict().values()):
         assert torch.equal(a, b), name
+    debugger.wait()
     assert sorted(n for n in os.listdir(tmp_path) if n != ".rank0.lock") == ["step0", "step1", "step2"]
 
 
@@ -189,6 +190,7 @@ def test_step_while_started_stops_first(tmp_path):
     debugger.step()
     assert len(torch.overrides._get_current_function_mode_stack()) == stack_before
     assert debugger.current_step == 1
+    debugger.wait()  # the writer process may still be writing it
     assert os.path.isfile(tmp_path / "step0" / "rank0.h5")
 
 
@@ -205,6 +207,7 @@ def test_several_start_stop_pairs_accumulate_into_one_step_file(tmp_path):
     out.sum().backward()
     debugger.stop()
     debugger.step()
+    debugger.wait()
     assert [n for n in os.listdir(tmp_path) if n != ".rank0.lock"] == ["step0"]
     rows = load(tmp_path).records(step=0)
     keys = {row["key"] for row in rows}
@@ -229,6 +232,7 @@ def test_unselected_step_installs_nothing_and_writes_nothing(tmp_path):
     finally:
         debugger.stop()
     debugger.step()
+    debugger.wait()
     assert not os.path.exists(tmp_path / "step0")
     debugger.start(model)
     try:
@@ -237,6 +241,7 @@ def test_unselected_step_installs_nothing_and_writes_nothing(tmp_path):
     finally:
         debugger.stop()
     debugger.step()
+    debugger.wait()
     assert sorted(n for n in os.listdir(tmp_path) if n != ".rank0.lock") == ["step1"]
 
 
@@ -249,6 +254,7 @@ def test_rank_filter_uses_the_rank_environment_variable(tmp_path, monkeypatch):
     kept = PrecisionDebugger(Config(dump_path=str(tmp_path / "keep"), rank=[1]))
     with kept.capture():
         torch.relu(torch.ones(2))
+    kept.wait()
     assert os.listdir(tmp_path / "keep" / "step0") == ["rank1.h5"]
 
 

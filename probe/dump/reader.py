@@ -8,6 +8,9 @@
         step.tensor(3)                    # numpy array of tensor_id 3, original shape
 
 Every problem with the input is a DumpFormatError: one sentence naming the path.
+
+Read in the process that writes the dump (a PrecisionDebugger whose writer process still has
+step files in hand), discover() and open_step_file() first wait for those files.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 
 import h5py
 import numpy as np
@@ -339,9 +343,18 @@ def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable
     return RecordTable(group, path, count, handle)
 
 
+def _wait_for_writes(path: str) -> None:
+    """Step files this process is still writing under path are waited for (background.py;
+    nothing to do unless this process writes a dump)."""
+    background = sys.modules.get("probe.dump.background")
+    if background is not None:
+        background.wait_for_path(path)
+
+
 def open_step_file(path) -> StepDump:
     """Open and validate one step file (rank<R>.h5)."""
     path = os.fspath(path)
+    _wait_for_writes(path)
     if not os.path.exists(path):
         raise DumpFormatError(f"{path} does not exist")
     if os.path.isdir(path):
@@ -378,6 +391,7 @@ class Discovery(dict):
 def discover(path) -> Discovery:
     """Find the step files under a dump root, a step folder, or one step file."""
     path = os.fspath(path)
+    _wait_for_writes(path)
     if not os.path.exists(path):
         raise DumpFormatError(f"{path} does not exist")
     if not os.path.isdir(path):
