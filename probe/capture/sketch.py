@@ -149,8 +149,10 @@ def _matvec(vector, matrix):
 
 
 def _numpy_matvec(vector, matrix):
-    # einsum's own single-threaded loop: OpenBLAS's gemv would take every core from 9216 values
-    return np.einsum("m,mc->c", vector, matrix)
+    # BLAS gemv: twice einsum's speed up to _NUMPY_MAX values, and measured single-threaded
+    # there (the same time with OPENBLAS_NUM_THREADS=1 and 2; it threads from about 1M values,
+    # which torch folds instead)
+    return np.dot(vector, matrix)
 
 
 def _fold(x, fold, zeros, matvec=_matvec):
