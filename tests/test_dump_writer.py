@@ -1,6 +1,7 @@
 """StepWriter + encode: bit-exact tensors, records, root attributes, failure handling, bounded memory."""
 
 import datetime
+import gc
 import json
 import os
 import threading
@@ -346,15 +347,23 @@ def test_add_tensor_blocks_while_queued_bytes_exceed_the_buffer(tmp_path):
         for _ in range(3):
             returned.append(writer.add_tensor(torch.ones(4096)))
 
-    with h5py._objects.phil:
-        thread = threading.Thread(target=producer)
-        thread.start()
-        deadline = time.monotonic() + 5
-        while len(returned) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        assert returned == [0, 1], "the third add_tensor did not wait for the queue to drain"
-        assert writer.pending_bytes == 2 * tensor_bytes
+    # no garbage collection while the lock is held: collecting an unreachable h5py object needs
+    # that lock, and a collection inside another thread's start-up (which holds threading's own
+    # lock) deadlocked this test once in a full run
+    gc.collect()
+    gc.disable()
+    try:
+        with h5py._objects.phil:
+            thread = threading.Thread(target=producer)
+            thread.start()
+            deadline = time.monotonic() + 5
+            while len(returned) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            assert returned == [0, 1], "the third add_tensor did not wait for the queue to drain"
+            assert writer.pending_bytes == 2 * tensor_bytes
+    finally:
+        gc.enable()
     thread.join(timeout=10)
     assert returned == [0, 1, 2]
     path = writer.close()
