@@ -2,8 +2,9 @@
 pairs pass, and capture records what each call computed."""
 
 import pytest
+from torch_versions import transformers_or_skip
 
-transformers = pytest.importorskip("transformers", reason="the transformers tests need the 'models' test extra")
+transformers = transformers_or_skip()
 
 import torch  # noqa: E402
 

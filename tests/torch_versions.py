@@ -37,12 +37,14 @@ def lacks_dtype(name: str) -> str | None:
 def transformers_or_skip():
     """transformers, or a skip that says why: not installed (`pip install -e '.[models]'`), or
     installed in a version that disabled its torch backend for this torch (transformers 5
-    needs torch >= 2.6; `make setup` installs 4.x there, see scripts/torch_pins.py)."""
+    needs torch >= 2.6; `make setup` installs 4.x there, see scripts/torch_pins.py).
+    Works inside a test and at a test module's top level."""
     import pytest
 
     transformers = pytest.importorskip(
         "transformers", reason="transformers is not installed: pip install -e '.[models]'")
     if not transformers.utils.is_torch_available():
         pytest.skip(f"transformers {transformers.__version__} does not support torch "
-                    f"{torch.__version__} (it disabled its torch backend)")
+                    f"{torch.__version__} (it disabled its torch backend)",
+                    allow_module_level=True)
     return transformers
