@@ -27,7 +27,7 @@ Columns:
   stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
-  sketch share       time inside sketch.array_sketch and host_batch._small_sketches (the
+  sketch share       time inside sketch.array_sketch and host_batch._sketches (the
                      sketches' numpy parts; before issue 12 it timed host_sketch, which also
                      converted the tensor) over the rest of
                      a stats api step (CPU):
@@ -89,7 +89,7 @@ _SKETCH_TIME = [0.0]  # seconds spent in sketch.array_sketch during the current 
 
 def _time_sketches() -> None:
     """Wrap the host sketches' numpy parts with a timer (about 0.2 us per call): every CPU
-    sketch goes through sketch.array_sketch (one tensor) or host_batch._small_sketches (a
+    sketch goes through sketch.array_sketch (one tensor) or host_batch._sketches (a
     batch of small tensors)."""
     from probe.capture import host_batch, sketch
 
@@ -103,7 +103,7 @@ def _time_sketches() -> None:
         return call
 
     sketch.array_sketch = timed(sketch.array_sketch)
-    host_batch._small_sketches = timed(host_batch._small_sketches)
+    host_batch._sketches = timed(host_batch._sketches)
 
 
 class Variant:

@@ -1,6 +1,6 @@
 """probe/capture/host_batch.py: CPU statistics and sketches a batch at a time give the numbers
 the per-record path (stats.host_stats_and_sketch) gives, whatever the tensors, the arena's
-fill, the thread that computes them, or what happens to a tensor after it was recorded."""
+fill, the threads that record them, or what happens to a tensor after it was recorded."""
 
 import math
 import threading
@@ -28,16 +28,14 @@ def _tensors(dtype):
         randn(BLOCK - 1), randn(BLOCK), randn(BLOCK + 1),  # row boundaries
         randn(32, 256) * 3 + 1,
         randn(256, 32).t(),  # non-contiguous: copied in row-major order
-        randn(64 * BLOCK),  # the largest small tensor
-        randn(64 * BLOCK + 1),  # the smallest large one
-        randn(256, 256) * 1e-3 - 5,
+        randn(64 * BLOCK) * 1e-3 - 5,  # the largest tensor the batch takes
         torch.zeros(300, dtype=dtype),
         torch.arange(1000, dtype=dtype),
     ]
 
 
-def _batched(tensors, k, background=False):
-    batch = HostBatch(k, background=background)
+def _batched(tensors, k):
+    batch = HostBatch(k)
     slots = [batch.add(t.numpy()) for t in tensors]
     batch.compute()
     return [slot.result for slot in slots]
@@ -82,16 +80,15 @@ def test_nan_inf_and_huge_values_get_exactly_the_per_record_numbers(dtype):
     _assert_same_numbers(batched[4], stats.host_stats_and_sketch(tensors[4], 16), dtype)
 
 
-def test_a_full_arena_computed_on_the_worker_thread_gives_the_inline_numbers(monkeypatch):
+def test_an_arena_filled_many_times_over_gives_every_tensor_its_own_numbers(monkeypatch):
     monkeypatch.setattr(host_batch, "CAPACITY", 40 * BLOCK)  # a few tensors per arena
     tensors = [torch.randn(n) for n in (10, 600, 2000, 3000, 251, 5000, 7, 9000, 260) * 4]
-    inline = _batched(tensors, 16, background=False)
-    background = _batched(tensors, 16, background=True)
-    assert str(background) == str(inline)  # the same computation, bit for bit
+    for got, tensor in zip(_batched(tensors, 16), tensors):
+        _assert_same_numbers(got, stats.host_stats_and_sketch(tensor, 16), torch.float32)
 
 
 def test_values_are_frozen_when_recorded_not_when_computed():
-    batch = HostBatch(16, background=False)
+    batch = HostBatch(16)
     tensor = torch.randn(1000)
     want = stats.host_stats_and_sketch(tensor, 16)
     slot = batch.add(tensor.numpy())
@@ -102,7 +99,7 @@ def test_values_are_frozen_when_recorded_not_when_computed():
 
 def test_records_added_from_several_threads_all_get_their_own_numbers(monkeypatch):
     monkeypatch.setattr(host_batch, "CAPACITY", 30 * BLOCK)
-    batch = HostBatch(8, background=True)
+    batch = HostBatch(8)
     per_thread = {name: [torch.full((n,), float(name * 100 + n)) for n in range(1, 400, 37)]
                   for name in range(4)}
     slots = {}

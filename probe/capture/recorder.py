@@ -31,7 +31,7 @@ import torch
 
 from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
-from probe.capture.host_batch import HostBatch, HostSlot
+from probe.capture.host_batch import SMALL_MAX, HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
@@ -61,7 +61,7 @@ _BULK_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfl
                           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
                           torch.bool, torch.complex64, torch.complex128))
 _STRIDED = torch.strided
-#: float32/float64 CPU tensors' statistics and sketches a batch at a time (host_batch.py)
+#: small float32/float64 CPU tensors' statistics and sketches a batch at a time (host_batch.py)
 HOST_BATCH = True
 _BATCHED_DTYPES = (torch.float32, torch.float64)
 
@@ -244,10 +244,10 @@ class Recorder:
         return head + numbers + (numel, digest, tensor_id), pending, sketched
 
     def _batched(self, values: Tensor, numel: int) -> HostSlot | None:
-        """A HostSlot for a float32/float64 CPU tensor the batch takes (batch.limit); None:
+        """A HostSlot for a float32/float64 CPU tensor of at most SMALL_MAX values; None:
         compute it now."""
         batch = self._host_batch
-        if batch is None or numel > batch.limit or values.dtype not in _BATCHED_DTYPES:
+        if batch is None or numel > SMALL_MAX or values.dtype not in _BATCHED_DTYPES:
             return None
         try:
             array = (values.detach() if values.requires_grad else values).numpy()
