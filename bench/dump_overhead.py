@@ -27,9 +27,9 @@ Columns:
   stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
-  sketch share       time inside sketch.array_sketch and host_batch._sketches (the
-                     sketches' numpy parts; before issue 12 it timed host_sketch, which also
-                     converted the tensor) over the rest of
+  sketch share       time inside sketch.array_sketch, sketch.fold_into and
+                     host_batch._sketches (the sketches' numpy parts; before issue 12 it timed
+                     host_sketch, which also converted the tensor) over the rest of
                      a stats api step (CPU):
                      the same cost measured inside one step, so it is far less sensitive to
                      other processes' load than the ratio of two medians
@@ -84,25 +84,31 @@ MODELS = {
 TENSOR_MODELS = ("mlp", "convnet")
 
 
-_SKETCH_TIME = [0.0]  # seconds spent in sketch.array_sketch during the current step
+_SKETCH_TIME = [0.0]  # seconds spent in the host sketches' numpy parts during the current step
+_SKETCH_DEPTH = [0]  # array_sketch calls fold_into: time the outermost call only
 
 
 def _time_sketches() -> None:
     """Wrap the host sketches' numpy parts with a timer (about 0.2 us per call): every CPU
-    sketch goes through sketch.array_sketch (one tensor) or host_batch._sketches (a
-    batch of small tensors)."""
+    sketch goes through sketch.array_sketch (one tensor, now), sketch.fold_into (a larger
+    tensor's fold at record time, its product deferred) or host_batch._sketches (the
+    products of a batch)."""
     from probe.capture import host_batch, sketch
 
     def timed(inner):
-        def call(*args):
+        def call(*args, **kwargs):
+            _SKETCH_DEPTH[0] += 1
             begin = time.perf_counter()
             try:
-                return inner(*args)
+                return inner(*args, **kwargs)
             finally:
-                _SKETCH_TIME[0] += time.perf_counter() - begin
+                _SKETCH_DEPTH[0] -= 1
+                if not _SKETCH_DEPTH[0]:
+                    _SKETCH_TIME[0] += time.perf_counter() - begin
         return call
 
     sketch.array_sketch = timed(sketch.array_sketch)
+    sketch.fold_into = timed(sketch.fold_into)
     host_batch._sketches = timed(host_batch._sketches)
 
 

@@ -5,11 +5,12 @@ fill, the threads that record them, or what happens to a tensor after it was rec
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 
-from probe.capture import host_batch, stats
-from probe.capture.host_batch import HostBatch
+from probe.capture import host_batch, sketch, stats
+from probe.capture.host_batch import SMALL_MAX, HostBatch
 from probe.capture.recorder import Recorder
 from probe.config import Config
 
@@ -147,3 +148,67 @@ def test_recorder_rows_with_the_batch_equal_rows_computed_per_record():
         assert a[15:17] == pytest.approx(b[15:17], rel=1e-5, abs=1e-6)
         scale = max(map(abs, b[-1]))
         assert a[-1] == pytest.approx(b[-1], abs=1e-5 * scale)
+
+
+# ---------------------------------------------------------------- larger tensors: deferred product
+
+def _larger_tensors(dtype):
+    generator = torch.Generator().manual_seed(11)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype)
+
+    span = sketch.GROUPS * BLOCK
+    return [
+        randn(SMALL_MAX + 1),  # the smallest tensor that is not batched
+        randn(70000) * 5 - 2,
+        randn(5 * span),  # whole super-rows: no tail
+        randn(600, 300).t(),  # non-contiguous: folded in row-major order
+        randn(sketch._NUMPY_MAX + 5),  # folded by torch
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_deferred_sketches_of_larger_tensors_equal_the_sketch_computed_at_once(dtype, monkeypatch):
+    monkeypatch.setattr(host_batch, "FOLDED_CAPACITY", 2)  # the arena fills and is reused
+    tensors = _larger_tensors(dtype)
+    batch = HostBatch(16)
+    wants = [stats.host_stats_and_sketch(t, 16) for t in tensors]
+    slots = [batch.add_folded(t.numpy(), want[0]) for t, want in zip(tensors, wants)]
+    batch.compute()
+    for slot, want in zip(slots, wants):
+        assert slot.result[0] is want[0]  # the statistics given, untouched
+        _assert_same_numbers(slot.result, want, dtype)
+
+
+def test_fold_into_writes_the_fold_the_device_path_computes():
+    for n in (BLOCK - 3, 3 * BLOCK, sketch.GROUPS * BLOCK * 3 + 17, 100_000):
+        values = torch.randn(n, dtype=torch.float64)
+        out = np.full(sketch.GROUPS * BLOCK, np.nan)
+        rows = sketch.fold_into(values.numpy(), out)
+        fold = sketch._fold_table(values.device, values.dtype, n // (sketch.GROUPS * BLOCK) + 1)
+        want = sketch._fold(values, fold, lambda size: torch.zeros(size, dtype=values.dtype))
+        assert rows == want.shape[0]
+        np.testing.assert_allclose(out[: rows * BLOCK], want.reshape(-1).numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_larger_tensor_written_in_place_after_recording_keeps_its_recorded_sketch():
+    batch = HostBatch(16)
+    tensor = torch.randn(50_000)
+    want = stats.host_stats_and_sketch(tensor, 16)
+    slot = batch.add_folded(tensor.numpy(), want[0])
+    tensor.mul_(-3.0)
+    batch.compute()
+    _assert_same_numbers(slot.result, want, torch.float32)
+
+
+def test_larger_tensors_with_nan_are_sketched_at_once_not_deferred():
+    tensor = torch.randn(50_000)
+    tensor[7] = float("nan")
+    numbers, sketched, slot = stats.host_stats_and_later_sketch(
+        tensor, 16, HostBatch(16).add_folded)
+    assert slot is None and numbers[4] == 1
+    assert len(sketched) == 16  # NaN entries: compare reads the counts (docs/format.md)
+    healthy = torch.randn(50_000)
+    numbers, sketched, slot = stats.host_stats_and_later_sketch(healthy, 16, HostBatch(16).add_folded)
+    assert sketched is None and isinstance(slot, host_batch.HostSlot)

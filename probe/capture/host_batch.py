@@ -49,6 +49,8 @@ BLOCK = sketch.BLOCK
 CAPACITY = 1 << 20
 #: tensors up to this many values are batched (the unfolded sketch's tensors)
 SMALL_MAX = sketch._DENSE_MAX
+#: larger tensors whose folds (GROUPS x BLOCK values each) one folded arena holds (4 MB float32)
+FOLDED_CAPACITY = 256
 #: a small tensor whose largest |value| squared times its size exceeds this may overflow a
 #: row's sum of squares: it is computed alone (as stats.host_stats decides its norm's dtype)
 _SQUARES_MAX = {4: 1e37, 8: 1e306}
@@ -73,6 +75,16 @@ class _Arena:
         self.tensors: list[tuple[int, int, HostSlot]] = []
 
 
+class _FoldedArena:
+    """One dtype's folded larger tensors (sketch.fold_into: at most GROUPS rows of BLOCK each)
+    and (row start, rows, slot, statistics) per tensor: their statistics are already known."""
+
+    def __init__(self, dtype: np.dtype):
+        self.values = np.empty(FOLDED_CAPACITY * sketch.GROUPS * BLOCK, dtype=dtype)
+        self.rows = 0
+        self.tensors: list[tuple[int, int, HostSlot, tuple]] = []
+
+
 class HostBatch:
     """Small float32/float64 CPU tensors' statistics and sketches, computed a batch at a time.
 
@@ -84,6 +96,7 @@ class HostBatch:
         self.sketch_size = sketch_size
         # arenas live as long as the batch: the debugger keeps one HostBatch for all steps
         self._arenas: dict = {}
+        self._folded: dict = {}
         self._lock = threading.Lock()
 
     def add(self, array: np.ndarray) -> HostSlot:
@@ -107,11 +120,33 @@ class HostBatch:
             arena.tensors.append((start, size, slot))
         return slot
 
+    def add_folded(self, array: np.ndarray, numbers: tuple) -> HostSlot:
+        """A slot for the sketch of a larger float32/float64 array whose statistics (numbers)
+        are known: the values are folded now (one pass: sketch.fold_into), and the product
+        that turns the fold into the sketch waits for the batch. The slot's result is
+        (numbers, sketch). The caller passes finite values (NaN/Inf go through
+        sketch.array_sketch, whose warnings it silences) and sketch_size > 0."""
+        flat = array.reshape(-1)
+        slot = HostSlot()
+        with self._lock:
+            arena = self._folded.get(flat.dtype)
+            if arena is None:
+                arena = self._folded[flat.dtype] = _FoldedArena(flat.dtype)
+            if len(arena.tensors) == FOLDED_CAPACITY:
+                _compute_folded(arena, self.sketch_size)
+            start = arena.rows
+            rows = sketch.fold_into(flat, arena.values[start * BLOCK:])
+            arena.rows = start + rows
+            arena.tensors.append((start, rows, slot, numbers))
+        return slot
+
     def compute(self) -> None:
         """Fill every pending slot."""
         with self._lock:
             for arena in self._arenas.values():
                 _compute(arena, self.sketch_size)
+            for arena in self._folded.values():
+                _compute_folded(arena, self.sketch_size)
 
 
 def _compute(arena: _Arena, sketch_size: int) -> None:
@@ -132,6 +167,30 @@ def _compute(arena: _Arena, sketch_size: int) -> None:
 
 
 _UNKNOWN = (float("nan"),) * 4 + (-1, -1)
+
+
+def _compute_folded(arena: _FoldedArena, k: int) -> None:
+    """Fill the slots of a folded arena's tensors and empty it; never raises (a tensor whose
+    sketch could not be computed keeps its statistics, without a sketch)."""
+    if not arena.tensors:
+        return
+    try:
+        starts = np.fromiter((start for start, _, _, _ in arena.tensors), dtype=np.intp,
+                             count=len(arena.tensors))
+        counts = np.fromiter((rows for _, rows, _, _ in arena.tensors), dtype=np.intp,
+                             count=len(arena.tensors))
+        table = arena.values[: arena.rows * BLOCK].reshape(-1, BLOCK)
+        # the fold applied F: each row's products get S[g] alone (sketch.py, _combine)
+        _, group_signs = sketch._projection_tables("numpy", table.dtype, k)
+        with np.errstate(all="ignore"):
+            sketches = _sketches(table, starts, counts, group_signs).tolist()
+        for (_, _, slot, numbers), sketched in zip(arena.tensors, sketches):
+            slot.result = (numbers, tuple(sketched))
+    except Exception:  # never break training over a sketch (as _compute)
+        for _, _, slot, numbers in arena.tensors:
+            slot.result = slot.result or (numbers, None)
+    finally:
+        arena.rows, arena.tensors = 0, []
 
 
 def _numbers(arena: _Arena, k: int) -> list[tuple]:
@@ -162,18 +221,21 @@ def _numbers(arena: _Arena, k: int) -> list[tuple]:
         numbers[i] = stats.host_stats(torch.from_numpy(values[start:start + int(sizes[i])]))
     if k <= 0:
         return [(found, None) for found in numbers]
-    sketches = _sketches(table, row_starts, -(-sizes // BLOCK), k)
+    row_counts = -(-sizes // BLOCK)
+    signs = sketch._row_signs_table(table.dtype, k, int(row_counts.max()))
+    sketches = _sketches(table, row_starts, row_counts, signs)
     return list(zip(numbers, map(tuple, sketches.tolist())))
 
 
 def _sketches(table: np.ndarray, row_starts: np.ndarray, row_counts: np.ndarray,
-                    k: int) -> np.ndarray:
-    """(tensors, k) float64: sketch.array_sketch's unfolded projection of every tensor."""
-    columns, _ = sketch._projection_tables("numpy", table.dtype, k)
+              signs: np.ndarray) -> np.ndarray:
+    """(tensors, k) float64: each tensor's rows projected by P, row r (counted within its
+    tensor) signed by signs[r], summed per tensor: sketch.array_sketch's unfolded form with
+    signs = F[r // GROUPS] * S[r % GROUPS], or its _combine of a fold with signs = S."""
+    columns, _ = sketch._projection_tables("numpy", table.dtype, signs.shape[1])
     # torch's product: it honours torch.set_num_threads; numpy's OpenBLAS would take every
     # core (measured 9x slower on a busy 2-core machine)
     products = torch.from_numpy(table).mm(torch.from_numpy(columns)).numpy()
     local_rows = np.arange(table.shape[0]) - np.repeat(row_starts, row_counts)
-    signs = sketch._row_signs_table(table.dtype, k, int(row_counts.max()))
     signed = np.multiply(products, signs[local_rows])
     return np.add.reduceat(signed.astype(np.float64), row_starts, axis=0)

@@ -120,6 +120,9 @@ class Recorder:
         if host_batch is True:
             host_batch = HostBatch(self._sketch_size)
         self._host_batch = host_batch or None
+        # larger float CPU tensors: statistics now, the sketch's product with the batch's
+        self._fold_later = (self._host_batch.add_folded
+                            if self._host_batch is not None and self._sketch_size > 0 else None)
 
     # ------------------------------------------------------------------ rows
     #
@@ -233,10 +236,13 @@ class Recorder:
                 pending = (values_t, counts_t, numel)
         else:
             pending = self._batched(values, numel)
-            if pending is None:
-                numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
-            else:
+            if pending is not None:
                 numbers = _UNKNOWN_STATS
+            elif self._fold_later is not None and values.dtype in _BATCHED_DTYPES:
+                numbers, sketched, pending = stats.host_stats_and_later_sketch(
+                    values, self._sketch_size, self._fold_later)
+            else:
+                numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
         if self._plain:
             return head + numbers + (numel, "", -1), pending, sketched
         digest = stats.checksum(tensor) if self._want_checksum else ""

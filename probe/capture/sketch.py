@@ -144,21 +144,18 @@ def _tf32_allowed() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
-def _matvec(vector, matrix):
-    return vector @ matrix
-
-
-def _numpy_matvec(vector, matrix):
+def _numpy_matvec(vector, matrix, out=None):
     # BLAS gemv: twice einsum's speed up to _NUMPY_MAX values, and measured single-threaded
     # there (the same time with OPENBLAS_NUM_THREADS=1 and 2; it threads from about 1M values,
     # which torch folds instead)
-    return np.dot(vector, matrix)
+    return np.dot(vector, matrix, out=out)
 
 
-def _fold(x, fold, zeros, matvec=_matvec):
+def _fold(x, fold, zeros):
     """Z = sum over super-rows m of F[m] * (super-row m of x, zero-padded), as (rows, BLOCK)
     with rows = min(GROUPS, the tensor's rows): the rows a small tensor leaves empty are
-    skipped. Works on numpy arrays and torch tensors alike (zeros(size) makes the output)."""
+    skipped. For torch tensors on any device (zeros(size) makes the output); fold_into is the
+    same fold of a CPU array, written in place."""
     n = x.shape[0]
     span = GROUPS * BLOCK
     supers, rest = divmod(n, span)
@@ -166,7 +163,7 @@ def _fold(x, fold, zeros, matvec=_matvec):
     folded = zeros(used * BLOCK)
     if supers:
         # one matrix-vector product: a multiply-add per element, in the values' dtype
-        folded += matvec(fold[:supers], x[: supers * span].reshape(supers, span))
+        folded += fold[:supers] @ x[: supers * span].reshape(supers, span)
     if rest:
         folded[:rest] += fold[supers] * x[supers * span:]
     return folded.reshape(used, BLOCK)
@@ -202,7 +199,7 @@ def host_sketch(tensor: torch.Tensor, k: int) -> tuple | None:
 
 #: CPU tensors up to this many elements are folded with numpy (a few us instead of ~15 us of
 #: torch dispatch, on one thread). Larger ones are folded by torch, whose BLAS honours
-#: torch.set_num_threads. (The dense path's products stay under OpenBLAS's threading threshold.)
+#: torch.set_num_threads (numpy's OpenBLAS would take every core from about 1M values). (The dense path's products stay under OpenBLAS's threading threshold.)
 _NUMPY_MAX = 1 << 18
 
 
@@ -248,11 +245,37 @@ def array_sketch(values: np.ndarray, k: int) -> tuple:
         products = values.reshape(used, BLOCK) @ columns
         signed = _row_signs_table(values.dtype, k, used)
         return tuple(np.multiply(products, signed[:used]).sum(0, dtype=np.float64).tolist())
-    if n > _NUMPY_MAX:
-        flat = torch.from_numpy(values)
-        fold = _fold_table(flat.device, flat.dtype, values.size // (GROUPS * BLOCK) + 1)
-        folded = _fold(flat, fold, lambda size: torch.zeros(size, dtype=flat.dtype)).numpy()
-    else:
-        fold = _fold_table("numpy", values.dtype, values.size // (GROUPS * BLOCK) + 1)
-        folded = _fold(values, fold, lambda size: np.zeros(size, dtype=values.dtype), _numpy_matvec)
+    folded = np.empty(GROUPS * BLOCK, dtype=values.dtype)
+    used = fold_into(values, folded)
+    folded = folded[: used * BLOCK].reshape(used, BLOCK)
     return tuple(_combine(folded, columns, rows).sum(0, dtype=np.float64).tolist())
+
+
+def fold_into(values: np.ndarray, out: np.ndarray) -> int:
+    """Write Z, the fold of a flat float32/float64 array (``_fold``), to the contiguous
+    ``out[:rows * BLOCK]`` of the same dtype and return rows (at most GROUPS). The values are
+    read once; host_batch defers the (rows, BLOCK) @ (BLOCK, k) product of many such Z to one
+    product."""
+    n = values.size
+    span = GROUPS * BLOCK
+    supers, rest = divmod(n, span)
+    used = GROUPS if supers else -(-rest // BLOCK)
+    target = out[: used * BLOCK]
+    fold = _fold_table("numpy", values.dtype, supers + 1)
+    if supers:
+        body = values[: supers * span].reshape(supers, span)
+        if n > _NUMPY_MAX:
+            torch.mv(torch.from_numpy(body).t(), torch.from_numpy(fold[:supers]),
+                     out=torch.from_numpy(target))
+        else:
+            _numpy_matvec(fold[:supers], body, out=target)
+        if rest:
+            # a sign flip as an add or a subtract: no temporary for the product
+            if fold[supers] > 0:
+                target[:rest] += values[supers * span:]
+            else:
+                target[:rest] -= values[supers * span:]
+    else:
+        np.multiply(values, fold[0], out=target[:rest])
+        target[rest:] = 0
+    return used

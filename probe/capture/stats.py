@@ -138,19 +138,43 @@ def host_stats_and_sketch(tensor: torch.Tensor, k: int) -> tuple:
     directly instead of going through a torch reshape."""
     if k <= 0:
         return host_stats(tensor), None
+    numbers, array = _stats_and_view(tensor)
+    if tensor.numel() == 0:
+        return numbers, None
+    return numbers, _sketch_now(tensor, array, numbers, k)
+
+
+def host_stats_and_later_sketch(tensor: torch.Tensor, k: int, fold_later) -> tuple:
+    """(numbers, sketch, slot): host_stats_and_sketch's numbers, but the sketch of a finite
+    float32/float64 tensor is left to ``fold_later(array, numbers)`` (HostBatch.add_folded),
+    which returns the slot that will hold (numbers, sketch); then sketch is None. Otherwise
+    (other dtypes, NaN/Inf) the sketch is computed now and slot is None. k > 0."""
+    numbers, array = _stats_and_view(tensor)
+    if tensor.numel() == 0:
+        return numbers, None, None
+    dtype = tensor.dtype
+    if array is not None and (dtype is _FLOAT32 or dtype is _FLOAT64) and _tame(numbers):
+        return numbers, None, fold_later(array, numbers)
+    return numbers, _sketch_now(tensor, array, numbers, k), None
+
+
+def _stats_and_view(tensor: torch.Tensor) -> tuple:
+    """(host_stats(tensor), the numpy view it read, or None when it read no view)."""
     _shared_view[0] = True
     try:
         numbers = host_stats(tensor)
     finally:
         view, _shared_view[0], _shared_view[1] = _shared_view[1], False, None
-    if tensor.numel() == 0:
-        return numbers, None
+    return numbers, (view[1] if view is not None and view[0] is tensor else None)
+
+
+def _sketch_now(tensor: torch.Tensor, array, numbers: tuple, k: int) -> tuple | None:
     if _tame(numbers):
-        return numbers, _host_sketch(tensor, view, k)
+        return _host_sketch(tensor, array, k)
     # NaN/Inf, or values near the float limits: the sketch holds NaN/Inf too (compare reads the
     # statistics' counts for those), and numpy's "invalid value" warnings would only be noise
     with np.errstate(all="ignore"):
-        return numbers, _host_sketch(tensor, view, k)
+        return _host_sketch(tensor, array, k)
 
 
 #: beyond this magnitude a float32 sketch's sums may overflow
@@ -163,14 +187,12 @@ def _tame(numbers: tuple) -> bool:
     return -_TAME_LIMIT < low and high < _TAME_LIMIT and norm < _TAME_LIMIT
 
 
-def _host_sketch(tensor: torch.Tensor, view, k: int) -> tuple | None:
+def _host_sketch(tensor: torch.Tensor, array, k: int) -> tuple | None:
     dtype = tensor.dtype
     if dtype is not _FLOAT32 and dtype is not _FLOAT64:
         return sketch.host_sketch(tensor, k)
     try:
-        if view is not None and view[0] is tensor:
-            array = view[1]
-        else:  # host_stats took another path, or another thread's view was left
+        if array is None:  # host_stats took another path, or another thread's view was left
             array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
         return sketch.array_sketch(array, k)
     except (RuntimeError, TypeError, ValueError):  # as host_sketch: the statistics stay
