@@ -44,6 +44,7 @@ def _batched(tensors, k):
 
 def _assert_same_numbers(got, want, dtype):
     (numbers, sketched), (want_numbers, want_sketch) = got, want
+    sketched, want_sketch = sketch.unpack(sketched), sketch.unpack(want_sketch)
     assert numbers[0] == want_numbers[0] and numbers[1] == want_numbers[1]  # min, max exactly
     assert numbers[4:] == want_numbers[4:]  # NaN and Inf counts exactly
     rel = 1e-5 if dtype == torch.float32 else 1e-12
@@ -146,8 +147,8 @@ def test_recorder_rows_with_the_batch_equal_rows_computed_per_record():
         assert a[:13] == b[:13] and a[19:-1] == b[19:-1]
         assert a[13:15] == b[13:15] and a[17:19] == b[17:19]  # min, max, counts exactly
         assert a[15:17] == pytest.approx(b[15:17], rel=1e-5, abs=1e-6)
-        scale = max(map(abs, b[-1]))
-        assert a[-1] == pytest.approx(b[-1], abs=1e-5 * scale)
+        got, want = sketch.unpack(a[-1]), sketch.unpack(b[-1])
+        assert got == pytest.approx(want, abs=1e-5 * max(map(abs, want)))
 
 
 # ---------------------------------------------------------------- larger tensors: deferred product
@@ -170,7 +171,7 @@ def _larger_tensors(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_deferred_sketches_of_larger_tensors_equal_the_sketch_computed_at_once(dtype, monkeypatch):
-    monkeypatch.setattr(host_batch, "FOLDED_CAPACITY", 2)  # the arena fills and is reused
+    monkeypatch.setattr(host_batch, "CAPACITY", 40 * BLOCK)  # the arena fills and is reused
     tensors = _larger_tensors(dtype)
     batch = HostBatch(16)
     wants = [stats.host_stats_and_sketch(t, 16) for t in tensors]
@@ -208,7 +209,35 @@ def test_larger_tensors_with_nan_are_sketched_at_once_not_deferred():
     numbers, sketched, slot = stats.host_stats_and_later_sketch(
         tensor, 16, HostBatch(16).add_folded)
     assert slot is None and numbers[4] == 1
-    assert len(sketched) == 16  # NaN entries: compare reads the counts (docs/format.md)
+    assert len(sketch.unpack(sketched)) == 16  # NaN entries: compare reads the counts (docs/format.md)
     healthy = torch.randn(50_000)
     numbers, sketched, slot = stats.host_stats_and_later_sketch(healthy, 16, HostBatch(16).add_folded)
     assert sketched is None and isinstance(slot, host_batch.HostSlot)
+
+
+def test_the_first_fold_sign_is_plus_one_so_a_fold_takes_a_small_tensors_row_signs():
+    # HostBatch.add_folded puts a fold's rows where a small tensor's first GROUPS rows go:
+    # they are signed F[0] * S[g], and a fold needs S[g]
+    assert sketch.fold_signs(1)[0] == 1.0
+
+
+def test_folds_and_copies_sharing_an_arena_keep_their_own_numbers(monkeypatch):
+    monkeypatch.setattr(host_batch, "CAPACITY", 50 * BLOCK)
+    small = [torch.randn(n) for n in (300, 5000, 17)]
+    small[1][3] = float("nan")  # computed alone, next to the folds
+    large = [torch.randn(n) * 1e3 for n in (30_000, 70_000)]
+    batch = HostBatch(16)
+    slots, wants = [], []
+    for tensor in (small[0], large[0], small[1], large[1], small[2], large[0]):
+        want = stats.host_stats_and_sketch(tensor, 16)
+        wants.append(want)
+        if tensor.numel() > SMALL_MAX:
+            slots.append(batch.add_folded(tensor.numpy(), want[0]))
+        else:
+            slots.append(batch.add(tensor.numpy()))
+    batch.compute()
+    for slot, want in zip(slots, wants):
+        if math.isnan(want[0][0]):
+            assert str(slot.result[0]) == str(want[0])
+        else:
+            _assert_same_numbers(slot.result, want, torch.float32)

@@ -31,12 +31,12 @@ def test_sketch_is_the_fixed_projection_of_the_values_for_every_length(n):
     x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     want = _explicit(x.numpy(), 16)
     assert np.allclose(sketch.sketch(x, 16).numpy(), want, rtol=0, atol=1e-9 * np.linalg.norm(x.numpy()))
-    assert np.allclose(sketch.host_sketch(x, 16), want, rtol=0, atol=1e-9 * np.linalg.norm(x.numpy()))
+    assert np.allclose(sketch.unpack(sketch.host_sketch(x, 16)), want, rtol=0, atol=1e-9 * np.linalg.norm(x.numpy()))
 
 
 def test_sketch_sizes_share_their_prefix_and_the_tables_never_change():
     x = torch.randn(3, 500, generator=torch.Generator().manual_seed(0))
-    assert np.allclose(sketch.host_sketch(x, 32)[:16], sketch.host_sketch(x, 16), rtol=1e-6, atol=1e-5)
+    assert np.allclose(sketch.unpack(sketch.host_sketch(x, 32))[:16], sketch.unpack(sketch.host_sketch(x, 16)), rtol=1e-6, atol=1e-5)
     # fixed hash, not a random generator: the same numbers in every process, forever
     assert sketch.column_signs(4)[:3].tolist() == sketch.column_signs(4)[:3].tolist()
     assert abs(sketch.fold_signs(4096).mean()) < 0.05 and abs(sketch.column_signs(16).mean()) < 0.1
@@ -53,7 +53,7 @@ def test_every_dtype_is_sketched_as_the_values_compare_reads(dtype):
     else:
         x = x.to(dtype)
         values = x.to(torch.float64).numpy()
-    got = np.array(sketch.host_sketch(x, 16))
+    got = np.array(sketch.unpack(sketch.host_sketch(x, 16)))
     assert np.allclose(got, _explicit(values, 16), rtol=0, atol=1e-5 * max(1.0, np.linalg.norm(values)))
 
 
@@ -65,8 +65,8 @@ def test_device_path_gives_the_host_sketch_in_the_same_single_copy():
     assert numbers == pytest.approx(stats.host_stats(x), rel=1e-6)
     # numpy and torch sum in other orders: the difference stays under compare's rounding floor
     norm = float(x.norm())
-    host = np.array(sketch.host_sketch(x, 16))
-    found = estimator.estimate(sketched, host, norm, norm, "float32", "float32")
+    host = np.array(sketch.unpack(sketch.host_sketch(x, 16)))
+    found = estimator.estimate(sketch.unpack(sketched), host, norm, norm, "float32", "float32")
     assert 0 < found.raw_err < found.floor and found.err_l2 == 0
 
 
@@ -116,7 +116,7 @@ def test_recorder_rows_end_with_the_sketch():
     recorder.add(call, "kwarg.alpha", "in", 2.0)
     recorder.resolve()  # CPU statistics are computed a batch at a time (host_batch.py)
     tensor_row, value_row = recorder.rows
-    assert len(tensor_row[-1]) == 8 and value_row[-1] is None
+    assert len(sketch.unpack(tensor_row[-1])) == 8 and value_row[-1] is None
 
 
 @pytest.mark.parametrize("value", [-1, 1025, "16", 2.0, True, None])
@@ -133,7 +133,8 @@ def test_values_a_sketch_cannot_read_give_no_sketch_instead_of_an_error():
     assert values.numel() == 4 + 16
     # a complex tensor with its negative bit set (a lazy view) is read through its values
     plain = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
-    assert sketch.host_sketch(torch._neg_view(plain), 4) == pytest.approx(sketch.host_sketch(-plain, 4))
+    assert sketch.unpack(sketch.host_sketch(torch._neg_view(plain), 4)) == pytest.approx(
+        sketch.unpack(sketch.host_sketch(-plain, 4)))
 
 
 def test_sketches_of_two_sizes_in_one_step_are_one_dump_error_and_no_file(tmp_path):
@@ -175,5 +176,34 @@ def test_sketching_nan_inf_or_huge_values_warns_nothing(dtype, recwarn):
     huge = torch.full((300,), torch.finfo(dtype).max / 2, dtype=dtype)
     for tensor in (values, huge):
         numbers, sketched = stats.host_stats_and_sketch(tensor, 16)
-        assert len(sketched) == 16
+        assert len(sketch.unpack(sketched)) == 16
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+
+
+def test_the_written_sketch_table_holds_each_rows_packed_sketch_exactly(tmp_path):
+    from scripts_dump.dumpkit import root_attrs
+
+    from probe.dump import reader
+    from probe.dump.writer import StepWriter
+
+    recorder = Recorder(Config(sketch_size=8))
+    call = recorder.call("api", "", "torch.neg", 0, "forward", "", 1)
+    for slot, value in enumerate((torch.randn(300), torch.randn(70_000), 3.0, torch.arange(5))):
+        recorder.add(call, f"input.{slot}", "in", value)
+    recorder.resolve()
+    rows = list(recorder.rows)
+    rows[3] = rows[3][:-1] + (sketch.unpack(rows[3][-1]),)  # a sequence of floats is accepted too
+    writer = StepWriter(str(tmp_path), 0, 0, root_attrs(task="statistics"))
+    writer.add_rows(rows)
+    path = writer.close()
+    step = reader.open_step_file(path)
+    try:
+        table = step.records.sketches()
+    finally:
+        step.close()
+    for row, written in zip(rows, table):
+        floats = row[-1] if isinstance(row[-1], tuple) else sketch.unpack(row[-1])
+        if floats is None:
+            assert np.isnan(written).all()
+        else:
+            assert written.tolist() == list(floats)

@@ -6,7 +6,7 @@ import zlib
 import pytest
 import torch
 
-from probe.capture import stats
+from probe.capture import sketch, stats
 from probe.capture.recorder import Recorder
 from probe.config import Config
 
@@ -102,10 +102,11 @@ def test_deferred_recorder_rows_equal_immediate_rows():
         assert a[:13] == b[:13] and a[19:-1] == b[19:-1]
         assert a[13:19] == pytest.approx(b[13:19], rel=1e-6, nan_ok=True)
         # sketches: same numbers up to float32 rounding (numpy and torch sum in other orders)
-        assert (a[-1] is None) == (b[-1] is None)
-        if a[-1] is not None:
-            scale = max(map(abs, a[-1])) if all(map(math.isfinite, a[-1])) else 1.0
-            assert a[-1] == pytest.approx(b[-1], abs=1e-6 * scale, nan_ok=True)
+        got, want = sketch.unpack(a[-1]), sketch.unpack(b[-1])
+        assert (got is None) == (want is None)
+        if got is not None:
+            scale = max(map(abs, got)) if all(map(math.isfinite, got)) else 1.0
+            assert got == pytest.approx(want, abs=1e-6 * scale, nan_ok=True)
 
 
 def test_statistics_are_computed_once_per_unchanged_tensor(monkeypatch):

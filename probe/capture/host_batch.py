@@ -20,8 +20,17 @@ view, zero-padded to whole rows (the sketch's layout, sketch.py), and computed t
     NaN/Inf   the tensors whose extremes are not finite, or so large that a row's squares
               could overflow, are computed alone by stats.host_stats (which counts them)
 
-Larger tensors are not batched: their copy would cost about what their numbers cost at record
-time (measured), and their calls are amortised over their size.
+Larger float32/float64 tensors are not copied: a copy would cost about what their statistics
+cost at record time (measured), and those calls are amortised over their size. Their sketch is
+split (``add_folded``): the fold (sketch.fold_into, one pass while the values are in the cache
+after the statistics) is written into the arena from its back end, at most GROUPS rows, and
+the (rows, BLOCK) @ (BLOCK, k) products of all folds are one product when the batch is
+computed. A fold's rows take the signs a small tensor's first GROUPS rows get, F[0] * S[g]
+with F[0] = +1, which is the fold's own combine (sketch._combine): the same sketch as
+sketch.array_sketch's. The copies (front) and the folds (back) are two contiguous tables, so
+the statistics pass never reads a fold.
+
+Sketches leave the batch packed (sketch.pack: bytes, one object a record instead of 17).
 
 Computing full arenas on a worker thread while training fills a second arena was tried and
 measured slower on the wall clock (DeepMLP on a 2-core machine, one torch thread, k = 16: 5.7x
@@ -49,8 +58,6 @@ BLOCK = sketch.BLOCK
 CAPACITY = 1 << 20
 #: tensors up to this many values are batched (the unfolded sketch's tensors)
 SMALL_MAX = sketch._DENSE_MAX
-#: larger tensors whose folds (GROUPS x BLOCK values each) one folded arena holds (4 MB float32)
-FOLDED_CAPACITY = 256
 #: a small tensor whose largest |value| squared times its size exceeds this may overflow a
 #: row's sum of squares: it is computed alone (as stats.host_stats decides its norm's dtype)
 _SQUARES_MAX = {4: 1e37, 8: 1e306}
@@ -67,22 +74,16 @@ class HostSlot:
 
 
 class _Arena:
-    """One dtype's copied values and the tensors they hold: (start, size, slot)."""
+    """One dtype's values: small tensors copied from the front, (start, size, slot) each;
+    larger tensors' folds written from the back, (start, rows, slot, statistics) each, so the
+    statistics pass reads the copies alone and each region is one contiguous table."""
 
     def __init__(self, dtype: np.dtype):
         self.values = np.zeros(CAPACITY + 1, dtype=dtype)  # +1: reduceat's last end index
         self.used = 0
         self.tensors: list[tuple[int, int, HostSlot]] = []
-
-
-class _FoldedArena:
-    """One dtype's folded larger tensors (sketch.fold_into: at most GROUPS rows of BLOCK each)
-    and (row start, rows, slot, statistics) per tensor: their statistics are already known."""
-
-    def __init__(self, dtype: np.dtype):
-        self.values = np.empty(FOLDED_CAPACITY * sketch.GROUPS * BLOCK, dtype=dtype)
-        self.rows = 0
-        self.tensors: list[tuple[int, int, HostSlot, tuple]] = []
+        self.folds_start = CAPACITY
+        self.folds: list[tuple[int, int, HostSlot, tuple]] = []
 
 
 class HostBatch:
@@ -96,7 +97,6 @@ class HostBatch:
         self.sketch_size = sketch_size
         # arenas live as long as the batch: the debugger keeps one HostBatch for all steps
         self._arenas: dict = {}
-        self._folded: dict = {}
         self._lock = threading.Lock()
 
     def add(self, array: np.ndarray) -> HostSlot:
@@ -105,11 +105,7 @@ class HostBatch:
         need = -(-size // BLOCK) * BLOCK
         slot = HostSlot()
         with self._lock:
-            arena = self._arenas.get(array.dtype)
-            if arena is None:
-                arena = self._arenas[array.dtype] = _Arena(array.dtype)
-            if arena.used + need > CAPACITY:
-                _compute(arena, self.sketch_size)
+            arena = self._arena(array.dtype, need)
             start = arena.used
             end = start + size
             # reshape of the contiguous destination: a strided source is copied in order
@@ -122,79 +118,65 @@ class HostBatch:
 
     def add_folded(self, array: np.ndarray, numbers: tuple) -> HostSlot:
         """A slot for the sketch of a larger float32/float64 array whose statistics (numbers)
-        are known: the values are folded now (one pass: sketch.fold_into), and the product
-        that turns the fold into the sketch waits for the batch. The slot's result is
+        are known: the values are folded into the arena now (one pass: sketch.fold_into), and
+        the product that turns the fold into the sketch is the batch's. The slot's result is
         (numbers, sketch). The caller passes finite values (NaN/Inf go through
         sketch.array_sketch, whose warnings it silences) and sketch_size > 0."""
         flat = array.reshape(-1)
+        rows = sketch.fold_rows(flat.size)
         slot = HostSlot()
         with self._lock:
-            arena = self._folded.get(flat.dtype)
-            if arena is None:
-                arena = self._folded[flat.dtype] = _FoldedArena(flat.dtype)
-            if len(arena.tensors) == FOLDED_CAPACITY:
-                _compute_folded(arena, self.sketch_size)
-            start = arena.rows
-            rows = sketch.fold_into(flat, arena.values[start * BLOCK:])
-            arena.rows = start + rows
-            arena.tensors.append((start, rows, slot, numbers))
+            arena = self._arena(flat.dtype, rows * BLOCK)
+            start = arena.folds_start - rows * BLOCK
+            sketch.fold_into(flat, arena.values[start:])
+            arena.folds_start = start
+            arena.folds.append((start, rows, slot, numbers))
         return slot
+
+    def _arena(self, dtype: np.dtype, need: int) -> _Arena:
+        """dtype's arena with room for need more values (computed and emptied when full)."""
+        arena = self._arenas.get(dtype)
+        if arena is None:
+            arena = self._arenas[dtype] = _Arena(dtype)
+        if arena.used + need > arena.folds_start:
+            _compute(arena, self.sketch_size)
+        return arena
 
     def compute(self) -> None:
         """Fill every pending slot."""
         with self._lock:
             for arena in self._arenas.values():
                 _compute(arena, self.sketch_size)
-            for arena in self._folded.values():
-                _compute_folded(arena, self.sketch_size)
 
 
 def _compute(arena: _Arena, sketch_size: int) -> None:
     """Fill the slots of an arena's tensors and empty it. Never raises: a tensor whose numbers
-    could not be computed gets unknown statistics (NaN, counts -1) and no sketch."""
-    if not arena.tensors:
-        return
+    could not be computed gets unknown statistics (NaN, counts -1) and no sketch, a fold its
+    statistics without a sketch."""
     try:
         # NaN/Inf and huge values are expected (the statistics count them): no warnings
         with np.errstate(all="ignore"):
-            for (_, _, slot), result in zip(arena.tensors, _numbers(arena, sketch_size)):
-                slot.result = result
+            if arena.tensors:
+                for (_, _, slot), result in zip(arena.tensors, _numbers(arena, sketch_size)):
+                    slot.result = result
+            if arena.folds:
+                for (_, _, slot, numbers), sketched in zip(arena.folds, _fold_sketches(arena, sketch_size)):
+                    slot.result = (numbers, sketched)
     except Exception:  # never break training over statistics (as Recorder._describe)
         for _, _, slot in arena.tensors:
             slot.result = slot.result or (_UNKNOWN, None)
+        for _, _, slot, numbers in arena.folds:
+            slot.result = slot.result or (numbers, None)
     finally:
         arena.used, arena.tensors = 0, []
+        arena.folds_start, arena.folds = CAPACITY, []
 
 
 _UNKNOWN = (float("nan"),) * 4 + (-1, -1)
 
 
-def _compute_folded(arena: _FoldedArena, k: int) -> None:
-    """Fill the slots of a folded arena's tensors and empty it; never raises (a tensor whose
-    sketch could not be computed keeps its statistics, without a sketch)."""
-    if not arena.tensors:
-        return
-    try:
-        starts = np.fromiter((start for start, _, _, _ in arena.tensors), dtype=np.intp,
-                             count=len(arena.tensors))
-        counts = np.fromiter((rows for _, rows, _, _ in arena.tensors), dtype=np.intp,
-                             count=len(arena.tensors))
-        table = arena.values[: arena.rows * BLOCK].reshape(-1, BLOCK)
-        # the fold applied F: each row's products get S[g] alone (sketch.py, _combine)
-        _, group_signs = sketch._projection_tables("numpy", table.dtype, k)
-        with np.errstate(all="ignore"):
-            sketches = _sketches(table, starts, counts, group_signs).tolist()
-        for (_, _, slot, numbers), sketched in zip(arena.tensors, sketches):
-            slot.result = (numbers, tuple(sketched))
-    except Exception:  # never break training over a sketch (as _compute)
-        for _, _, slot, numbers in arena.tensors:
-            slot.result = slot.result or (numbers, None)
-    finally:
-        arena.rows, arena.tensors = 0, []
-
-
 def _numbers(arena: _Arena, k: int) -> list[tuple]:
-    """[((min, max, mean, norm, nan, inf), sketch or None)] of the arena's tensors."""
+    """[((min, max, mean, norm, nan, inf), sketch or None)] of the arena's copied tensors."""
     values, used, tensors = arena.values, arena.used, arena.tensors
     starts = np.fromiter((start for start, _, _ in tensors), dtype=np.intp, count=len(tensors))
     sizes = np.fromiter((size for _, size, _ in tensors), dtype=np.intp, count=len(tensors))
@@ -221,21 +203,39 @@ def _numbers(arena: _Arena, k: int) -> list[tuple]:
         numbers[i] = stats.host_stats(torch.from_numpy(values[start:start + int(sizes[i])]))
     if k <= 0:
         return [(found, None) for found in numbers]
-    row_counts = -(-sizes // BLOCK)
-    signs = sketch._row_signs_table(table.dtype, k, int(row_counts.max()))
-    sketches = _sketches(table, row_starts, row_counts, signs)
-    return list(zip(numbers, map(tuple, sketches.tolist())))
+    packed = _packed(_sketches(table, row_starts, -(-sizes // BLOCK), k))
+    return list(zip(numbers, packed))
+
+
+def _fold_sketches(arena: _Arena, k: int) -> list[bytes]:
+    """The packed sketches of the arena's folds (in the order they were added), from their
+    (rows, BLOCK) tables: each fold's row g signed F[0] * S[g] by _sketches is S[g], its own
+    combine (sketch._combine), because F[0] is +1 (tests/test_capture_host_batch.py)."""
+    folds = arena.folds[::-1]  # written from the back: now in the order of the values
+    base = arena.folds_start
+    row_starts = np.fromiter(((start - base) // BLOCK for start, _, _, _ in folds), dtype=np.intp,
+                             count=len(folds))
+    rows = np.fromiter((count for _, count, _, _ in folds), dtype=np.intp, count=len(folds))
+    table = arena.values[base:CAPACITY].reshape(-1, BLOCK)
+    return _packed(_sketches(table, row_starts, rows, k))[::-1]
+
+
+def _packed(sketches: np.ndarray) -> list[bytes]:
+    """One sketch.pack per row: bytes, not tuples of floats (17 fewer Python objects a record)."""
+    blob, width = sketches.tobytes(), 8 * sketches.shape[1]
+    return [blob[at:at + width] for at in range(0, len(blob), width)]
 
 
 def _sketches(table: np.ndarray, row_starts: np.ndarray, row_counts: np.ndarray,
-              signs: np.ndarray) -> np.ndarray:
-    """(tensors, k) float64: each tensor's rows projected by P, row r (counted within its
-    tensor) signed by signs[r], summed per tensor: sketch.array_sketch's unfolded form with
-    signs = F[r // GROUPS] * S[r % GROUPS], or its _combine of a fold with signs = S."""
-    columns, _ = sketch._projection_tables("numpy", table.dtype, signs.shape[1])
+              k: int) -> np.ndarray:
+    """(tensors, k) float64: every tensor's rows projected by P, row r of a tensor signed by
+    F[r // GROUPS] * S[r % GROUPS], summed per tensor: sketch.array_sketch's unfolded
+    projection, which for a fold (at most GROUPS rows, F[0] applied) is its _combine."""
+    columns, _ = sketch._projection_tables("numpy", table.dtype, k)
+    signs = sketch._row_signs_table(table.dtype, k, int(row_counts.max()))
     # torch's product: it honours torch.set_num_threads; numpy's OpenBLAS would take every
     # core (measured 9x slower on a busy 2-core machine)
     products = torch.from_numpy(table).mm(torch.from_numpy(columns)).numpy()
     local_rows = np.arange(table.shape[0]) - np.repeat(row_starts, row_counts)
-    signed = np.multiply(products, signs[local_rows])
+    signed = np.multiply(products, np.take(signs, local_rows, axis=0))  # take: ~30% faster than [ ]
     return np.add.reduceat(signed.astype(np.float64), row_starts, axis=0)

@@ -186,9 +186,21 @@ def sketch(tensor: torch.Tensor, k: int = DEFAULT_SIZE) -> torch.Tensor:
     return _combine(folded, columns, rows).sum(0, dtype=torch.float64)
 
 
-def host_sketch(tensor: torch.Tensor, k: int) -> tuple | None:
-    """sketch() of a CPU tensor as a tuple of Python floats; None when k is 0 or the values
-    cannot be read as numbers (a quantized tensor): the record keeps its statistics."""
+def pack(values: np.ndarray) -> bytes:
+    """A record's sketch as the capture side holds it until the writer: the k float64 numbers'
+    bytes in the machine's order (one object per record instead of k + 1; the writer joins
+    them into the /records/sketch table in one call). ``unpack`` reverses it."""
+    return np.asarray(values, dtype=np.float64).tobytes()
+
+
+def unpack(sketched: bytes | None) -> tuple | None:
+    """The floats of a packed sketch (None stays None)."""
+    return None if sketched is None else tuple(np.frombuffer(sketched, dtype=np.float64).tolist())
+
+
+def host_sketch(tensor: torch.Tensor, k: int) -> bytes | None:
+    """sketch() of a CPU tensor, packed (``pack``); None when k is 0 or the values cannot be
+    read as numbers (a quantized tensor): the record keeps its statistics."""
     if k <= 0:
         return None
     try:
@@ -219,7 +231,7 @@ def _row_signs_table(dtype, k: int, rows: int) -> np.ndarray:
     return table
 
 
-def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
+def _host_sketch(tensor: torch.Tensor, k: int) -> bytes:
     dtype = tensor.dtype
     if dtype is torch.float32 or dtype is torch.float64:
         flat = tensor.detach().reshape(-1)  # the common case, without sketch_values' dispatches
@@ -228,7 +240,7 @@ def _host_sketch(tensor: torch.Tensor, k: int) -> tuple:
     return array_sketch(flat.numpy(), k)
 
 
-def array_sketch(values: np.ndarray, k: int) -> tuple:
+def array_sketch(values: np.ndarray, k: int) -> bytes:
     """host_sketch of a float32/float64 numpy array (any shape: read row-major), for callers
     that already hold the tensor's numpy view (stats.host_stats_and_sketch): no torch call."""
     values = values.reshape(-1)
@@ -244,11 +256,16 @@ def array_sketch(values: np.ndarray, k: int) -> tuple:
             values = padded
         products = values.reshape(used, BLOCK) @ columns
         signed = _row_signs_table(values.dtype, k, used)
-        return tuple(np.multiply(products, signed[:used]).sum(0, dtype=np.float64).tolist())
+        return np.multiply(products, signed[:used]).sum(0, dtype=np.float64).tobytes()
     folded = np.empty(GROUPS * BLOCK, dtype=values.dtype)
     used = fold_into(values, folded)
     folded = folded[: used * BLOCK].reshape(used, BLOCK)
-    return tuple(_combine(folded, columns, rows).sum(0, dtype=np.float64).tolist())
+    return _combine(folded, columns, rows).sum(0, dtype=np.float64).tobytes()
+
+
+def fold_rows(size: int) -> int:
+    """Rows of the fold of `size` values (fold_into): GROUPS, or fewer for a tensor of fewer."""
+    return GROUPS if size >= GROUPS * BLOCK else -(-size // BLOCK)
 
 
 def fold_into(values: np.ndarray, out: np.ndarray) -> int:
@@ -259,7 +276,7 @@ def fold_into(values: np.ndarray, out: np.ndarray) -> int:
     n = values.size
     span = GROUPS * BLOCK
     supers, rest = divmod(n, span)
-    used = GROUPS if supers else -(-rest // BLOCK)
+    used = fold_rows(n)
     target = out[: used * BLOCK]
     fold = _fold_table("numpy", values.dtype, supers + 1)
     if supers:

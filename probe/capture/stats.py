@@ -168,7 +168,7 @@ def _stats_and_view(tensor: torch.Tensor) -> tuple:
     return numbers, (view[1] if view is not None and view[0] is tensor else None)
 
 
-def _sketch_now(tensor: torch.Tensor, array, numbers: tuple, k: int) -> tuple | None:
+def _sketch_now(tensor: torch.Tensor, array, numbers: tuple, k: int) -> bytes | None:
     if _tame(numbers):
         return _host_sketch(tensor, array, k)
     # NaN/Inf, or values near the float limits: the sketch holds NaN/Inf too (compare reads the
@@ -187,7 +187,7 @@ def _tame(numbers: tuple) -> bool:
     return -_TAME_LIMIT < low and high < _TAME_LIMIT and norm < _TAME_LIMIT
 
 
-def _host_sketch(tensor: torch.Tensor, array, k: int) -> tuple | None:
+def _host_sketch(tensor: torch.Tensor, array, k: int) -> bytes | None:
     dtype = tensor.dtype
     if dtype is not _FLOAT32 and dtype is not _FLOAT64:
         return sketch.host_sketch(tensor, k)
@@ -242,7 +242,7 @@ def device_stats(tensor: torch.Tensor, sketch_size: int = 0) -> tuple[torch.Tens
 
 def resolve_device_stats(pending: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[tuple]:
     """[(values, counts, numel)] from device_stats -> [((min, max, mean, norm, nan, inf), sketch)]
-    where sketch is a tuple of floats, or None when device_stats made none.
+    where sketch is packed (sketch.pack), or None when device_stats made none.
 
     One stacked copy to the host per device (one synchronisation), however many records.
     """
@@ -253,12 +253,13 @@ def resolve_device_stats(pending: list[tuple[torch.Tensor, torch.Tensor, int]]) 
     for positions in by_device.values():
         # one concatenation, not a stack: records may carry sketches of different sizes
         sizes = [pending[p][0].numel() for p in positions]
-        flat = torch.cat([pending[p][0] for p in positions]).cpu().tolist()
+        host = torch.cat([pending[p][0] for p in positions]).cpu()
+        flat, raw = host.tolist(), host.numpy()
         counts = torch.stack([pending[p][1] for p in positions]).cpu().tolist()
         start = 0
         for p, size, (nans, infs) in zip(positions, sizes, counts):
             low, high, total, norm = flat[start:start + 4]
-            sketched = tuple(flat[start + 4:start + size]) if size > 4 else None
+            sketched = raw[start + 4:start + size].tobytes() if size > 4 else None
             start += size
             results[p] = ((low, high, total / pending[p][2], norm, nans, infs), sketched)
     return results

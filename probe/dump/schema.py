@@ -144,8 +144,9 @@ ALL_COLUMNS: tuple[tuple[str, str], ...] = RECORD_COLUMNS + tuple((n, k) for n, 
 SKETCH = "sketch"
 SKETCH_DTYPE = "float64"
 #: a record row as the capture side hands it to the writer: the ALL_COLUMNS values, then the
-#: sketch (a tuple of floats, or None). Rows of len(RECORD_COLUMNS) or len(ALL_COLUMNS) have
-#: no sketch.
+#: sketch: its k float64 numbers as bytes in the machine's order (probe/capture/sketch.py,
+#: pack), a sequence of k floats, or None. Rows of len(RECORD_COLUMNS) or len(ALL_COLUMNS)
+#: have no sketch.
 ROW_WIDTH = len(ALL_COLUMNS) + 1
 
 KINDS = ("api", "module", "param")

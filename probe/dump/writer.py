@@ -597,18 +597,22 @@ def _read_owner(fd: int) -> str:
 def _sketch_table(sketches, path: str) -> np.ndarray | None:
     """The /records/sketch table: (records, k) float64, NaN rows for records without a sketch;
     None (no dataset at all) when no record has one (sketch_size 0)."""
-    width = max((len(item) for item in sketches if item is not None), default=0)
-    if not width:
+    sizes = {_sketch_size(item) for item in sketches if item is not None}
+    if not sizes:
         return None
-    missing = (np.nan,) * width
-    try:  # one C call for the whole table
-        table = np.array([missing if item is None else item for item in sketches], dtype=np.float64)
-    except ValueError:
-        table = None
-    if table is None or table.shape != (len(sketches), width):
-        sizes = sorted({len(item) for item in sketches if item is not None})
-        raise DumpError(f"cannot write {path}: record sketches of different sizes {sizes} in one step")
-    return table
+    if len(sizes) > 1:
+        raise DumpError(f"cannot write {path}: record sketches of different sizes {sorted(sizes)} in one step")
+    width = sizes.pop()
+    missing = np.full(width, np.nan).tobytes()
+    # one join and one buffer for the whole table (the capture side packs its sketches)
+    joined = b"".join(missing if item is None else item if type(item) is bytes
+                      else np.asarray(item, dtype=np.float64).tobytes() for item in sketches)
+    return np.frombuffer(joined, dtype=np.float64).reshape(len(sketches), width)
+
+
+def _sketch_size(item) -> int:
+    """Numbers in one row's sketch: packed bytes (8 per number) or a sequence of floats."""
+    return len(item) // 8 if type(item) is bytes else len(item)
 
 
 def _create_array(parent, name: str, array: np.ndarray) -> h5py.h5d.DatasetID:
