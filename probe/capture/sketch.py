@@ -211,7 +211,8 @@ def host_sketch(tensor: torch.Tensor, k: int) -> bytes | None:
 
 #: CPU tensors up to this many elements are folded with numpy (a few us instead of ~15 us of
 #: torch dispatch, on one thread). Larger ones are folded by torch, whose BLAS honours
-#: torch.set_num_threads (numpy's OpenBLAS would take every core from about 1M values). (The dense path's products stay under OpenBLAS's threading threshold.)
+#: torch.set_num_threads (numpy's OpenBLAS would take every core from about 1M values; the
+#: dense path's products stay under OpenBLAS's threading threshold).
 _NUMPY_MAX = 1 << 18
 
 
@@ -256,11 +257,11 @@ def array_sketch(values: np.ndarray, k: int) -> bytes:
             values = padded
         products = values.reshape(used, BLOCK) @ columns
         signed = _row_signs_table(values.dtype, k, used)
-        return np.multiply(products, signed[:used]).sum(0, dtype=np.float64).tobytes()
+        return pack(np.multiply(products, signed[:used]).sum(0, dtype=np.float64))
     folded = np.empty(GROUPS * BLOCK, dtype=values.dtype)
     used = fold_into(values, folded)
     folded = folded[: used * BLOCK].reshape(used, BLOCK)
-    return _combine(folded, columns, rows).sum(0, dtype=np.float64).tobytes()
+    return pack(_combine(folded, columns, rows).sum(0, dtype=np.float64))
 
 
 def fold_rows(size: int) -> int:

@@ -259,7 +259,7 @@ def resolve_device_stats(pending: list[tuple[torch.Tensor, torch.Tensor, int]]) 
         start = 0
         for p, size, (nans, infs) in zip(positions, sizes, counts):
             low, high, total, norm = flat[start:start + 4]
-            sketched = raw[start + 4:start + size].tobytes() if size > 4 else None
+            sketched = sketch.pack(raw[start + 4:start + size]) if size > 4 else None
             start += size
             results[p] = ((low, high, total / pending[p][2], norm, nans, infs), sketched)
     return results
