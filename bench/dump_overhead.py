@@ -28,7 +28,7 @@ Columns:
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
   sketch share       time inside sketch.array_sketch, sketch.fold_into and
-                     host_batch._sketches (the sketches' numpy parts; before issue 12 it timed
+                     host_batch._arena_sketches (the sketches' numpy parts; before issue 12 it timed
                      host_sketch, which also converted the tensor) over the rest of
                      a stats api step (CPU):
                      the same cost measured inside one step, so it is far less sensitive to
@@ -91,7 +91,7 @@ _SKETCH_DEPTH = [0]  # array_sketch calls fold_into: time the outermost call onl
 def _time_sketches() -> None:
     """Wrap the host sketches' numpy parts with a timer (about 0.2 us per call): every CPU
     sketch goes through sketch.array_sketch (one tensor, now), sketch.fold_into (a larger
-    tensor's fold at record time, its product deferred) or host_batch._sketches (the
+    tensor's fold at record time, its product deferred) or host_batch._arena_sketches (the
     products of a batch)."""
     from probe.capture import host_batch, sketch
 
@@ -109,7 +109,7 @@ def _time_sketches() -> None:
 
     sketch.array_sketch = timed(sketch.array_sketch)
     sketch.fold_into = timed(sketch.fold_into)
-    host_batch._sketches = timed(host_batch._sketches)
+    host_batch._arena_sketches = timed(host_batch._arena_sketches)
 
 
 class Variant:

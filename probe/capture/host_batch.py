@@ -153,20 +153,27 @@ def _compute(arena: _Arena, sketch_size: int) -> None:
     """Fill the slots of an arena's tensors and empty it. Never raises: a tensor whose numbers
     could not be computed gets unknown statistics (NaN, counts -1) and no sketch, a fold its
     statistics without a sketch."""
+    copies, folds = arena.tensors, arena.folds
     try:
         # NaN/Inf and huge values are expected (the statistics count them): no warnings
         with np.errstate(all="ignore"):
-            if arena.tensors:
-                for (_, _, slot), result in zip(arena.tensors, _numbers(arena, sketch_size)):
-                    slot.result = result
-            if arena.folds:
-                for (_, _, slot, numbers), sketched in zip(arena.folds, _fold_sketches(arena, sketch_size)):
-                    slot.result = (numbers, sketched)
+            numbers, starts, sizes = _numbers(arena) if copies else ([], None, None)
+            packed = [None] * (len(copies) + len(folds))
+            if sketch_size > 0:
+                try:
+                    packed = _packed(_arena_sketches(arena, starts, sizes, sketch_size))
+                except Exception:  # the statistics stay, without sketches
+                    pass
+            for (_, _, slot), found, sketched in zip(copies, numbers, packed):
+                slot.result = (found, sketched)
+            # the folds' sketches follow the copies' in the order of the values: last added first
+            for (_, _, slot, found), sketched in zip(reversed(folds), packed[len(copies):]):
+                slot.result = (found, sketched)
     except Exception:  # never break training over statistics (as Recorder._describe)
-        for _, _, slot in arena.tensors:
+        for _, _, slot in copies:
             slot.result = slot.result or (_UNKNOWN, None)
-        for _, _, slot, numbers in arena.folds:
-            slot.result = slot.result or (numbers, None)
+        for _, _, slot, found in folds:
+            slot.result = slot.result or (found, None)
     finally:
         arena.used, arena.tensors = 0, []
         arena.folds_start, arena.folds = CAPACITY, []
@@ -175,8 +182,9 @@ def _compute(arena: _Arena, sketch_size: int) -> None:
 _UNKNOWN = (float("nan"),) * 4 + (-1, -1)
 
 
-def _numbers(arena: _Arena, k: int) -> list[tuple]:
-    """[((min, max, mean, norm, nan, inf), sketch or None)] of the arena's copied tensors."""
+def _numbers(arena: _Arena) -> tuple[list[tuple], np.ndarray, np.ndarray]:
+    """([(min, max, mean, norm, nan, inf)] of the arena's copied tensors, their starts, their
+    sizes)."""
     values, used, tensors = arena.values, arena.used, arena.tensors
     starts = np.fromiter((start for start, _, _ in tensors), dtype=np.intp, count=len(tensors))
     sizes = np.fromiter((size for _, size, _ in tensors), dtype=np.intp, count=len(tensors))
@@ -186,8 +194,7 @@ def _numbers(arena: _Arena, k: int) -> list[tuple]:
     # one value of the next tensor); only the even ones are read
     lows = np.minimum.reduceat(values[: used + 1], bounds)[0::2]
     highs = np.maximum.reduceat(values[: used + 1], bounds)[0::2]
-    table = values[:used].reshape(-1, BLOCK)
-    rows = torch.from_numpy(table)
+    rows = torch.from_numpy(values[:used].reshape(-1, BLOCK))
     row_starts = starts // BLOCK
     totals = np.add.reduceat(rows.sum(1).numpy().astype(np.float64), row_starts)
     row_norms = torch.linalg.vector_norm(rows, dim=1).numpy().astype(np.float64)
@@ -201,23 +208,44 @@ def _numbers(arena: _Arena, k: int) -> list[tuple]:
     for i in alone.tolist():  # NaN/Inf, or squares that may overflow: as the per-record path
         start = int(starts[i])
         numbers[i] = stats.host_stats(torch.from_numpy(values[start:start + int(sizes[i])]))
-    if k <= 0:
-        return [(found, None) for found in numbers]
-    packed = _packed(_sketches(table, row_starts, -(-sizes // BLOCK), k))
-    return list(zip(numbers, packed))
+    return numbers, starts, sizes
 
 
-def _fold_sketches(arena: _Arena, k: int) -> list[bytes]:
-    """The packed sketches of the arena's folds (in the order they were added), from their
-    (rows, BLOCK) tables: each fold's row g signed F[0] * S[g] by _sketches is S[g], its own
-    combine (sketch._combine), because F[0] is +1 (tests/test_capture_host_batch.py)."""
-    folds = arena.folds[::-1]  # written from the back: now in the order of the values
-    base = arena.folds_start
-    row_starts = np.fromiter(((start - base) // BLOCK for start, _, _, _ in folds), dtype=np.intp,
-                             count=len(folds))
-    rows = np.fromiter((count for _, count, _, _ in folds), dtype=np.intp, count=len(folds))
-    table = arena.values[base:CAPACITY].reshape(-1, BLOCK)
-    return _packed(_sketches(table, row_starts, rows, k))[::-1]
+def _arena_sketches(arena: _Arena, starts, sizes, k: int) -> np.ndarray:
+    """(copies + folds, k) float64: the copies' sketches in their order, then the folds' in the
+    order of their values (the reverse of the order they were added).
+
+    A copy's rows are projected unfolded: row r of a tensor signed F[r // GROUPS] *
+    S[r % GROUPS] (sketch.array_sketch's dense form). A fold has at most GROUPS rows, so its
+    row g gets F[0] * S[g], which is S[g] because F[0] is +1 (tests/test_capture_host_batch.py):
+    its own combine (sketch._combine). One product per region (two contiguous tables), then
+    one signed sum for all."""
+    columns, _ = sketch._projection_tables("numpy", arena.values.dtype, k)
+    # torch's product: it honours torch.set_num_threads; numpy's OpenBLAS would take every
+    # core (measured 9x slower on a busy 2-core machine)
+    columns = torch.from_numpy(columns)
+    products, row_starts, row_counts = [], [], []
+    copied_rows = 0
+    if arena.tensors:
+        copied_rows = arena.used // BLOCK
+        products.append(torch.from_numpy(arena.values[:arena.used].reshape(-1, BLOCK)).mm(columns))
+        row_starts.append(starts // BLOCK)
+        row_counts.append(-(-sizes // BLOCK))
+    if arena.folds:
+        base = arena.folds_start
+        folds = arena.folds[::-1]  # written from the back: now in the order of the values
+        table = arena.values[base:CAPACITY].reshape(-1, BLOCK)
+        products.append(torch.from_numpy(table).mm(columns))
+        row_starts.append(np.fromiter((copied_rows + (start - base) // BLOCK for start, _, _, _ in folds),
+                                      dtype=np.intp, count=len(folds)))
+        row_counts.append(np.fromiter((rows for _, rows, _, _ in folds), dtype=np.intp, count=len(folds)))
+    products = (products[0] if len(products) == 1 else torch.cat(products)).numpy()
+    row_starts = np.concatenate(row_starts)
+    row_counts = np.concatenate(row_counts)
+    signs = sketch._row_signs_table(arena.values.dtype, k, int(row_counts.max()))
+    local_rows = np.arange(products.shape[0]) - np.repeat(row_starts, row_counts)
+    signed = np.multiply(products, np.take(signs, local_rows, axis=0))  # take: ~30% faster than [ ]
+    return np.add.reduceat(signed.astype(np.float64), row_starts, axis=0)
 
 
 def _packed(sketches: np.ndarray) -> list[bytes]:
@@ -225,18 +253,3 @@ def _packed(sketches: np.ndarray) -> list[bytes]:
     (17 fewer Python objects a record)."""
     blob, width = sketch.pack(sketches), 8 * sketches.shape[1]
     return [blob[at:at + width] for at in range(0, len(blob), width)]
-
-
-def _sketches(table: np.ndarray, row_starts: np.ndarray, row_counts: np.ndarray,
-              k: int) -> np.ndarray:
-    """(tensors, k) float64: every tensor's rows projected by P, row r of a tensor signed by
-    F[r // GROUPS] * S[r % GROUPS], summed per tensor: sketch.array_sketch's unfolded
-    projection, which for a fold (at most GROUPS rows, F[0] applied) is its _combine."""
-    columns, _ = sketch._projection_tables("numpy", table.dtype, k)
-    signs = sketch._row_signs_table(table.dtype, k, int(row_counts.max()))
-    # torch's product: it honours torch.set_num_threads; numpy's OpenBLAS would take every
-    # core (measured 9x slower on a busy 2-core machine)
-    products = torch.from_numpy(table).mm(torch.from_numpy(columns)).numpy()
-    local_rows = np.arange(table.shape[0]) - np.repeat(row_starts, row_counts)
-    signed = np.multiply(products, np.take(signs, local_rows, axis=0))  # take: ~30% faster than [ ]
-    return np.add.reduceat(signed.astype(np.float64), row_starts, axis=0)
