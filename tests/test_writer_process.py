@@ -24,7 +24,11 @@ from probe.dump import background, schema, worker
 from probe.errors import ConfigError, DumpError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="POSIX signals")
+#: the tests that freeze, interrupt or kill a process need POSIX signals; the rest run anywhere
+needs_posix_signals = pytest.mark.skipif(
+    not hasattr(signal, "SIGSTOP"),
+    reason="freezes or kills the writer process with POSIX signals (SIGSTOP, SIGKILL, SIGALRM), "
+           "which this platform does not have")
 
 
 def _model():
@@ -99,6 +103,7 @@ def test_the_writer_process_writes_the_same_file_as_step_itself(tmp_path):
                    {k: v for k, v in b.attrs.items() if k not in own}
 
 
+@needs_posix_signals
 def test_step_returns_before_the_file_is_written_and_wait_makes_it_complete(tmp_path):
     pid = _running_writer()
     debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), writer="process"))
@@ -114,6 +119,7 @@ def test_step_returns_before_the_file_is_written_and_wait_makes_it_complete(tmp_
     debugger.close()
 
 
+@needs_posix_signals
 def test_probe_load_in_the_writing_process_waits_for_files_in_flight(tmp_path):
     pid = _running_writer()
     debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), writer="process"))
@@ -192,6 +198,7 @@ def test_on_write_error_warn_warns_once_and_keeps_the_error(tmp_path):
     debugger.close()
 
 
+@needs_posix_signals
 def test_a_killed_writer_process_is_a_dump_error_naming_the_step_not_a_hang(tmp_path):
     pid = _running_writer()
     debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), writer="process"))
@@ -211,6 +218,7 @@ def test_a_killed_writer_process_is_a_dump_error_naming_the_step_not_a_hang(tmp_
     assert dump.steps == [0, 2] and dump.incomplete == []  # stopped before it began step 1
 
 
+@needs_posix_signals
 def test_ctrl_c_while_handing_over_a_step_loses_only_that_step(tmp_path):
     from scripts_dump.dumpkit import root_attrs, rows_for
 
@@ -275,6 +283,7 @@ def test_interpreter_exit_waits_for_every_step_in_flight_and_ends_the_writer(tmp
     assert _wait_gone(int(done.stdout.split()[0]), 5)
 
 
+@needs_posix_signals
 def test_the_writer_process_ends_when_its_parent_is_killed(tmp_path):
     script = _script(tmp_path, """
         one_step()
@@ -307,7 +316,8 @@ def test_writer_inline_writes_inside_step_and_starts_no_process(tmp_path):
     debugger.close()
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"),
+                    reason="pins this process to one CPU with os.sched_setaffinity, which only Linux has")
 def test_writer_auto_uses_the_process_only_with_two_cpus(tmp_path):
     background.shutdown()
     cpus = os.sched_getaffinity(0)
