@@ -393,8 +393,7 @@ def _composite_edges(out_nodes, out_next_functions, edges):
             return None
     result = []
     stack = list(zip(out_nodes, out_next_functions))
-    # the nodes, not only their ids (compat.NodeSet: ids are reused up to torch 2.12)
-    seen = {id(node): node for node in out_nodes}
+    seen = compat.NodeSet(out_nodes)  # the nodes, not their ids: ids are reused up to 2.12
     while stack:
         node, next_functions = stack.pop()
         if next_functions is None:
@@ -412,10 +411,10 @@ def _composite_edges(out_nodes, out_next_functions, edges):
                     slots = by_leaf.get(id(variable))
                     if slots is None:
                         continue
-                elif id(fn) in seen or _sequence_nr(fn) <= oldest:
+                elif fn in seen or _sequence_nr(fn) <= oldest:
                     continue
                 else:
-                    seen[id(fn)] = fn
+                    seen.add(fn)
                     if len(seen) > _WALK_LIMIT:
                         return None
                     stack.append((fn, None))
