@@ -337,9 +337,10 @@ class PrecisionDebugger:
             self._deliver(block=False)
             self._write_failed(recorder.write_error, attrs["step"])
             return
-        if writer is None and self._in_background() and self._hand_over(rows, attrs, device):
-            path = step_file_path(self.config.dump_path, attrs["step"], attrs["rank"])
-        else:
+        path = None
+        if writer is None and self._in_background():
+            path = self._hand_over(rows, attrs, device)
+        if path is None:
             path = self._write_inline(writer or recorder._open_writer(), rows, device)
         if path is not None and self.config.stop_on_nonfinite:
             from probe.nonfinite import stop_error
@@ -360,12 +361,7 @@ class PrecisionDebugger:
     def _write_inline(self, target, rows: list, device: str) -> str | None:
         path = error = None
         try:
-            try:
-                target.add_rows(rows)
-                path = target.close({"device": device})
-            except BaseException:
-                target.abort()
-                raise
+            path = target.finish(rows, {"device": device})
         except DumpError as failure:
             error = failure
         if self._pending is not None and len(self._pending):
@@ -378,9 +374,10 @@ class PrecisionDebugger:
             self._last_file = path
         return path
 
-    def _hand_over(self, rows: list, attrs: dict, device: str) -> bool:
-        """Give the step to the writer process; False when none can be started (then this
-        debugger writes inline from now on, and says so once)."""
+    def _hand_over(self, rows: list, attrs: dict, device: str) -> str | None:
+        """Give the step to the writer process and return the path its file will have;
+        None when no writer process can be started (then this debugger writes inline from now
+        on, and says so once)."""
         from probe.dump import background
 
         if self._pending is None:
@@ -389,16 +386,16 @@ class PrecisionDebugger:
             self._pending.wait_oldest()  # bounds memory; its result is delivered below
         job = {"dump_path": os.path.abspath(self.config.dump_path), "step": attrs["step"],
                "rank": attrs["rank"], "attrs": attrs, "extra": {"device": device}, "rows": rows}
+        path = step_file_path(self.config.dump_path, attrs["step"], attrs["rank"])
         try:
-            self._pending.submit(job, step_file_path(self.config.dump_path, attrs["step"],
-                                                     attrs["rank"]))
+            self._pending.submit(job, path)
         except OSError as error:
             self._no_process = True
             warnings.warn(f"probe: cannot start the writer process ({error}); step() writes "
                           "the step files itself from now on", RuntimeWarning, stacklevel=4)
-            return False
+            return None
         self._deliver(block=False)
-        return True
+        return path
 
     def _deliver(self, block: bool) -> None:
         """Take in the results of the steps the writer process finished (all of them when

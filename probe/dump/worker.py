@@ -60,12 +60,7 @@ def write_job(job: dict) -> str:
     from probe.dump.writer import StepWriter
 
     writer = StepWriter(job["dump_path"], job["step"], job["rank"], job["attrs"])
-    try:
-        writer.add_rows(job["rows"])
-        return writer.close(job["extra"])
-    except BaseException:
-        writer.abort()
-        raise
+    return writer.finish(job["rows"], job["extra"])
 
 
 def _read_requests(requests, inbox: queue.Queue, parent: int) -> None:

@@ -282,6 +282,16 @@ class StepWriter:
                     f"the same for every row of the file: {row!r}")
         self._rows.extend(rows)
 
+    def finish(self, rows: list[tuple], extra_attrs: dict | None = None) -> str:
+        """add_rows(rows), then close(extra_attrs); any failure (Ctrl-C included) aborts the
+        file first. Returns the file's path."""
+        try:
+            self.add_rows(rows)
+            return self.close(extra_attrs)
+        except BaseException:
+            self.abort()
+            raise
+
     def close(self, extra_attrs: dict | None = None) -> str:
         """Finish the file and rename it to its final name; return that name.
 
