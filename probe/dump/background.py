@@ -153,12 +153,11 @@ class WriterProcess:
                               f"{self.pid}); it may still have written this step's file: see "
                               "`probe inspect`")
                 self.failure = self._abandoned
-                for ticket in list(self._unanswered):
-                    self._answered(ticket, None, self.failure)
                 raise
-            if self.failure is not None:
-                for ticket in list(self._unanswered):
-                    self._answered(ticket, None, self.failure)
+            finally:
+                if self.failure is not None:  # no answer will come for the steps still out
+                    for ticket in list(self._unanswered):
+                        self._answered(ticket, None, self.failure)
 
     def _answered(self, ticket: int, path: str | None, error: str | None) -> None:
         self._unanswered.pop(ticket, None)
