@@ -74,16 +74,29 @@ class HostSlot:
 
 
 class _Arena:
-    """One dtype's values: small tensors copied from the front, (start, size, slot) each;
-    larger tensors' folds written from the back, (start, rows, slot, statistics) each, so the
-    statistics pass reads the copies alone and each region is one contiguous table."""
+    """One dtype's values: small tensors copied from the front, larger tensors' folds written
+    from the back, so the statistics pass reads the copies alone and each region is one
+    contiguous table. Each region's layout is kept in parallel lists of ints (one C-level
+    conversion each when the arena is computed, not a generator over tuples)."""
 
     def __init__(self, dtype: np.dtype):
         self.values = np.zeros(CAPACITY + 1, dtype=dtype)  # +1: reduceat's last end index
         self.used = 0
-        self.tensors: list[tuple[int, int, HostSlot]] = []
+        self.starts: list[int] = []  # copies: first value, size, slot
+        self.sizes: list[int] = []
+        self.slots: list[HostSlot] = []
         self.folds_start = CAPACITY
-        self.folds: list[tuple[int, int, HostSlot, tuple]] = []
+        self.fold_starts: list[int] = []  # folds: first value, rows, slot, known statistics
+        self.fold_rows: list[int] = []
+        self.fold_slots: list[HostSlot] = []
+        self.fold_numbers: list[tuple] = []
+        #: (CAPACITY // BLOCK, k) products of the last compute, reused (torch.mm(out=...))
+        self.products = None
+
+    def empty(self) -> None:
+        self.used, self.starts, self.sizes, self.slots = 0, [], [], []
+        self.folds_start = CAPACITY
+        self.fold_starts, self.fold_rows, self.fold_slots, self.fold_numbers = [], [], [], []
 
 
 class HostBatch:
@@ -113,7 +126,9 @@ class HostBatch:
             if size != need:
                 arena.values[end:start + need] = 0  # the sketch reads whole rows
             arena.used = start + need
-            arena.tensors.append((start, size, slot))
+            arena.starts.append(start)
+            arena.sizes.append(size)
+            arena.slots.append(slot)
         return slot
 
     def add_folded(self, array: np.ndarray, numbers: tuple) -> HostSlot:
@@ -130,7 +145,10 @@ class HostBatch:
             start = arena.folds_start - rows * BLOCK
             sketch.fold_into(flat, arena.values[start:])
             arena.folds_start = start
-            arena.folds.append((start, rows, slot, numbers))
+            arena.fold_starts.append(start)
+            arena.fold_rows.append(rows)
+            arena.fold_slots.append(slot)
+            arena.fold_numbers.append(numbers)
         return slot
 
     def _arena(self, dtype: np.dtype, need: int) -> _Arena:
@@ -153,7 +171,11 @@ def _compute(arena: _Arena, sketch_size: int) -> None:
     """Fill the slots of an arena's tensors and empty it. Never raises: a tensor whose numbers
     could not be computed gets unknown statistics (NaN, counts -1) and no sketch, a fold its
     statistics without a sketch."""
-    copies, folds = arena.tensors, arena.folds
+    copies, folds = arena.slots, arena.fold_slots
+    if not copies and not folds:
+        # stop() and step() both compute: the second finds the arena empty (an empty product
+        # raised inside _arena_sketches, about 0.1 ms a step on a small model)
+        return
     try:
         # NaN/Inf and huge values are expected (the statistics count them): no warnings
         with np.errstate(all="ignore"):
@@ -164,19 +186,19 @@ def _compute(arena: _Arena, sketch_size: int) -> None:
                     packed = _packed(_arena_sketches(arena, starts, sizes, sketch_size))
                 except Exception:  # the statistics stay, without sketches
                     pass
-            for (_, _, slot), found, sketched in zip(copies, numbers, packed):
+            for slot, found, sketched in zip(copies, numbers, packed):
                 slot.result = (found, sketched)
             # the folds' sketches follow the copies' in the order of the values: last added first
-            for (_, _, slot, found), sketched in zip(reversed(folds), packed[len(copies):]):
+            for slot, found, sketched in zip(reversed(folds), reversed(arena.fold_numbers),
+                                             packed[len(copies):]):
                 slot.result = (found, sketched)
     except Exception:  # never break training over statistics (as Recorder._describe)
-        for _, _, slot in copies:
+        for slot in copies:
             slot.result = slot.result or (_UNKNOWN, None)
-        for _, _, slot, found in folds:
+        for slot, found in zip(folds, arena.fold_numbers):
             slot.result = slot.result or (found, None)
     finally:
-        arena.used, arena.tensors = 0, []
-        arena.folds_start, arena.folds = CAPACITY, []
+        arena.empty()
 
 
 _UNKNOWN = (float("nan"),) * 4 + (-1, -1)
@@ -185,9 +207,9 @@ _UNKNOWN = (float("nan"),) * 4 + (-1, -1)
 def _numbers(arena: _Arena) -> tuple[list[tuple], np.ndarray, np.ndarray]:
     """([(min, max, mean, norm, nan, inf)] of the arena's copied tensors, their starts, their
     sizes)."""
-    values, used, tensors = arena.values, arena.used, arena.tensors
-    starts = np.fromiter((start for start, _, _ in tensors), dtype=np.intp, count=len(tensors))
-    sizes = np.fromiter((size for _, size, _ in tensors), dtype=np.intp, count=len(tensors))
+    values, used = arena.values, arena.used
+    starts = np.array(arena.starts, dtype=np.intp)
+    sizes = np.array(arena.sizes, dtype=np.intp)
     bounds = np.empty(2 * len(starts), dtype=np.intp)
     bounds[0::2], bounds[1::2] = starts, starts + sizes
     # the odd segments are the padding between tensors (possibly empty: reduceat then gives
@@ -218,34 +240,47 @@ def _arena_sketches(arena: _Arena, starts, sizes, k: int) -> np.ndarray:
     A copy's rows are projected unfolded: row r of a tensor signed F[r // GROUPS] *
     S[r % GROUPS] (sketch.array_sketch's dense form). A fold has at most GROUPS rows, so its
     row g gets F[0] * S[g], which is S[g] because F[0] is +1 (tests/test_capture_host_batch.py):
-    its own combine (sketch._combine). One product per region (two contiguous tables), then
-    one signed sum for all."""
-    columns, _ = sketch._projection_tables("numpy", arena.values.dtype, k)
+    its own combine (sketch._combine). One product per region (two contiguous tables) into one
+    buffer the arena keeps, then one signed sum for all."""
+    dtype = arena.values.dtype
+    columns = _torch_columns(dtype, k)
+    products = arena.products
+    if products is None or products.shape[1] != k:
+        products = arena.products = torch.empty(CAPACITY // BLOCK, k, dtype=columns.dtype)
     # torch's product: it honours torch.set_num_threads; numpy's OpenBLAS would take every
     # core (measured 9x slower on a busy 2-core machine)
-    columns = torch.from_numpy(columns)
-    products, row_starts, row_counts = [], [], []
-    copied_rows = 0
-    if arena.tensors:
-        copied_rows = arena.used // BLOCK
-        products.append(torch.from_numpy(arena.values[:arena.used].reshape(-1, BLOCK)).mm(columns))
-        row_starts.append(starts // BLOCK)
-        row_counts.append(-(-sizes // BLOCK))
-    if arena.folds:
-        base = arena.folds_start
-        folds = arena.folds[::-1]  # written from the back: now in the order of the values
-        table = arena.values[base:CAPACITY].reshape(-1, BLOCK)
-        products.append(torch.from_numpy(table).mm(columns))
-        row_starts.append(np.fromiter((copied_rows + (start - base) // BLOCK for start, _, _, _ in folds),
-                                      dtype=np.intp, count=len(folds)))
-        row_counts.append(np.fromiter((rows for _, rows, _, _ in folds), dtype=np.intp, count=len(folds)))
-    products = (products[0] if len(products) == 1 else torch.cat(products)).numpy()
-    row_starts = np.concatenate(row_starts)
-    row_counts = np.concatenate(row_counts)
-    signs = sketch._row_signs_table(arena.values.dtype, k, int(row_counts.max()))
-    local_rows = np.arange(products.shape[0]) - np.repeat(row_starts, row_counts)
-    signed = np.multiply(products, np.take(signs, local_rows, axis=0))  # take: ~30% faster than [ ]
+    copied_rows = arena.used // BLOCK
+    if copied_rows:
+        torch.mm(torch.from_numpy(arena.values[:arena.used].reshape(-1, BLOCK)), columns,
+                 out=products[:copied_rows])
+    fold_rows = (CAPACITY - arena.folds_start) // BLOCK
+    if fold_rows:
+        torch.mm(torch.from_numpy(arena.values[arena.folds_start:CAPACITY].reshape(-1, BLOCK)),
+                 columns, out=products[copied_rows:copied_rows + fold_rows])
+    # each tensor's first product row and its row count, copies then folds (in value order)
+    row_counts = arena.fold_rows[::-1]
+    row_starts = np.array(arena.starts + row_counts, dtype=np.intp)
+    row_counts = np.array(arena.sizes + row_counts, dtype=np.intp)
+    copies = len(arena.starts)
+    row_starts[:copies] //= BLOCK
+    row_counts[:copies] = -(-row_counts[:copies] // BLOCK)
+    if copies < len(row_starts):
+        # a fold's rows follow the previous fold's: their starts are a running sum
+        row_starts[copies:] = copied_rows + np.cumsum(row_counts[copies:]) - row_counts[copies:]
+    total = copied_rows + fold_rows
+    signs = sketch._row_signs_table(dtype, k, int(row_counts.max()))
+    local_rows = np.arange(total) - np.repeat(row_starts, row_counts)
+    signed = np.multiply(products[:total].numpy(), np.take(signs, local_rows, axis=0))
     return np.add.reduceat(signed.astype(np.float64), row_starts, axis=0)
+
+
+def _torch_columns(dtype: np.dtype, k: int) -> torch.Tensor:
+    """P (sketch._projection_tables) as a CPU tensor sharing the cached numpy table."""
+    key = ("host-batch torch", dtype, k)
+    columns = sketch._tables.get(key)
+    if columns is None:
+        columns = sketch._tables[key] = torch.from_numpy(sketch._projection_tables("numpy", dtype, k)[0])
+    return columns
 
 
 def _packed(sketches: np.ndarray) -> list[bytes]:
