@@ -241,3 +241,46 @@ def test_folds_and_copies_sharing_an_arena_keep_their_own_numbers(monkeypatch):
             assert str(slot.result[0]) == str(want[0])
         else:
             _assert_same_numbers(slot.result, want, torch.float32)
+
+
+def _step(batch, tensors):
+    """Record tensors as a training step does (copies, or folds for the larger ones), compute,
+    and return (result, the per-record numbers) per tensor."""
+    slots, wants = [], []
+    for tensor in tensors:
+        want = stats.host_stats_and_sketch(tensor, batch.sketch_size)
+        wants.append(want)
+        if tensor.numel() > SMALL_MAX:
+            slots.append(batch.add_folded(tensor.numpy(), want[0]))
+        else:
+            slots.append(batch.add(tensor.numpy()))
+    batch.compute()
+    return [(slot.result, want) for slot, want in zip(slots, wants)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_layout_seen_in_an_earlier_step_gives_this_steps_numbers(dtype):
+    # the layout (sizes, starts, row signs) is derived once and found again; the values are not
+    batch = HostBatch(16)
+    sizes = (300, 30_000, 8192, 17, 70_000, 1)
+    for scale in (1.0, -4.0, 1e3):
+        for got, want in _step(batch, [torch.randn(n, dtype=dtype) * scale for n in sizes]):
+            _assert_same_numbers(got, want, dtype)
+    assert len(batch._arenas[torch.empty(0, dtype=dtype).numpy().dtype].layouts) == 1
+
+
+def test_the_same_copies_beside_other_folds_are_a_new_layout():
+    batch = HostBatch(16)
+    small = (300, 5000)
+    for large in ((30_000,), (70_000,), (30_000, 20_000), ()):
+        tensors = [torch.randn(n) for n in small + large]
+        for got, want in _step(batch, tensors):
+            _assert_same_numbers(got, want, torch.float32)
+
+
+def test_the_layouts_kept_stay_bounded_when_every_step_differs():
+    batch = HostBatch(16)
+    for n in range(1, 3 * host_batch.LAYOUTS_KEPT):
+        for got, want in _step(batch, [torch.randn(n * 37), torch.randn(20_000 + n)]):
+            _assert_same_numbers(got, want, torch.float32)
+        assert len(batch._arenas[np.dtype(np.float32)].layouts) <= host_batch.LAYOUTS_KEPT

@@ -92,6 +92,8 @@ class _Arena:
         self.fold_numbers: list[tuple] = []
         #: (CAPACITY // BLOCK, k) products of the last compute, reused (torch.mm(out=...))
         self.products = None
+        #: _Layout by (k, copies' sizes, folds' rows), at most LAYOUTS_KEPT
+        self.layouts: dict = {}
 
     def empty(self) -> None:
         self.used, self.starts, self.sizes, self.slots = 0, [], [], []
@@ -179,11 +181,12 @@ def _compute(arena: _Arena, sketch_size: int) -> None:
     try:
         # NaN/Inf and huge values are expected (the statistics count them): no warnings
         with np.errstate(all="ignore"):
-            numbers, starts, sizes = _numbers(arena) if copies else ([], None, None)
+            layout = _layout(arena, sketch_size)
+            numbers = _numbers(arena, layout) if copies else []
             packed = [None] * (len(copies) + len(folds))
             if sketch_size > 0:
                 try:
-                    packed = _packed(_arena_sketches(arena, starts, sizes, sketch_size))
+                    packed = _packed(_arena_sketches(arena, layout, sketch_size))
                 except Exception:  # the statistics stay, without sketches
                     pass
             for slot, found, sketched in zip(copies, numbers, packed):
@@ -204,20 +207,64 @@ def _compute(arena: _Arena, sketch_size: int) -> None:
 _UNKNOWN = (float("nan"),) * 4 + (-1, -1)
 
 
-def _numbers(arena: _Arena) -> tuple[list[tuple], np.ndarray, np.ndarray]:
-    """([(min, max, mean, norm, nan, inf)] of the arena's copied tensors, their starts, their
-    sizes)."""
+class _Layout:
+    """What an arena's computation derives from its layout alone: the sizes of its copies and
+    the rows of its folds. A training step records the same tensors every step, so each layout
+    is derived once and found again (about ten numpy calls a computation fewer, each costing
+    several times its arithmetic right after a training step, docs/performance.md)."""
+
+    __slots__ = ("starts", "sizes", "bounds", "copy_rows", "sketch_starts", "signs")
+
+    def __init__(self, arena: _Arena, k: int):
+        self.starts = np.array(arena.starts, dtype=np.intp)
+        self.sizes = np.array(arena.sizes, dtype=np.intp)
+        self.bounds = np.empty(2 * len(self.starts), dtype=np.intp)
+        self.bounds[0::2], self.bounds[1::2] = self.starts, self.starts + self.sizes
+        self.copy_rows = self.starts // BLOCK
+        self.sketch_starts = self.signs = None
+        if k > 0:
+            self._sketch_layout(arena, k)
+
+    def _sketch_layout(self, arena: _Arena, k: int) -> None:
+        """Each tensor's first product row (copies, then folds in value order) and every
+        product row's sign (_arena_sketches), in float64: a product times +-1 is exact in
+        either width, so signing in float64 is also the widening."""
+        fold_counts = np.array(arena.fold_rows[::-1], dtype=np.intp)
+        row_counts = np.concatenate((-(-self.sizes // BLOCK), fold_counts))
+        copied_rows = arena.used // BLOCK
+        # a fold's rows follow the previous fold's: their starts are a running sum
+        fold_starts = copied_rows + np.cumsum(fold_counts) - fold_counts
+        self.sketch_starts = np.concatenate((self.copy_rows, fold_starts))
+        total = copied_rows + int(fold_counts.sum())
+        table = sketch._row_signs_table(arena.values.dtype, k, int(row_counts.max()))
+        local_rows = np.arange(total) - np.repeat(self.sketch_starts, row_counts)
+        self.signs = np.take(table, local_rows, axis=0).astype(np.float64)
+
+
+#: layouts kept per arena: a step's arena fills a few times when the step records more than
+#: CAPACITY values (each fill its own layout); beyond this the cache starts again
+LAYOUTS_KEPT = 8
+
+
+def _layout(arena: _Arena, k: int) -> _Layout:
+    key = (k, tuple(arena.sizes), tuple(arena.fold_rows))
+    layout = arena.layouts.get(key)
+    if layout is None:
+        if len(arena.layouts) >= LAYOUTS_KEPT:
+            arena.layouts.clear()
+        layout = arena.layouts[key] = _Layout(arena, k)
+    return layout
+
+
+def _numbers(arena: _Arena, layout: _Layout) -> list[tuple]:
+    """[(min, max, mean, norm, nan, inf)] of the arena's copied tensors."""
     values, used = arena.values, arena.used
-    starts = np.array(arena.starts, dtype=np.intp)
-    sizes = np.array(arena.sizes, dtype=np.intp)
-    bounds = np.empty(2 * len(starts), dtype=np.intp)
-    bounds[0::2], bounds[1::2] = starts, starts + sizes
+    starts, sizes, bounds, row_starts = layout.starts, layout.sizes, layout.bounds, layout.copy_rows
     # the odd segments are the padding between tensors (possibly empty: reduceat then gives
     # one value of the next tensor); only the even ones are read
     lows = np.minimum.reduceat(values[: used + 1], bounds)[0::2]
     highs = np.maximum.reduceat(values[: used + 1], bounds)[0::2]
     rows = torch.from_numpy(values[:used].reshape(-1, BLOCK))
-    row_starts = starts // BLOCK
     totals = np.add.reduceat(rows.sum(1).numpy().astype(np.float64), row_starts)
     row_norms = torch.linalg.vector_norm(rows, dim=1).numpy().astype(np.float64)
     norms = np.sqrt(np.add.reduceat(np.square(row_norms), row_starts))
@@ -230,10 +277,10 @@ def _numbers(arena: _Arena) -> tuple[list[tuple], np.ndarray, np.ndarray]:
     for i in alone.tolist():  # NaN/Inf, or squares that may overflow: as the per-record path
         start = int(starts[i])
         numbers[i] = stats.host_stats(torch.from_numpy(values[start:start + int(sizes[i])]))
-    return numbers, starts, sizes
+    return numbers
 
 
-def _arena_sketches(arena: _Arena, starts, sizes, k: int) -> np.ndarray:
+def _arena_sketches(arena: _Arena, layout: _Layout, k: int) -> np.ndarray:
     """(copies + folds, k) float64: the copies' sketches in their order, then the folds' in the
     order of their values (the reverse of the order they were added).
 
@@ -241,7 +288,7 @@ def _arena_sketches(arena: _Arena, starts, sizes, k: int) -> np.ndarray:
     S[r % GROUPS] (sketch.array_sketch's dense form). A fold has at most GROUPS rows, so its
     row g gets F[0] * S[g], which is S[g] because F[0] is +1 (tests/test_capture_host_batch.py):
     its own combine (sketch._combine). One product per region (two contiguous tables) into one
-    buffer the arena keeps, then one signed sum for all."""
+    buffer the arena keeps, then one signed sum for all (the signs from the layout)."""
     dtype = arena.values.dtype
     columns = _torch_columns(dtype, k)
     products = arena.products
@@ -257,21 +304,8 @@ def _arena_sketches(arena: _Arena, starts, sizes, k: int) -> np.ndarray:
     if fold_rows:
         torch.mm(torch.from_numpy(arena.values[arena.folds_start:CAPACITY].reshape(-1, BLOCK)),
                  columns, out=products[copied_rows:copied_rows + fold_rows])
-    # each tensor's first product row and its row count, copies then folds (in value order)
-    row_counts = arena.fold_rows[::-1]
-    row_starts = np.array(arena.starts + row_counts, dtype=np.intp)
-    row_counts = np.array(arena.sizes + row_counts, dtype=np.intp)
-    copies = len(arena.starts)
-    row_starts[:copies] //= BLOCK
-    row_counts[:copies] = -(-row_counts[:copies] // BLOCK)
-    if copies < len(row_starts):
-        # a fold's rows follow the previous fold's: their starts are a running sum
-        row_starts[copies:] = copied_rows + np.cumsum(row_counts[copies:]) - row_counts[copies:]
-    total = copied_rows + fold_rows
-    signs = sketch._row_signs_table(dtype, k, int(row_counts.max()))
-    local_rows = np.arange(total) - np.repeat(row_starts, row_counts)
-    signed = np.multiply(products[:total].numpy(), np.take(signs, local_rows, axis=0))
-    return np.add.reduceat(signed.astype(np.float64), row_starts, axis=0)
+    signed = np.multiply(products[:copied_rows + fold_rows].numpy(), layout.signs)
+    return np.add.reduceat(signed, layout.sketch_starts, axis=0)
 
 
 def _torch_columns(dtype: np.dtype, k: int) -> torch.Tensor:
