@@ -221,28 +221,6 @@ def test_the_first_fold_sign_is_plus_one_so_a_fold_takes_a_small_tensors_row_sig
     assert sketch.fold_signs(1)[0] == 1.0
 
 
-def test_folds_and_copies_sharing_an_arena_keep_their_own_numbers(monkeypatch):
-    monkeypatch.setattr(host_batch, "CAPACITY", 50 * BLOCK)
-    small = [torch.randn(n) for n in (300, 5000, 17)]
-    small[1][3] = float("nan")  # computed alone, next to the folds
-    large = [torch.randn(n) * 1e3 for n in (30_000, 70_000)]
-    batch = HostBatch(16)
-    slots, wants = [], []
-    for tensor in (small[0], large[0], small[1], large[1], small[2], large[0]):
-        want = stats.host_stats_and_sketch(tensor, 16)
-        wants.append(want)
-        if tensor.numel() > SMALL_MAX:
-            slots.append(batch.add_folded(tensor.numpy(), want[0]))
-        else:
-            slots.append(batch.add(tensor.numpy()))
-    batch.compute()
-    for slot, want in zip(slots, wants):
-        if math.isnan(want[0][0]):
-            assert str(slot.result[0]) == str(want[0])
-        else:
-            _assert_same_numbers(slot.result, want, torch.float32)
-
-
 def _step(batch, tensors):
     """Record tensors as a training step does (copies, or folds for the larger ones), compute,
     and return (result, the per-record numbers) per tensor."""
@@ -256,6 +234,19 @@ def _step(batch, tensors):
             slots.append(batch.add(tensor.numpy()))
     batch.compute()
     return [(slot.result, want) for slot, want in zip(slots, wants)]
+
+
+def test_folds_and_copies_sharing_an_arena_keep_their_own_numbers(monkeypatch):
+    monkeypatch.setattr(host_batch, "CAPACITY", 50 * BLOCK)
+    small = [torch.randn(n) for n in (300, 5000, 17)]
+    small[1][3] = float("nan")  # computed alone, next to the folds
+    large = [torch.randn(n) * 1e3 for n in (30_000, 70_000)]
+    tensors = (small[0], large[0], small[1], large[1], small[2], large[0])
+    for got, want in _step(HostBatch(16), tensors):
+        if math.isnan(want[0][0]):
+            assert str(got[0]) == str(want[0])
+        else:
+            _assert_same_numbers(got, want, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
