@@ -45,8 +45,9 @@ def test_sketch_sizes_share_their_prefix_and_the_tables_never_change():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
                                    torch.complex64])
-def test_every_dtype_is_sketched_as_the_values_compare_reads(dtype):
-    x = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 4
+@pytest.mark.parametrize("n", [100, 300])  # one row (projected with pre-signed columns), two rows
+def test_every_dtype_is_sketched_as_the_values_compare_reads(dtype, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 4
     if dtype == torch.complex64:
         x = torch.complex(x, -x / 2)
         values = torch.view_as_real(x).numpy().reshape(-1)  # (real, imag) pairs

@@ -245,8 +245,12 @@ def array_sketch(values: np.ndarray, k: int) -> bytes:
     """host_sketch of a float32/float64 numpy array (any shape: read row-major), for callers
     that already hold the tensor's numpy view (stats.host_stats_and_sketch): no torch call."""
     values = values.reshape(-1)
-    columns, rows = _projection_tables("numpy", values.dtype, k)
     n = values.size
+    if n <= BLOCK:
+        # one row (targets, masks, small biases): its products signed S[0] (F[0] = +1) are
+        # the sketch, so one product with the pre-signed columns, no padding and no sum
+        return pack(np.dot(values, _first_row_columns(values.dtype, k)[:n]))
+    columns, rows = _projection_tables("numpy", values.dtype, k)
     if n <= _DENSE_MAX:
         # small tensors (most records of a small model): no fold; each row's products get
         # their sign F[r // GROUPS] * S[r % GROUPS] directly, in fewer numpy calls
@@ -262,6 +266,17 @@ def array_sketch(values: np.ndarray, k: int) -> bytes:
     used = fold_into(values, folded)
     folded = folded[: used * BLOCK].reshape(used, BLOCK)
     return pack(_combine(folded, columns, rows).sum(0, dtype=np.float64))
+
+
+def _first_row_columns(dtype, k: int) -> np.ndarray:
+    """P * S[0], in dtype: the signed columns a tensor's first row is projected with (a sign
+    flip is exact, so signing the table gives the same numbers as signing the products)."""
+    key = ("first row", dtype, k)
+    table = _tables.get(key)
+    if table is None:
+        columns, rows = _projection_tables("numpy", dtype, k)
+        table = _tables[key] = columns * rows[0]
+    return table
 
 
 def fold_rows(size: int) -> int:

@@ -190,7 +190,10 @@ def _tame(numbers: tuple) -> bool:
 def _host_sketch(tensor: torch.Tensor, array, k: int) -> bytes | None:
     dtype = tensor.dtype
     if dtype is not _FLOAT32 and dtype is not _FLOAT64:
-        return sketch.host_sketch(tensor, k)
+        if array is None or dtype.is_floating_point or dtype.is_complex:
+            return sketch.host_sketch(tensor, k)
+        # an integer or bool tensor's statistics read its float64 values (_as_real), which
+        # are its sketch's values (sketch.sketch_values): no second conversion
     try:
         if array is None:  # host_stats took another path, or another thread's view was left
             array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
