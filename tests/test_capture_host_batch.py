@@ -275,3 +275,18 @@ def test_the_layouts_kept_stay_bounded_when_every_step_differs():
         for got, want in _step(batch, [torch.randn(n * 37), torch.randn(20_000 + n)]):
             _assert_same_numbers(got, want, torch.float32)
         assert len(batch._arenas[np.dtype(np.float32)].layouts) <= host_batch.LAYOUTS_KEPT
+
+
+def test_layouts_whose_signs_exceed_the_byte_budget_are_used_but_not_kept(monkeypatch):
+    tensors = [torch.randn(n) for n in (5000, 300, 40_000)]
+    kept = {}
+    for budget in (1 << 30, 1000):  # room for every layout; less than one layout's signs
+        monkeypatch.setattr(host_batch, "LAYOUT_BYTES", budget)
+        batch = HostBatch(64)
+        for _ in range(2):
+            for got, want in _step(batch, tensors):
+                _assert_same_numbers(got, want, torch.float32)
+        arena = batch._arenas[np.dtype(np.float32)]
+        assert arena.layout_bytes <= budget
+        kept[budget] = len(arena.layouts)
+    assert kept == {1 << 30: 1, 1000: 0}

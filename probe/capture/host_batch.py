@@ -92,8 +92,9 @@ class _Arena:
         self.fold_numbers: list[tuple] = []
         #: (CAPACITY // BLOCK, k) products of the last compute, reused (torch.mm(out=...))
         self.products = None
-        #: _Layout by (k, copies' sizes, folds' rows), at most LAYOUTS_KEPT
+        #: _Layout by (k, copies' sizes, folds' rows): at most LAYOUTS_KEPT, LAYOUT_BYTES of signs
         self.layouts: dict = {}
+        self.layout_bytes = 0
 
     def empty(self) -> None:
         self.used, self.starts, self.sizes, self.slots = 0, [], [], []
@@ -244,15 +245,24 @@ class _Layout:
 #: layouts kept per arena: a step's arena fills a few times when the step records more than
 #: CAPACITY values (each fill its own layout); beyond this the cache starts again
 LAYOUTS_KEPT = 8
+#: bytes of row signs the kept layouts of one arena may hold. A full arena's signs take
+#: CAPACITY // BLOCK * k * 8 bytes: 0.5 MB at k = 16, but 34 MB at the largest sketch_size
+#: (1024), whose layouts are then derived every time instead of kept
+LAYOUT_BYTES = 16 << 20
 
 
 def _layout(arena: _Arena, k: int) -> _Layout:
     key = (k, tuple(arena.sizes), tuple(arena.fold_rows))
     layout = arena.layouts.get(key)
     if layout is None:
-        if len(arena.layouts) >= LAYOUTS_KEPT:
+        layout = _Layout(arena, k)
+        size = 0 if layout.signs is None else layout.signs.nbytes
+        if len(arena.layouts) >= LAYOUTS_KEPT or arena.layout_bytes + size > LAYOUT_BYTES:
             arena.layouts.clear()
-        layout = arena.layouts[key] = _Layout(arena, k)
+            arena.layout_bytes = 0
+        if size <= LAYOUT_BYTES:
+            arena.layouts[key] = layout
+            arena.layout_bytes += size
     return layout
 
 
