@@ -27,9 +27,6 @@ Columns:
   stats api/module/mix   task statistics at each level (with the default sketch, k = 16)
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
-  (cpu)              the same ratio in the training thread's CPU time (time.thread_time) of
-                     the same steps, CPU only: steadier on a shared machine, where
-                     other processes move the wall-clock medians by +-10%
   sketch share       time inside sketch.array_sketch, sketch.fold_into and
                      host_batch._arena_sketches (the sketches' numpy parts; before issue 12 it timed
                      host_sketch, which also converted the tensor) over the rest of
@@ -150,7 +147,6 @@ class Variant:
 
         _SKETCH_TIME[0] = 0.0
         recorder.BULK_STATS = self._bulk
-        cpu_start = time.thread_time()
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
@@ -163,9 +159,6 @@ class Variant:
             self._train()
         self._sync()
         elapsed = time.perf_counter() - start
-        #: the same step in this thread's CPU time, which other processes do not move (on
-        #: CUDA it leaves out the kernels)
-        self.last_cpu = time.thread_time() - cpu_start
         recorder.BULK_STATS = False
         self.last_sketch = _SKETCH_TIME[0]
         if not self._captures:
@@ -243,7 +236,6 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
                      for name in msprobe_variants.LEVELS]
     times = {variant.name: [] for variant in variants}
     capture_times = {variant.name: [] for variant in variants}
-    cpu_times = {variant.name: [] for variant in variants}
     shares = []
     for _ in range(2):  # warm-up
         for variant in variants:
@@ -266,7 +258,6 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
             for _ in range(block - 1):
                 times[variant.name].append(variant.run())
                 capture_times[variant.name].append(variant.last_capture)
-                cpu_times[variant.name].append(variant.last_cpu)
                 if variant.name == "stats api":
                     shares.append(variant.last_sketch / (times[variant.name][-1] - variant.last_sketch))
     base = statistics.median(times["baseline"])
@@ -288,9 +279,6 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         result[variant.name] = statistics.median(times[variant.name]) / base
     result["sketch cost"] = statistics.median(times["stats api"]) / statistics.median(times["no sketch"])
     result["sketch share"] = statistics.median(shares)
-    if device == "cpu":
-        result["sketch cost cpu"] = (statistics.median(cpu_times["stats api"])
-                                     / statistics.median(cpu_times["no sketch"]))
     capture_only = statistics.median(capture_times["stats api"])
     result["stats api capture"] = capture_only / base
     calls = by_name["stats api"].calls
@@ -313,7 +301,6 @@ COLUMNS = [
     ("stats api", "{:.2f}x", "stats api"),
     ("no sketch", "{:.2f}x", "no sketch"),
     ("sketch cost", "{:.3f}x", "sketch cost"),
-    ("(cpu)", "{:.3f}x", "sketch cost cpu"),
     ("sketch share", "{:.1%}", "sketch share"),
     ("(no write)", "{:.2f}x", "stats api capture"),
     ("stats module", "{:.2f}x", "stats module"),
