@@ -86,8 +86,7 @@ class _Arena:
         self.sizes: list[int] = []
         self.slots: list[HostSlot] = []
         self.folds_start = CAPACITY
-        self.fold_starts: list[int] = []  # folds: first value, rows, slot, known statistics
-        self.fold_rows: list[int] = []
+        self.fold_rows: list[int] = []  # folds, written from the back: rows, slot, statistics
         self.fold_slots: list[HostSlot] = []
         self.fold_numbers: list[tuple] = []
         #: (CAPACITY // BLOCK, k) products of the last compute, reused (torch.mm(out=...))
@@ -99,7 +98,7 @@ class _Arena:
     def empty(self) -> None:
         self.used, self.starts, self.sizes, self.slots = 0, [], [], []
         self.folds_start = CAPACITY
-        self.fold_starts, self.fold_rows, self.fold_slots, self.fold_numbers = [], [], [], []
+        self.fold_rows, self.fold_slots, self.fold_numbers = [], [], []
 
 
 class HostBatch:
@@ -148,7 +147,6 @@ class HostBatch:
             start = arena.folds_start - rows * BLOCK
             sketch.fold_into(flat, arena.values[start:])
             arena.folds_start = start
-            arena.fold_starts.append(start)
             arena.fold_rows.append(rows)
             arena.fold_slots.append(slot)
             arena.fold_numbers.append(numbers)
