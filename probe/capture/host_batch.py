@@ -297,8 +297,8 @@ def _arena_sketches(arena: _Arena, layout: _Layout, k: int) -> np.ndarray:
     row g gets F[0] * S[g], which is S[g] because F[0] is +1 (tests/test_capture_host_batch.py):
     its own combine (sketch._combine). One product per region (two contiguous tables) into one
     buffer the arena keeps, then one signed sum for all (the signs from the layout)."""
-    dtype = arena.values.dtype
-    columns = _torch_columns(dtype, k)
+    # P as a CPU tensor, cached like a device's (one conversion per process, not per compute)
+    columns, _ = sketch._projection_tables("cpu", torch.from_numpy(arena.values[:0]).dtype, k)
     products = arena.products
     if products is None or products.shape[1] != k:
         products = arena.products = torch.empty(CAPACITY // BLOCK, k, dtype=columns.dtype)
@@ -314,15 +314,6 @@ def _arena_sketches(arena: _Arena, layout: _Layout, k: int) -> np.ndarray:
                  columns, out=products[copied_rows:copied_rows + fold_rows])
     signed = np.multiply(products[:copied_rows + fold_rows].numpy(), layout.signs)
     return np.add.reduceat(signed, layout.sketch_starts, axis=0)
-
-
-def _torch_columns(dtype: np.dtype, k: int) -> torch.Tensor:
-    """P (sketch._projection_tables) as a CPU tensor sharing the cached numpy table."""
-    key = ("host-batch torch", dtype, k)
-    columns = sketch._tables.get(key)
-    if columns is None:
-        columns = sketch._tables[key] = torch.from_numpy(sketch._projection_tables("numpy", dtype, k)[0])
-    return columns
 
 
 def _packed(sketches: np.ndarray) -> list[bytes]:
