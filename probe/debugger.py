@@ -50,6 +50,7 @@ from probe import config as config_module
 from probe._version import __version__
 from probe.capture.api_mode import ApiCaptureMode
 from probe.capture import recorder as recorder_module
+from probe.capture import wrappers
 from probe.capture.filters import CaptureFilter
 from probe.capture.host_batch import HostBatch
 from probe.capture.module_hooks import ModuleHooks
@@ -253,7 +254,7 @@ class PrecisionDebugger:
         scope = self.config.scope
         if self._warned_selection or not scope or self._model is None:
             return
-        names = [name for name, _ in self._model.named_modules() if name]
+        names = [name for name, _ in wrappers.user_modules(self._model) if name]
         if any(self.config.in_scope(name) for name in names) or "" in scope:
             return
         self._warned_selection = True
