@@ -38,6 +38,7 @@ __all__ = [
     "CompareError",
     "NonfiniteError",
     "first_nonfinite",
+    "compile",
 ]
 
 # name -> (module, attribute); resolved on first access.
@@ -52,6 +53,7 @@ _LAZY = {
     "load": ("probe.dump.reader", "load"),
     "compare": ("probe.comparison.api", "compare"),
     "first_nonfinite": ("probe.nonfinite", "first_nonfinite"),
+    "compile": ("probe.capture.graph_taps", "compile"),
 }
 
 

@@ -189,3 +189,37 @@ def warn_uncaptured_collectives() -> bool:
             "later passes them all); module-level records are unaffected. "
             "See docs/torch-versions.md.", TorchVersionWarning, stacklevel=3)
     return True
+
+
+def compiled_capture_gap() -> str | None:
+    """Why this torch cannot capture compiled models as docs/torch-versions.md says, or None.
+
+    Capture at a compiled region's boundary needs forward hooks that run even when the forward
+    raises (``always_call``, 2.1) and ``torch.compiler.is_compiling`` (2.3); graph taps need
+    the FX ``nn_module_stack`` dynamo writes into every node."""
+    missing = []
+    if "always_call" not in torch.nn.Module.register_forward_hook.__code__.co_varnames:
+        missing.append("forward hooks with always_call")
+    if not hasattr(getattr(torch, "compiler", None), "is_compiling"):
+        missing.append("torch.compiler.is_compiling")
+    if not hasattr(torch.nn.Module, "compile"):
+        missing.append("nn.Module.compile")
+    if not missing:
+        return None
+    return f"torch {torch.__version__} lacks {', '.join(missing)}"
+
+
+_warned_compiled = False
+
+
+def warn_compiled_capture_gap() -> None:
+    """Warn once, at the start() of a model with compiled regions, where this torch lacks
+    what capturing them needs."""
+    global _warned_compiled
+    gap = compiled_capture_gap()
+    if gap is None or _warned_compiled:
+        return
+    _warned_compiled = True
+    warnings.warn(f"probe: {gap}: compiled regions of this model may be traced with probe's "
+                  "hooks (graph breaks) or recorded at their boundary only; see "
+                  "docs/torch-versions.md", TorchVersionWarning, stacklevel=4)

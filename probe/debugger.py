@@ -50,7 +50,7 @@ from probe import config as config_module
 from probe._version import __version__
 from probe.capture.api_mode import ApiCaptureMode
 from probe.capture import recorder as recorder_module
-from probe.capture import wrappers
+from probe.capture import compiled_regions, graph_taps, wrappers
 from probe.capture.filters import CaptureFilter
 from probe.capture.host_batch import HostBatch
 from probe.capture.module_hooks import ModuleHooks
@@ -165,14 +165,18 @@ class PrecisionDebugger:
             recorder = self._recorder or self._open_step()
             recorder.active = True
             level = self.config.level
+            gate = compiled_regions.Gate()
             if self._model is not None:
-                self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"))
+                self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"),
+                                          gate=gate)
                 self._hooks.install()
             if level in ("api", "mix"):
                 if not self._collectives_checked:
                     self._collectives_checked = compat.warn_uncaptured_collectives()
                 self._mode = ApiCaptureMode(recorder)
                 self._mode.__enter__()
+                gate.mode = self._mode
+            graph_taps.activate(recorder, self._model, level)
         except BaseException:
             self._uninstall()
             self._started = False
@@ -453,6 +457,7 @@ class PrecisionDebugger:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.remove()
+        graph_taps.deactivate()
         return problem
 
     def __repr__(self) -> str:

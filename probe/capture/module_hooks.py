@@ -45,7 +45,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 
 from probe import compat
-from probe.capture import wrappers
+from probe.capture import compiled_regions, wrappers
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -56,10 +56,13 @@ _is_grad_enabled = torch.is_grad_enabled
 class ModuleHooks:
     """Hooks on one model. ``record`` False: only track the module stack (API level)."""
 
-    def __init__(self, model: torch.nn.Module, recorder: Recorder, record: bool) -> None:
+    def __init__(self, model: torch.nn.Module, recorder: Recorder, record: bool,
+                 gate: compiled_regions.Gate | None = None) -> None:
         self.model = model
         self.recorder = recorder
         self.record = record
+        #: takes the API mode off while a compiled region runs (set by the debugger)
+        self.gate = gate or compiled_regions.Gate()
         self._handles: list = []
         self._open_calls: dict[str, list] = {}
 
@@ -67,16 +70,23 @@ class ModuleHooks:
 
     def install(self) -> None:
         try:
+            targets = compiled_regions.targets(self.model)
+            if any(target.region for target in targets):
+                compat.warn_compiled_capture_gap()
             if not self.record:
-                self._install_tracking()
+                if any(target.region for target in targets):
+                    self._install_region_tracking(targets)
+                else:
+                    self._install_tracking()
                 return
             seen_params: set[int] = set()
-            for path, module in wrappers.user_modules(self.model):
+            for target in targets:
+                path, module = target.path, target.module
                 kind = wrappers.user_kind(module)
-                pre = functools.partial(self._pre_record, path, kind)
-                self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                post = functools.partial(self._post, path, kind)
-                self._handles.append(module.register_forward_hook(post, always_call=True))
+                if target.hook_on is not None or target.compiled_call:
+                    pre = functools.partial(self._pre_record, path, kind, module)
+                    post = functools.partial(self._post, path, kind)
+                    self._hook_forward(target, pre, post)
                 for name, param in module.named_parameters(recurse=False):
                     if id(param) in seen_params or not param.requires_grad:
                         continue
@@ -86,6 +96,50 @@ class ModuleHooks:
         except BaseException:
             self.remove()
             raise
+
+    def _hook_forward(self, target, pre, post) -> None:
+        """Forward hooks on a module, or around a compiled region taken off the mode stack."""
+        gate = self.gate
+        if target.compiled_call:
+
+            def before(module, args, kwargs):
+                replaced = pre(module, args, kwargs)
+                gate.enter()
+                return replaced
+
+            def after(module, args, output):
+                gate.leave()
+                post(module, args, output)
+
+            self._handles.append(compiled_regions.CallBoundary(target.module, before, after))
+            return
+        hook_on = target.hook_on
+        self._handles.append(hook_on.register_forward_pre_hook(pre, with_kwargs=True))
+        if target.region:
+            self._handles.append(hook_on.register_forward_pre_hook(
+                lambda module, args: gate.enter()))
+            self._handles.append(hook_on.register_forward_hook(
+                lambda module, args, output: gate.leave(), always_call=True))
+        self._handles.append(hook_on.register_forward_hook(post, always_call=True))
+
+    def _install_region_tracking(self, targets) -> None:
+        """API level on a model with compiled regions: the module stack from hooks on the
+        modules outside the regions (global hooks would be traced by dynamo)."""
+        stack = self.recorder.module_stack
+
+        def push(path, module, args, kwargs=None):
+            stack.append(path)
+
+        def pop(path, module, args, output):
+            if stack and stack[-1] == path:
+                stack.pop()
+
+        for target in targets:
+            if target.hook_on is None and not target.compiled_call:
+                continue
+            pre = functools.partial(push, target.path)
+            self._hook_forward(target, lambda module, args, kwargs, pre=pre: pre(module, args),
+                               functools.partial(pop, target.path))
 
     def _install_tracking(self) -> None:
         """API level only needs the module path: two global hooks instead of two per module.
@@ -114,12 +168,13 @@ class ModuleHooks:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        self.gate.release()
         self._open_calls.clear()
         self.recorder.locate.forget()
 
     # ------------------------------------------------------------------ forward
 
-    def _pre_record(self, path, kind, module, args, kwargs):
+    def _pre_record(self, path, kind, user_module, module, args, kwargs):
         rec = self.recorder
         rec.module_stack.append(path)
         decision = rec.filter.call(path, kind)
@@ -137,7 +192,7 @@ class ModuleHooks:
                 for key, arg in kwargs.items():
                     rec.add_tree(call, "kwarg." + key, "in", arg)
                 param_call = ("param",) + call[1:]
-                for name, param in module.named_parameters(recurse=False):
+                for name, param in user_module.named_parameters(recurse=False):
                     rec.add(param_call, "param." + name, "in", param)
             replaced = None
             if filt.backward_out and _is_grad_enabled():

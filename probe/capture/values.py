@@ -252,9 +252,15 @@ class SourceLocator:
         start = frame
         while frame is not None:
             code = frame.f_code
-            name = names.get(code, False)
-            if name is False:
-                name = names[code] = _display_name(code.co_filename)
+            try:
+                name = names.get(code, False)
+            except TypeError:
+                # a code object hashes its constants: dynamo's resumed frames can hold a
+                # slice there, unhashable before Python 3.12
+                name = _display_name(code.co_filename)
+            else:
+                if name is False:
+                    name = names[code] = _display_name(code.co_filename)
             if name is not None:
                 text = f"{name}:{frame.f_lineno}"
                 if frame is not start and not start.f_code.co_flags & _RESUMABLE:
