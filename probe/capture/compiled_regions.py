@@ -101,18 +101,15 @@ class Gate:
 
     def enter(self) -> None:
         mode = self.mode
-        stack = compat.function_mode_stack() if mode is not None else ()
-        if not any(m is mode for m in stack):
+        stack = compat.function_mode_stack() if mode is not None else []
+        position = next((i for i, m in enumerate(stack) if m is mode), None)
+        if position is None:
             self._held.append(None)
             return
-        above = []
-        while True:
-            top = compat.function_mode_stack()[-1]
+        above = stack[position + 1:]  # modes the user entered after start(): kept, in order
+        for _ in range(len(above) + 1):
             compat.pop_function_mode()
-            if top is mode:
-                break
-            above.append(top)
-        for other in reversed(above):
+        for other in above:
             compat.push_function_mode(other)
         self._held.append((mode, len(above)))
 

@@ -468,15 +468,9 @@ def _record(active: _Active, plan: _Plan, env: list) -> None:
         kind = event[0]
         if kind == _OP:
             _, op, chain, source, args, outs = event
-            module = _resolve(chain, modules, base)[0]
-            decision = rec.decisions.get((module, op))
-            if decision is None:
-                decision = filt.call(module, op)
-            if not decision:
+            call = _open_call(rec, "api", _resolve(chain, modules, base)[0], op, source)
+            if call is None:
                 continue
-            index = rec.namer.index(module, op)
-            call = rec.call("api", module, op, index, "forward", source, decision)
-            rec.calls += 1
             if filt.forward_in:
                 _add_all(rec, call, args, env, "in")
             if filt.forward_out:
@@ -486,14 +480,9 @@ def _record(active: _Active, plan: _Plan, env: list) -> None:
         elif kind == _OPEN:
             _, entry, source, inputs, outputs = event
             path, module, class_name, region = _resolve((entry,), modules, base)
-            if region:
+            call = None if region else _open_call(rec, "module", path, class_name, source)
+            if call is None:
                 continue
-            decision = filt.call(path, class_name)
-            if not decision:
-                continue
-            index = rec.namer.index(path, class_name)
-            call = rec.call("module", path, class_name, index, "forward", source, decision)
-            rec.calls += 1
             if filt.forward_in:
                 _add_all(rec, call, inputs, env, "in")
                 if module is not None:
@@ -511,6 +500,19 @@ def _record(active: _Active, plan: _Plan, env: list) -> None:
             closing = rec.call("module", module, op, index, "forward", source, decision)
             if filt.forward_out:
                 _add_all(rec, closing, outputs, env, "out")
+
+
+def _open_call(rec, kind: str, module: str, op: str, source: str):
+    """The forward event of one call, named as the eager run names it; None when the config
+    does not select it."""
+    decision = rec.decisions.get((module, op))
+    if decision is None:
+        decision = rec.filter.call(module, op)
+    if not decision:
+        return None
+    index = rec.namer.index(module, op)
+    rec.calls += 1
+    return rec.call(kind, module, op, index, "forward", source, decision)
 
 
 def _add_all(rec, call, slots, env, io) -> None:
