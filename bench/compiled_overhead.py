@@ -1,0 +1,81 @@
+"""Cost of capturing a compiled training step: captured / plain compiled step, one process.
+
+    python bench/compiled_overhead.py [backend] [repeats] [models]
+    python bench/compiled_overhead.py inductor 30 mlp,deepmlp,gpt
+
+For each example model (examples/models.py), compiled whole (torch.compile(model)) and, for
+the GPT, per block (regional, as torchtitan does), after warm-up steps (compilation, the first
+captured step), steps without capture and captured steps (task statistics, level module:
+start(), the step, stop(), step(); files written by the writer process) alternate; each
+number is the median wall time of ``repeats`` steps. ratio = captured / plain.
+"""
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import probe  # noqa: E402
+from examples import models  # noqa: E402
+
+backend = sys.argv[1] if len(sys.argv) > 1 else "inductor"
+repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+names = (sys.argv[3] if len(sys.argv) > 3 else "mlp,deepmlp,gpt").split(",")
+CONSTRUCTORS = {"mlp": ("MLP", 32), "deepmlp": ("DeepMLP", 32), "gpt": ("TinyGPT", 8)}
+
+
+def whole(model):
+    return torch.compile(model, backend=backend)
+
+
+def regional(model):
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = torch.compile(block, backend=backend)
+    return model
+
+
+def measure(name, how):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cls, batch_size = CONSTRUCTORS[name]
+    model = getattr(models, cls)()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    runnable = how(model)
+    batch = models.make_batch(name, batch_size)
+    debugger = probe.PrecisionDebugger({"task": "statistics", "level": "module",
+                                        "dump_path": tempfile.mkdtemp(prefix="probe-bench-")})
+
+    def plain():
+        models.train_step(runnable, optimizer, *batch)
+
+    def captured():
+        debugger.start(runnable)
+        models.train_step(runnable, optimizer, *batch)
+        debugger.stop()
+        debugger.step()
+
+    for _ in range(3):
+        plain()
+        captured()
+    times = {"plain": [], "captured": []}
+    for _ in range(repeats):
+        for label, step in (("plain", plain), ("captured", captured)):
+            start = time.perf_counter()
+            step()
+            times[label].append(time.perf_counter() - start)
+    debugger.close()
+    return statistics.median(times["plain"]), statistics.median(times["captured"])
+
+
+print(f"torch {torch.__version__}, backend {backend}, {torch.get_num_threads()} threads, "
+      f"median of {repeats} steps")
+print(f"{'model':10} {'compiled':9} {'plain ms':>9} {'captured ms':>12} {'ratio':>6}")
+for name in names:
+    variants = [("whole", whole)] + ([("regional", regional)] if name == "gpt" else [])
+    for label, how in variants:
+        plain_s, captured_s = measure(name, how)
+        print(f"{name:10} {label:9} {plain_s * 1e3:9.2f} {captured_s * 1e3:12.2f} "
+              f"{captured_s / plain_s:6.2f}")

@@ -1,0 +1,61 @@
+"""A tiny transformers model under torch.compile: captured as it runs compiled, and paired
+with its eager run (random weights from a config, no download)."""
+
+import contextlib
+import io
+import warnings
+
+import pytest
+from torch_versions import transformers_or_skip
+
+transformers_or_skip()
+
+import torch  # noqa: E402
+
+import probe  # noqa: E402
+from probe import compat  # noqa: E402
+from real_models import hf_model, token_batch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(compat.compiled_capture_gap() is not None,
+                                reason=str(compat.compiled_capture_gap()))
+
+
+def _run(tmp_path, name, wrap):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2, width=32, vocab=64)
+    runnable = wrap(model)
+    ids, labels = token_batch(2, 8, 64)
+    debugger = probe.PrecisionDebugger({"task": "statistics", "level": "mix", "seed": 1,
+                                        "dump_path": str(tmp_path / name), "writer": "inline"})
+    counters.clear()
+    stderr = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(stderr):
+        warnings.simplefilter("always")
+        with debugger.capture(runnable):
+            runnable(input_ids=ids, labels=labels).loss.backward()
+    debugger.close()
+    breaks = sum(counters["graph_break"].values())
+    return debugger.last_file, stderr.getvalue(), [str(w.message) for w in caught], breaks
+
+
+def test_a_compiled_llama_is_captured_in_its_first_step_and_pairs_with_eager(tmp_path):
+    eager = _run(tmp_path, "eager", lambda model: model)[0]
+    compiled, stderr, caught, breaks = _run(
+        tmp_path, "compiled", lambda model: probe.compile(model, backend="aot_eager"))
+    torch._dynamo.reset()
+    assert breaks == 0
+    assert not [m for m in caught if "dynamo" in m.lower() or "probe" in m.lower()], caught
+    assert "recompile" not in stderr and "dynamo" not in stderr.lower()
+    result = probe.compare(eager, compiled)
+    assert result.verdict == "pass"
+    keys = [record["key"] for record in probe.load(compiled).records()]
+    assert not any("_orig_mod" in key for key in keys)
+    rows = result.to_dict(rows=True)["rows"]
+    op = [row["key"].split("/")[1] for row in rows]
+    forward_api = [row for row, name in zip(rows, op) if "/forward/" in row["key"] and (
+        name.startswith("Tensor.") or not name[:1].isupper())]  # api calls, not module classes
+    paired = [row for row in forward_api if row["status"] == "match"]
+    assert len(paired) >= 0.95 * len(forward_api)
