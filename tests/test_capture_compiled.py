@@ -141,17 +141,23 @@ def test_a_compiled_model_runs_compiled_under_capture_without_breaks_recompiles_
     assert "emb/Embedding#0/backward/param_grad.weight" in keys
 
 
-def test_graph_taps_name_every_forward_call_as_the_eager_run_does(tmp_path):
+def test_graph_taps_name_every_call_and_gradient_as_the_eager_run_does(tmp_path):
     eager = _eager(tmp_path, "mix")
     compiled, stderr, caught, seen = _train(
         tmp_path, "compiled", "mix", lambda m: probe.compile(m, backend=BACKEND))
     assert seen["graph_breaks"] == 0 and not caught
     result = probe.compare(eager, compiled)
     assert result.verdict == "pass"
-    forward = [key for key in _keys(eager) if "/forward/" in key]
-    missing = set(_rows(result, "only_a")) & set(forward)
-    assert len(missing) <= 0.05 * len(forward), sorted(missing)
-    assert not _rows(result, "only_b")
+    counts = result.counts
+    assert counts["matched"] >= 0.95 * (counts["matched"] + counts["only_a"])
+    assert counts["matched"] >= 0.95 * (counts["matched"] + counts["only_b"])
+    keys = set(_keys(compiled))
+    # gradients of calls inside the graph, per call, as the eager hooks record them
+    assert "blocks.0.fc1/functional.linear#0/backward/grad_output.0" in keys
+    assert "blocks.0.fc1/functional.linear#0/backward/grad_input.1" in keys
+    assert "blocks.0/Tensor.add#0/backward/grad_input.0" in keys
+    assert "blocks.0.ln/functional.layer_norm#0/backward/grad_input.weight" in keys
+    assert "blocks.0.fc2/Linear#0/backward/grad_input.0" in keys
     keys = _keys(compiled)
     assert "blocks.0.fc1/functional.linear#0/forward/kwarg.bias" not in keys  # as eager: input.2
     assert "blocks.0.fc1/functional.linear#0/forward/input.2" in keys
@@ -168,9 +174,9 @@ def test_a_compile_only_difference_is_named_at_its_module_and_op(tmp_path):
     assert first["module"] == "blocks.1"
     assert first["origin"] == "introduced"
     only_b = _rows(probe.compare(eager, compiled), "only_b")
-    assert only_b == ["blocks.1/Tensor.mul#0/forward/input.0",
-                      "blocks.1/Tensor.mul#0/forward/input.1",
-                      "blocks.1/Tensor.mul#0/forward/output.0"]
+    # the op only the compiled graph has: its records have no partner, with its source line
+    assert {key.split("/")[1] for key in only_b} == {"Tensor.mul#0"}
+    assert "blocks.1/Tensor.mul#0/forward/output.0" in only_b
 
 
 def _regional(model):

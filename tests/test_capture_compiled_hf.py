@@ -53,9 +53,13 @@ def test_a_compiled_llama_is_captured_in_its_first_step_and_pairs_with_eager(tmp
     assert result.verdict == "pass"
     keys = [record["key"] for record in probe.load(compiled).records()]
     assert not any("_orig_mod" in key for key in keys)
+    counts = result.counts
+    # what the graph does not say stays unpaired: which keyword argument a submodule got,
+    # which of several returned tensors is output.N (docs/howto.md)
+    assert counts["matched"] >= 0.93 * (counts["matched"] + counts["only_a"])
+    assert counts["matched"] >= 0.98 * (counts["matched"] + counts["only_b"])
     rows = result.to_dict(rows=True)["rows"]
-    op = [row["key"].split("/")[1] for row in rows]
-    forward_api = [row for row, name in zip(rows, op) if "/forward/" in row["key"] and (
-        name.startswith("Tensor.") or not name[:1].isupper())]  # api calls, not module classes
-    paired = [row for row in forward_api if row["status"] == "match"]
-    assert len(paired) >= 0.95 * len(forward_api)
+    api = [row for row in rows if row["key"].split("/")[1].startswith(("Tensor.", "functional.",
+                                                                       "torch."))]
+    paired = [row for row in api if row["status"] == "match"]
+    assert len(paired) >= 0.95 * len(api)

@@ -25,13 +25,14 @@ Gradients inside a graph are not recorded: the backward runs as one compiled fun
 
 from __future__ import annotations
 
+import copy
 import operator
 import warnings
 
 import torch
 
 from probe import compat
-from probe.capture import compiled_regions, graph_names, wrappers
+from probe.capture import compiled_regions, grad_taps, graph_names, wrappers
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
@@ -69,6 +70,7 @@ def activate(recorder, model, level: str) -> None:
 def deactivate() -> None:
     global _active
     _active = None
+    grad_taps.flush_all()
 
 
 def compile(model, *, backend="inductor", **kwargs):
@@ -95,12 +97,18 @@ class TapBackend:
     def __call__(self, gm, example_inputs):
         inner = self._inner()
         try:
-            plan, real = _instrument(gm, example_inputs)
+            # dynamo reads its graph again after the backend returns: instrument a copy
+            work = copy.deepcopy(gm)
+            for mine, theirs in zip(work.graph.find_nodes(op="placeholder"),
+                                    gm.graph.find_nodes(op="placeholder")):
+                if hasattr(theirs, "_dynamo_source"):
+                    mine._dynamo_source = theirs._dynamo_source
+            plan, real, examples = _instrument(work, list(example_inputs))
         except Exception as error:  # never fail the user's compile over probe's plan
             _warn_once("plan", f"probe: cannot instrument a compiled graph ({error!r}); its "
                        "values are not recorded")
             return inner(gm, example_inputs)
-        return _runner(inner(gm, example_inputs), plan, real)
+        return _runner(inner(work, examples), plan, real)
 
     def __repr__(self) -> str:
         return f"probe.TapBackend({self.name!r})"
@@ -116,11 +124,12 @@ def _warn_once(key: str, message: str) -> None:
 
 
 class _Plan:
-    __slots__ = ("events", "inputs")
+    __slots__ = ("events", "inputs", "zeros")
 
     def __init__(self) -> None:
         self.events: list = []
         self.inputs = 0  # graph inputs: env[0:inputs]; extra outputs follow
+        self.zeros = None  # grad_taps.Zeros of a graph that is trained
 
 
 def _instrument(gm, example_inputs):
@@ -144,12 +153,16 @@ def _instrument(gm, example_inputs):
     taps = {tap for tap in graph.nodes if tap not in where and tap.op != "output"
             and tap not in calls}
     plan.events = _events(calls, where, params, output, taps)
+    if torch.is_grad_enabled() and any(getattr(value, "requires_grad", False)
+                                       for value in example_inputs):
+        plan.zeros, _ = grad_taps.add(graph, plan.events, where, _OP, _OPEN, taps)
+        example_inputs = example_inputs + plan.zeros.make()
     real = output.args[0]
     single = not isinstance(real, (tuple, list))
     outputs = (real,) if single else tuple(real)
     output.args = (outputs + tuple(extra),)
     gm.recompile()
-    return plan, (len(outputs), single)
+    return plan, (len(outputs), single), example_inputs
 
 
 def _mutated_later(nodes) -> set:
@@ -199,10 +212,11 @@ def _events(calls, where, params, output, taps) -> list:
             keep += 1
         while len(opened) > keep:
             entry, start = opened.pop()
+            events[start].append(len(events))
             events.append([_CLOSE, start])
         for entry in chain[keep:]:
             start = len(events)
-            events.append([_OPEN, entry, graph_names.source(node, 1), [], []])
+            events.append([_OPEN, entry, graph_names.source(node, 1), [], [], set(), []])
             runs[start] = set()
             opened.append((entry, start))
         for _, start in opened:
@@ -211,13 +225,15 @@ def _events(calls, where, params, output, taps) -> list:
         if op is not None:
             outs = _outputs(node, where)
             if outs:
-                events.append([_OP, op, chain, graph_names.source(node), args, outs])
+                events.append([_OP, op, chain, graph_names.source(node), args, outs, node, []])
     while opened:
         entry, start = opened.pop()
+        events[start].append(len(events))
         events.append([_CLOSE, start])
     for start, members in runs.items():
         events[start][3] = _run_inputs(members, where, params)
         events[start][4] = _run_outputs(members, where, taps)
+        events[start][5] = members
     return events
 
 
@@ -266,19 +282,24 @@ def _run_outputs(members, where, taps) -> list:
 def _runner(compiled, plan: _Plan, real):
     count, single = real
 
-    def finish(inputs, outs):
+    def finish(inputs, outs, zeros):
         active = _active
         if active is not None:
             try:
                 with _DisableTorchFunction():
-                    _record(active, plan, list(inputs) + list(outs[count:]))
+                    _record(active, plan, list(inputs) + list(outs[count:]), zeros)
             except Exception as error:  # capture never raises into training
                 _warn_once("record", f"probe: recording a compiled graph failed ({error!r}); "
                            "its values are missing from this step")
         return outs[0] if single else outs[:count]
 
+    zeros = plan.zeros
+
     def run(*args):
-        return finish(args, compiled(*args))
+        if zeros is None:
+            return finish(args, compiled(*args), ())
+        made = zeros.make()
+        return finish(args, compiled(*args, *made), made)
 
     return run
 
@@ -292,7 +313,7 @@ def _value(ref, env):
     return [None if item is None else _value(item, env) for item in what]
 
 
-def _record(active: _Active, plan: _Plan, env: list) -> None:
+def _record(active: _Active, plan: _Plan, env: list, zeros) -> None:
     rec = active.recorder
     if not rec.active:
         return
@@ -301,10 +322,11 @@ def _record(active: _Active, plan: _Plan, env: list) -> None:
     base = stack[-1] if stack else ""
     modules = active.modules
     open_calls: dict = {}
-    for event in plan.events:
+    run = None  # grad_taps.RunGrads of this run, made on the first gradient hooked
+    for position, event in enumerate(plan.events):
         kind = event[0]
         if kind == _OP:
-            _, op, chain, source, args, outs = event
+            _, op, chain, source, args, outs, _, grads = event
             call = _open_call(rec, "api", _resolve(chain, modules, base)[0], op, source)
             if call is None:
                 continue
@@ -312,14 +334,20 @@ def _record(active: _Active, plan: _Plan, env: list) -> None:
                 _add_all(rec, call, args, env, "in")
             if filt.forward_out:
                 _add_all(rec, call, outs, env, "out")
+            if grads and zeros:
+                run = run or grad_taps.RunGrads(rec)
+                grad_taps.hook(run, call, _wanted(grads, filt), zeros, (position, position))
         elif not active.record_modules:
             continue
         elif kind == _OPEN:
-            _, entry, source, inputs, outputs = event
+            _, entry, source, inputs, outputs, _, grads = event[:7]
             path, module, class_name, region = _resolve((entry,), modules, base)
             call = None if region else _open_call(rec, "module", path, class_name, source)
             if call is None:
                 continue
+            if grads and zeros:
+                run = run or grad_taps.RunGrads(rec)
+                grad_taps.hook(run, call, _wanted(grads, filt), zeros, (position, event[7]))
             if filt.forward_in:
                 _add_all(rec, call, inputs, env, "in")
                 if module is not None:
@@ -337,6 +365,12 @@ def _record(active: _Active, plan: _Plan, env: list) -> None:
             closing = rec.call("module", module, op, index, "forward", source, decision)
             if filt.forward_out:
                 _add_all(rec, closing, outputs, env, "out")
+
+
+def _wanted(grads, filt) -> list:
+    """The gradients the config asks for: grad_output ("in") and/or grad_input ("out")."""
+    return [grad for grad in grads
+            if (filt.backward_in if grad[2] == "in" else filt.backward_out)]
 
 
 def _open_call(rec, kind: str, module: str, op: str, source: str):
