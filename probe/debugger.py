@@ -168,7 +168,7 @@ class PrecisionDebugger:
             gate = compiled_regions.Gate()
             if self._model is not None:
                 self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"),
-                                          gate=gate)
+                                          gate=gate, region_params=level == "module")
                 self._hooks.install()
             if level in ("api", "mix"):
                 if not self._collectives_checked:

@@ -202,6 +202,7 @@ def test_regional_compilation_is_captured_at_each_block(tmp_path, compile_blocks
     assert "blocks.1/Block#0/forward/output.0" in keys
     assert "blocks.1/Block#0/backward/grad_input.0" in keys
     assert "blocks.1.fc1/Linear#0/backward/param_grad.weight" in keys
+    assert "blocks.1.fc1/Linear#0/forward/param.weight" in keys  # recorded at the boundary
     assert "head/Linear#0/forward/output.0" in keys
     assert not any("_orig_mod" in key for key in keys)
     model = TinyGPT()

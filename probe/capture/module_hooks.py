@@ -57,10 +57,13 @@ class ModuleHooks:
     """Hooks on one model. ``record`` False: only track the module stack (API level)."""
 
     def __init__(self, model: torch.nn.Module, recorder: Recorder, record: bool,
-                 gate: compiled_regions.Gate | None = None) -> None:
+                 gate: compiled_regions.Gate | None = None, region_params: bool = False) -> None:
         self.model = model
         self.recorder = recorder
         self.record = record
+        #: record the parameters of the modules inside a compiled region at its boundary (level
+        #: module; at level mix the graph taps record them with their module's call)
+        self.region_params = region_params
         #: takes the API mode off while a compiled region runs (set by the debugger)
         self.gate = gate or compiled_regions.Gate()
         self._handles: list = []
@@ -80,11 +83,14 @@ class ModuleHooks:
                     self._install_tracking()
                 return
             seen_params: set[int] = set()
-            for target in targets:
+            for position, target in enumerate(targets):
                 path, module = target.path, target.module
                 kind = wrappers.user_kind(module)
                 if target.hook_on is not None or target.compiled_call:
                     pre = functools.partial(self._pre_record, path, kind, module)
+                    if target.region and self.region_params:
+                        pre = functools.partial(self._pre_region, pre,
+                                                _inside(targets, position))
                     post = functools.partial(self._post, path, kind)
                     self._hook_forward(target, pre, post)
                 for name, param in module.named_parameters(recurse=False):
@@ -121,6 +127,24 @@ class ModuleHooks:
             self._handles.append(hook_on.register_forward_hook(
                 lambda module, args, output: gate.leave(), always_call=True))
         self._handles.append(hook_on.register_forward_hook(post, always_call=True))
+
+    def _pre_region(self, pre, inside, module, args, kwargs):
+        """A compiled region's pre-hook, then the parameters of each module inside it, named
+        as that module's call would name them (``blocks.0.fc1/Linear#0/forward/param.weight``)."""
+        replaced = pre(module, args, kwargs)
+        rec = self.recorder
+        if rec.filter.forward_in:
+            with _DisableTorchFunction():
+                for target in inside:
+                    kind = wrappers.user_kind(target.module)
+                    decision = rec.filter.call(target.path, kind)
+                    if not decision:
+                        continue
+                    index = rec.namer.index(target.path, kind)
+                    call = rec.call("param", target.path, kind, index, "forward", "", decision)
+                    for name, param in target.module.named_parameters(recurse=False):
+                        rec.add(call, "param." + name, "in", param)
+        return replaced
 
     def _install_region_tracking(self, targets) -> None:
         """API level on a model with compiled regions: the module stack from hooks on the
@@ -262,6 +286,16 @@ class ModuleHooks:
             index = rec.namer.index(path, "param_grad." + name)
             call = rec.call("param", path, kind, index, "backward", "", decision)
             rec.add(call, "param_grad." + name, "out", param.grad)
+
+
+def _inside(targets, position: int) -> list:
+    """The targets inside the compiled region at targets[position] (they follow it)."""
+    inside = []
+    for target in targets[position + 1:]:
+        if target.hook_on is not None or target.compiled_call:
+            break
+        inside.append(target)
+    return inside
 
 
 def _own_inputs(args, kwargs):
