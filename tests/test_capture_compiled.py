@@ -233,3 +233,21 @@ def test_the_source_lookup_survives_code_objects_with_unhashable_constants():
     code = caller.__code__.replace(co_consts=caller.__code__.co_consts + (slice(0, 1),))
     odd = types.FunctionType(code, caller.__globals__, "caller", None, caller.__closure__)
     assert odd().startswith("tests")
+
+
+def test_start_warns_once_where_this_torch_lacks_what_compiled_capture_needs(tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setattr(compat, "compiled_capture_gap",
+                        lambda: "torch 9.9 lacks torch.compiler.is_compiling")
+    monkeypatch.setattr(compat, "_warned_compiled", False)
+    model = torch.compile(TinyGPT(), backend=BACKEND)
+    debugger = probe.PrecisionDebugger({"level": "module", "dump_path": str(tmp_path / "d")})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            debugger.start(model)
+            debugger.stop()
+            debugger.step()
+    debugger.close()
+    said = [w for w in caught if issubclass(w.category, compat.TorchVersionWarning)]
+    assert len(said) == 1 and "is_compiling" in str(said[0].message)
