@@ -251,3 +251,17 @@ def test_start_warns_once_where_this_torch_lacks_what_compiled_capture_needs(tmp
     debugger.close()
     said = [w for w in caught if issubclass(w.category, compat.TorchVersionWarning)]
     assert len(said) == 1 and "is_compiling" in str(said[0].message)
+
+
+def test_blocks_compiled_one_by_one_share_one_graph_and_keep_their_own_names(tmp_path):
+    def tapped_blocks(model):
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = probe.compile(block, backend=BACKEND)
+        return model
+
+    eager = _eager(tmp_path, "mix")
+    compiled, _, caught, seen = _train(tmp_path, "compiled", "mix", tapped_blocks)
+    assert seen["graphs"] == 1 and seen["graph_breaks"] == 0 and not caught
+    result = probe.compare(eager, compiled)
+    assert result.verdict == "pass"
+    assert result.counts["only_a"] == result.counts["only_b"] == 0

@@ -13,14 +13,14 @@ wrapped by TapBackend. When dynamo hands it a graph, TapBackend
   dynamo the real outputs and, while a capture at level api or mix is on, records the rest.
 
 Every record is named as the eager run names it: the module path from the FX node's
-``nn_module_stack`` (looked up by module identity, so torch.compile's ``_orig_mod`` never
-shows; the path text when the module is unknown), the op from the node's target, a counter
-per (module, op) in graph order, and the user's source line from ``stack_trace``.
+``nn_module_stack`` (relative to the compiled frame's module, under the path of the region
+running it, with torch.compile's ``_orig_mod`` left out), the op and its arguments as the api
+level sees the same call (capture/graph_names.py), a counter per (module, op) in graph order,
+and the user's source line from ``stack_trace``. Gradients: capture/grad_taps.py.
 
 The compiled graph is the one that runs in every step, captured or not: the extra outputs
 must be written to memory, so inductor may fuse differently from the uninstrumented graph,
 and a value computed inside a fused kernel may round differently (docs/howto.md).
-Gradients inside a graph are not recorded: the backward runs as one compiled function.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from probe import compat
+from probe.errors import ProbeError
 from probe.capture import compiled_regions, grad_taps, graph_names, wrappers
 
 Tensor = torch.Tensor
@@ -48,13 +49,12 @@ class _Active:
     def __init__(self, recorder, model, record_modules: bool) -> None:
         self.recorder = recorder
         self.record_modules = record_modules
-        #: id(module) -> (path, module, kind, is a region root)
+        #: path -> (path, module, kind, is a region root)
         self.modules = {}
         if model is not None:
             for target in compiled_regions.targets(model):
-                self.modules[id(target.module)] = (target.path, target.module,
-                                                   wrappers.user_kind(target.module),
-                                                   target.region)
+                self.modules[target.path] = (target.path, target.module,
+                                             wrappers.user_kind(target.module), target.region)
 
 
 _active: _Active | None = None
@@ -73,10 +73,26 @@ def deactivate() -> None:
     grad_taps.flush_all()
 
 
-def compile(model, *, backend="inductor", **kwargs):
-    """``torch.compile(model, **kwargs)`` whose graphs record the value of every node while
-    a capture at level api or mix is on. ``backend``: what torch.compile would take."""
-    return torch.compile(model, backend=TapBackend(backend), **kwargs)
+#: one TapBackend per wrapped backend: dynamo guards on the backend's identity, so blocks
+#: compiled one by one share their compiled code only when they share the backend object
+_backends: dict = {}
+
+
+def compile(model, *, backend="inductor", mode=None, options=None, **kwargs):
+    """``torch.compile(model, backend=backend, mode=mode, options=options, **kwargs)`` whose
+    graphs record the value and the gradient of every node while a capture at level api or mix
+    is on (capture/grad_taps.py)."""
+    if mode is not None or options is not None:
+        if backend != "inductor":
+            raise ProbeError(f"probe.compile(mode=..., options=...) needs backend='inductor', "
+                             f"got backend={backend!r}")
+        inner = torch._TorchCompileInductorWrapper(mode, options, kwargs.get("dynamic"))
+        return torch.compile(model, backend=TapBackend(inner), **kwargs)
+    key = backend if isinstance(backend, str) else id(backend)
+    tap = _backends.get(key)
+    if tap is None or tap.backend is not backend:
+        tap = _backends[key] = TapBackend(backend)
+    return torch.compile(model, backend=tap, **kwargs)
 
 
 class TapBackend:
@@ -398,12 +414,16 @@ def _add_all(rec, call, slots, env, io) -> None:
 
 
 def _resolve(chain, modules, base: str) -> tuple:
-    """(path, module or None, class name, is a region root) of a chain's innermost module."""
+    """(path, module or None, class name, is a region root) of a chain's innermost module.
+
+    The path is the node's module path relative to the compiled frame's module, under the
+    path of the region running it (``base``): blocks compiled one by one share one graph, so
+    the module identities in its meta are those of the block it was traced with."""
     if not chain:
         return (base, None, "", True)
-    ident, text, class_name = chain[-1]
-    known = modules.get(ident) if ident is not None else None
+    _, text, class_name = chain[-1]
+    path = f"{base}.{text}" if base and text else (text or base)
+    known = modules.get(path)
     if known is not None:
         return known
-    path = f"{base}.{text}" if base and text else (text or base)
-    return (path, None, class_name, False)
+    return (path, None, class_name, path == base)
