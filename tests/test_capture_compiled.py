@@ -265,3 +265,12 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_keep_their_own_names(tmp
     result = probe.compare(eager, compiled)
     assert result.verdict == "pass"
     assert result.counts["only_a"] == result.counts["only_b"] == 0
+
+
+def test_a_graph_nodes_module_path_text_is_the_users_path():
+    from probe.capture.graph_names import _path_text
+
+    assert _path_text("L['self'].blocks[0]._orig_mod.fc") == "blocks.0.fc"
+    assert _path_text("L['args'][0].model.layers[1].self_attn") == "model.layers.1.self_attn"
+    assert _path_text("L['self']._modules['head']") == "head"
+    assert _path_text("L['self']") == ""

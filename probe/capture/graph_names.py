@@ -36,7 +36,7 @@ _OPERATORS = {
 _REFLECTED = {operator.sub: "Tensor.__rsub__", operator.truediv: "Tensor.__rdiv__",
               operator.pow: "Tensor.__rpow__"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_ROOT = re.compile(r"^[A-Za-z_]\w*\['[^']*'\]\.?")
+_ROOT = re.compile(r"^[A-Za-z_]\w*\['[^']*'\](\[\d+\]|\.__self__)*\.?")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]|\[(\d+)\]|\['([^']*)'\]")
 
 

@@ -49,12 +49,13 @@ class _Active:
     def __init__(self, recorder, model, record_modules: bool) -> None:
         self.recorder = recorder
         self.record_modules = record_modules
-        #: path -> (path, module, kind, is a region root)
+        #: path and id(module) -> (path, module, kind, is a region root)
         self.modules = {}
         if model is not None:
             for target in compiled_regions.targets(model):
-                self.modules[target.path] = (target.path, target.module,
-                                             wrappers.user_kind(target.module), target.region)
+                entry = (target.path, target.module, wrappers.user_kind(target.module),
+                         target.region)
+                self.modules[target.path] = self.modules[id(target.module)] = entry
 
 
 _active: _Active | None = None
@@ -416,12 +417,16 @@ def _add_all(rec, call, slots, env, io) -> None:
 def _resolve(chain, modules, base: str) -> tuple:
     """(path, module or None, class name, is a region root) of a chain's innermost module.
 
-    The path is the node's module path relative to the compiled frame's module, under the
-    path of the region running it (``base``): blocks compiled one by one share one graph, so
-    the module identities in its meta are those of the block it was traced with."""
+    The module is found by identity when it lies inside the region running the graph
+    (``base``); else by the node's module path relative to the compiled frame's module, under
+    ``base``: blocks compiled one by one share one graph, and the module identities in its
+    meta are those of the block it was traced with."""
     if not chain:
         return (base, None, "", True)
-    _, text, class_name = chain[-1]
+    ident, text, class_name = chain[-1]
+    known = modules.get(ident) if ident is not None else None
+    if known is not None and (not base or known[0] == base or known[0].startswith(base + ".")):
+        return known
     path = f"{base}.{text}" if base and text else (text or base)
     known = modules.get(path)
     if known is not None:
