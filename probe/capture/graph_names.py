@@ -36,7 +36,7 @@ _OPERATORS = {
 _REFLECTED = {operator.sub: "Tensor.__rsub__", operator.truediv: "Tensor.__rdiv__",
               operator.pow: "Tensor.__rpow__"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_ROOT = re.compile(r"^[A-Za-z_]\w*\['[^']*'\](\[\d+\]|\.__self__)*\.?")
+_ROOT = re.compile(r"^[A-Za-z_]\w*\['[^']*'\](\[\d+\]|\.__self__)*")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]|\[(\d+)\]|\['([^']*)'\]")
 
 
@@ -164,7 +164,7 @@ def _path_text(text: str) -> str:
     """``L['self'].blocks[0]._orig_mod.fc`` -> ``blocks.0.fc`` (relative to the region)."""
     text = _ROOT.sub("", text)
     if text.startswith("self."):
-        text = text[len("self."):]
+        text = text[len("self."):]  # older torch: the path text starts at "self"
     text = _MODULES_ITEM.sub(lambda m: "." + next(g for g in m.groups() if g is not None), text)
     parts = [part for part in text.split(".") if part and part != "_orig_mod"]
     return ".".join(parts)
