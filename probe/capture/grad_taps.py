@@ -20,6 +20,7 @@ compiler fuses the graph (docs/howto.md).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -213,14 +214,19 @@ class RunGrads:
         if not items or not rec.active or rec.generation != self.generation:
             return
         items.sort(key=lambda entry: (-entry[0][0], entry[0][3] != "in", entry[0][2]))
-        with _DisableTorchFunction():
-            event = last = None
-            for (position, call, slot, io), grad in items:
-                if (position, id(call)) != last:
-                    last = (position, id(call))
-                    kind, module, op, index, _, _, source, decision, _ = call
-                    event = rec.call(kind, module, op, index, "backward", source, decision)
-                rec.add(event, slot, io, grad)
+        try:
+            with _DisableTorchFunction():
+                event = last = None
+                for (position, call, slot, io), grad in items:
+                    if (position, id(call)) != last:
+                        last = (position, id(call))
+                        kind, module, op, index, _, _, source, decision, _ = call
+                        event = rec.call(kind, module, op, index, "backward", source, decision)
+                    rec.add(event, slot, io, grad)
+        except Exception as error:  # capture never raises into the user's backward
+            warnings.warn(f"probe: recording the gradients of a compiled graph failed "
+                          f"({error!r}); they are missing from this step", RuntimeWarning,
+                          stacklevel=2)
 
 
 #: graph runs whose gradients are not all in: recorded at stop() (flush_all)
