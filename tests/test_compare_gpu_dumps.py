@@ -6,7 +6,7 @@ import os
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison.api import compare
+from probe import compare
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gpu_dumps")
 

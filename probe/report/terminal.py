@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from probe.comparison import result as R
 from probe.comparison import run_info
-from probe.comparison.groups import where_text
+from probe.comparison.where import where_text
 from probe.report.fmt import err, num
 
 # kept for callers of the old name
