@@ -92,7 +92,7 @@ class RecordRow:
         return (
             m is not None and m.evidence == "checksum" and m.bit_equal is False and not m.nan_mismatch
             and not m.inf_mismatch and self.score is not None and self.score <= 1
-            and m.sketch is None  # issue 10: sketches measure the change
+            and m.sketch is None  # sketches measure the change
         )
 
     def to_dict(self) -> dict:

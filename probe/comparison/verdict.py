@@ -121,7 +121,7 @@ def judge_checksum_change(row: R.RecordRow, untouched: bool) -> None:
     m = row.metrics
     if row.status != R.MATCH or m is None or m.evidence != "checksum" or m.bit_equal is not False:
         return
-    if m.sketch is not None:  # issue 10: the sketches measured the change, and it is within tolerance
+    if m.sketch is not None:  # the sketches measured the change, and it is within tolerance
         row.status = R.CHANGED
         row.notes.append(f"checksum differs; rel L2 {sci(m.rel_l2)} {m.sketch['text']}, within tolerance")
         return
