@@ -1,5 +1,5 @@
 """Real dumps of one training step on an NVIDIA H100 and on its host CPU (tests/data/gpu_dumps,
-copied byte for byte from the runs described in docs/compare.md): what a user expects."""
+copied byte for byte from the runs described in docs/compare-rules.md): what a user expects."""
 
 import os
 

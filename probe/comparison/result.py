@@ -22,7 +22,7 @@ MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
 CHANGED = "changed"
 #: paired, beyond its own dtype's tolerance, but explained by differences that were accepted
 #: (rounding amplified by the op's conditioning: Adam's division by sqrt(v), a cancelling sum)
-#: or without effect: not a divergence (explain.judge_call decides; docs/compare.md)
+#: or without effect: not a divergence (explain.judge_call decides; docs/compare-rules.md)
 EXPLAINED = "explained"
 WITHIN = (MATCH, CHANGED, EXPLAINED)  # paired and accepted: within tolerance or explained
 PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
