@@ -28,7 +28,7 @@ Rules (docs/capture.md):
   step(), wait(), close() or read of last_file after the failure is known raises DumpError
   naming the step (``on_write_error: raise``, the default) or warns once (``warn``);
 * one live debugger per dump_path and rank: the first selected start() takes a lock
-  (writer.RankLock) that close() or the death of the process releases;
+  (rank_lock.RankLock) that close() or the death of the process releases;
 * every step file carries this debugger's ``run_id``.
 """
 
@@ -76,7 +76,7 @@ class PrecisionDebugger:
         config_module.check_dump_path(cfg)
         #: written into every step file: a dump folder mixing two runs' steps is detectable
         self.run_id = secrets.token_hex(8)
-        self._lock = None  # writer.RankLock, taken by the first selected start()
+        self._lock = None  # rank_lock.RankLock, taken by the first selected start()
         self._warned_selection = False
         self._warned_write = False
         #: DumpErrors of steps that could not be written (with on_write_error "warn")
@@ -275,7 +275,7 @@ class PrecisionDebugger:
             "two empty dumps compare as nothing, not as a pass", UserWarning, stacklevel=4)
 
     def _take_lock(self, rank: int) -> None:
-        from probe.dump.writer import RankLock
+        from probe.dump.rank_lock import RankLock
 
         if self._lock is None or self._lock.rank != rank:
             if self._lock is not None:
@@ -283,7 +283,7 @@ class PrecisionDebugger:
             self._lock = RankLock(self.config.dump_path, rank, self.run_id)
 
     def _open_step(self) -> Recorder:
-        from probe.dump.writer import make_folder  # h5py, once something is dumped
+        from probe.dump.layout import make_folder  # h5py, once something is dumped
 
         _hook_exit()
         cfg = self.config
