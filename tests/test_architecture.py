@@ -17,7 +17,7 @@ LAYERS = [
     {"capture", "nonfinite"},
     {"comparison", "determinism"},
     {"report", "replay"},
-    {"compare_and_replay", "debugger"},
+    {"compare_and_replay", "debugger", "step_files", "write_results"},
     {"commands"},
     {"cli", "__main__", "__init__"},
 ]
