@@ -17,7 +17,9 @@ import math
 from collections import defaultdict
 
 from probe.comparison.align import CallPair
-from probe.comparison.foreach import FOREACH, FUSED, FUSED_PREFIX, base_op, parameter_blocks, parameter_major, tensor_print
+from probe.comparison.foreach import (
+    FOREACH, FUSED, FUSED_PREFIX, base_op, parameter_blocks, parameter_major, tensor_print,
+)
 from probe.comparison.records import Call, Records
 
 
