@@ -26,14 +26,14 @@ LAYERS = [
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
     ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
-                 "where", "result", "prefetch", "elementwise"}),
+                 "where", "sizes", "result", "prefetch", "elementwise"}),
     ("load", {"load"}),
     ("normalize", {"foreach", "optimizer_targets", "normalize"}),
     ("align", {"align", "foreach_pairing", "pairing"}),
     ("measure", {"provenance", "measure"}),
     ("judge", {"verdict", "causes", "explain", "stale", "judge"}),
-    ("attribute", {"story", "attribute"}),
-    ("result", {"groups", "assemble"}),
+    ("attribute", {"attribute"}),
+    ("result", {"story", "groups", "assemble"}),
     ("orchestration", {"engine", "api"}),
 ]
 

@@ -12,7 +12,7 @@ from probe.comparison import result as R
 from probe.comparison.attribute import count_rows
 from probe.comparison.sketch import sketch_note
 from probe.comparison.story import story
-from probe.comparison.verdict import sci
+from probe.comparison.sizes import sci
 
 _EVIDENCE_ORDER = ("statistics", "checksum", "tensor")  # weakest first
 

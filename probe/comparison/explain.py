@@ -31,7 +31,8 @@ from probe.comparison.provenance import (
     CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
 )
 from probe.comparison.records import is_param_slot
-from probe.comparison.verdict import is_dtype_limit_pair, rel_error, sci
+from probe.comparison.sizes import rel_error, sci
+from probe.comparison.verdict import is_dtype_limit_pair
 
 #: an output whose rel L2 error is this many times its inputs' is called introduced
 AMPLIFICATION = 10.0

@@ -22,7 +22,7 @@ from probe.comparison.measure import ABSENT, MIXED, SCALAR, SHAPE, VALUE, Measur
 from probe.comparison.provenance import Provenance, content_key
 from probe.comparison.records import is_param_slot
 from probe.comparison.stale import StaleRecords
-from probe.comparison.verdict import sci
+from probe.comparison.sizes import sci
 
 
 @dataclass

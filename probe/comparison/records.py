@@ -121,13 +121,13 @@ class Call:
     name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
     shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
     values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
-    #: a foreach call's i-th tensor seen as its own call (optimizer.py): i, else -1
+    #: a foreach call's i-th tensor seen as its own call (foreach.py): i, else -1
     element: int = -1
-    #: the parameter group (foreach block, optimizer.py) a foreach element belongs to, else -1
+    #: the parameter group (foreach block, foreach.py) a foreach element belongs to, else -1
     block: int = -1
     #: slots of a foreach element that every element of the call shares (a scalar argument)
     shared: frozenset = frozenset()
-    #: the parameter an optimizer call updates ("fc1.weight"; optimizer.py), "" when not known
+    #: the parameter an optimizer call updates ("fc1.weight"; optimizer_targets.py), "" when not known
     target: str = ""
 
     @property

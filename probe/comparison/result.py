@@ -59,7 +59,7 @@ class RecordRow:
     shape_a: str = ""
     shape_b: str = ""
     source: str = ""
-    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, optimizer.FOREACH)
+    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, foreach.FOREACH)
     target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
     stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (stale.py)
     #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
