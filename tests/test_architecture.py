@@ -26,7 +26,7 @@ LAYERS = [
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
     ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
-                 "where", "sizes", "result", "prefetch", "elementwise"}),
+                 "where", "sizes", "result", "prefetch", "elementwise", "kinds", "optimizer_calls"}),
     ("load", {"load"}),
     ("normalize", {"foreach", "optimizer_targets", "normalize"}),
     ("align", {"align", "foreach_pairing", "pairing"}),

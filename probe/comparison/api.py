@@ -17,10 +17,11 @@ from typing import Callable, Iterable
 from probe.comparison import load as L
 from probe.comparison import result as R
 from probe.comparison import run_info
-from probe.comparison.assemble import assemble, step_verdict
-from probe.comparison.engine import StepOutcome, compare_step
+from probe.comparison.assemble import assemble
+from probe.comparison.engine import compare_step
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
-from probe.comparison.provenance import content_keys
+from probe.comparison.records import content_keys
+from probe.comparison.result import StepOutcome
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
@@ -97,7 +98,7 @@ def compare(
                 "rank_b": key_b[1],
                 "file_a": dump_a.files[key_a],
                 "file_b": dump_b.files[key_b],
-                "verdict": step_verdict(counts, strict),
+                "verdict": None,  # assemble.py decides, with strict
                 "counts": counts,
             })
     result = assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.provenance import (
+from probe.comparison.kinds import (
     CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED,
 )
 from probe.comparison.sizes import rel_error, sci

@@ -16,11 +16,13 @@ import numpy as np
 
 from probe.comparison import elementwise, verdict
 from probe.comparison import result as R
-from probe.comparison.explain import explain, explain_module_by_its_calls, is_accepted_carry, judge_call, unexplain
-from probe.comparison.foreach import base_op
+from probe.comparison.explain import (
+    accepted_difference, explain, explain_module_by_its_calls, is_accepted_carry, judge_call, unexplain,
+)
+from probe.comparison.optimizer_calls import base_op
 from probe.comparison.measure import ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement
-from probe.comparison.provenance import Provenance, content_key
-from probe.comparison.records import is_param_slot
+from probe.comparison.provenance import Provenance
+from probe.comparison.records import content_key, is_param_slot
 from probe.comparison.stale import StaleRecords
 from probe.comparison.sizes import sci
 
@@ -31,6 +33,10 @@ class JudgedStep:
     rows: list[R.RecordRow]  # every row of the step file pair, in execution order
     #: (rows, forward rows) of each paired call, in the order they were judged
     calls: list[tuple[list[R.RecordRow], list[R.RecordRow]]]
+    #: content_key -> key of A's records whose difference was accepted, and ("param", name) ->
+    #: the accepted gradient the optimizer updated that parameter from: what the next step
+    #: file of the rank accepts again (StepOutcome.explained)
+    explained: dict
 
 
 def judge(measured: MeasuredStep, previous_explained: dict | None = None) -> JudgedStep:
@@ -67,7 +73,27 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None) -> Jud
             calls.append(([row for row, _, _ in call_rows], forward))
         rows.extend(row for row, _, _ in call_rows)
     rows.sort(key=lambda row: row.order)
-    return JudgedStep(measured, rows, calls)
+    return JudgedStep(measured, rows, calls, _explained(aligned, rows))
+
+
+def _explained(aligned, rows: list[R.RecordRow]) -> dict:
+    """content_key -> key of A's records whose difference was accepted, and ("param", name)
+    -> the accepted gradient the optimizer updated that parameter from."""
+    cols_a = aligned.records_a.columns
+    explained: dict = {}
+    diverged_params = {param_name(cols_a, row, None, {}) for row in rows
+                       if row.slot.startswith("param.") and row.status == R.DIVERGED}
+    for row, row_a, _ in (item for call_rows in aligned.per_pair for item in call_rows):
+        if row.io == "out" and row_a is not None and accepted_difference(row):
+            key = content_key(cols_a, row_a)
+            if key is not None:
+                explained[key] = row.key
+            if row.slot.startswith("param_grad."):
+                name = f"{row.module}.{row.slot[len('param_grad.'):]}" if row.module else row.slot[len("param_grad."):]
+                if name not in diverged_params:
+                    # the next step's parameter was updated from it by the optimizer
+                    explained[("param", name)] = f"{row.key}, rel L2 {sci(row.metrics.rel_l2)}"
+    return explained
 
 
 def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> tuple[dict, StaleRecords]:

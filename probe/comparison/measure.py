@@ -20,7 +20,8 @@ from probe.comparison import result as R
 from probe.comparison.metrics import Metrics, limit_masked, statistics_metrics, tensor_metrics, value_metrics
 from probe.comparison.pairing import AlignedStep
 from probe.comparison.prefetch import Prefetcher
-from probe.comparison.provenance import STAT_COLUMNS, PRODUCED, Provenance
+from probe.comparison.kinds import PRODUCED
+from probe.comparison.provenance import STAT_COLUMNS, Provenance
 from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.tolerances import Tolerance, Tolerances, tolerance_dtype
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from probe.comparison import result as R
-from probe.comparison.align import CallPair, align_calls
+from probe.comparison.align import align_calls
 from probe.comparison.normalize import NormalizedStep
-from probe.comparison.records import Call, Records
+from probe.comparison.records import Call, CallPair, Records
 
 #: (RecordRow, A's row or None, B's row or None) of one slot of a call pair
 SlotRow = tuple
