@@ -174,7 +174,10 @@ def threads_dumps(tmp_path_factory):
 def test_conv_bn_adamw_threads_1_vs_2_every_replayed_optimizer_op_is_rounding_with_its_amplification(threads_dumps):
     result = probe.compare(*threads_dumps, replay=40)
     # thread count changes the summation order; AdamW amplifies it, and compare accepts that
-    assert not result.diverged and result.counts["explained"] > 0, result.to_text()
+    assert not result.diverged, result.to_text()
+    if not any(row.metrics and (row.metrics.rel_l2 or 0) > 0 for row in result.rows):
+        pytest.skip("1 and 2 threads sum in the same order with this CPU's kernels: nothing to replay")
+    assert result.counts["explained"] > 0, result.to_text()
     ranked = [call for call in result.replay.calls if call["op"] in OPTIMIZER_OPS]
     assert ranked, [call["call"] for call in result.replay.calls]
     # and every optimizer call whose output differs at all, ranked or not
@@ -183,7 +186,9 @@ def test_conv_bn_adamw_threads_1_vs_2_every_replayed_optimizer_op_is_rounding_wi
                         and (row.metrics.rel_l2 or 0) > 0})
     calls = replay_result(result, count=40, calls=differing).calls
     optimizer = [call for call in calls if call["op"] in OPTIMIZER_OPS]
-    assert len(optimizer) >= 20 and {"Tensor.lerp_", "Tensor.sqrt", "Tensor.addcdiv_"} <= {c["op"] for c in optimizer}
+    # how many parameters differ depends on which kernels the CPU splits over threads; each one
+    # that does runs AdamW's whole chain
+    assert {"Tensor.lerp_", "Tensor.sqrt", "Tensor.addcdiv_"} <= {c["op"] for c in optimizer}
     for call in optimizer:
         verdict = call["replay"]
         assert verdict["verdict"] == "rounding", call
