@@ -16,6 +16,7 @@ from probe.errors import (
     ProbeError,
     SeedError,
     NonfiniteError,
+    NothingRecordedError,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "CaptureError",
     "CompareError",
     "NonfiniteError",
+    "NothingRecordedError",
     "first_nonfinite",
 ]
 

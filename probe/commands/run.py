@@ -48,15 +48,16 @@ def _terminal_delivers_sigint() -> bool:
         return False
 
 
-def _check_executable(program: str, env: dict[str, str]) -> None:
-    """Fail with one line before anything is printed or started when ``program`` cannot run."""
+def _check_executable(program: str, env: dict[str, str], caller: str = "run") -> None:
+    """Fail with one line before anything is printed or started when ``program`` cannot run.
+    ``caller``: the probe command whose message it is ("run", "determinism")."""
     if os.sep in program or (os.altsep and os.altsep in program):
         if not os.path.exists(program):
-            raise ProbeError(f"run: command not found: {program!r}")
+            raise ProbeError(f"{caller}: command not found: {program!r} (no such file)")
         if os.path.isdir(program) or not os.access(program, os.X_OK):
-            raise ProbeError(f"run: {program!r} is not executable")
+            raise ProbeError(f"{caller}: {program!r} is not executable")
     elif shutil.which(program, path=env.get("PATH")) is None:
-        raise ProbeError(f"run: command not found: {program!r} (not on PATH)")
+        raise ProbeError(f"{caller}: command not found: {program!r} is not on PATH")
 
 
 #: signals passed on to the child (SIGINT only when the terminal did not deliver it already)
