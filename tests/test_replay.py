@@ -402,3 +402,20 @@ def test_without_replay_reports_have_no_replay_fields_and_bad_replay_arguments_a
         probe.compare(*npu_dumps, replay=1, replay_budget=0)
     code, _, err = _cli(["compare", *npu_dumps, "--replay", "--replay-budget", "0"], capsys)
     assert code == 2 and "--replay-budget" in err
+
+
+def test_replay_is_a_flag_that_never_eats_a_path_and_its_count_is_its_own_option(npu_dumps, capsys):
+    """`--replay A B` replays A against B; `--replay-top N` sets the count; the older
+    `A B --replay N` still means N."""
+    code, out, err = _cli(["compare", "--replay", *npu_dumps, "--json"], capsys)
+    assert code == 1, err
+    assert json.loads(out)["replay"]["replayed"] >= 1
+    calls = {}
+    for argv in (["--replay-top", "0", *npu_dumps], [*npu_dumps, "--replay", "0"], [*npu_dumps, "--replay=0"],
+                 ["--replay", "--replay-top", "0", *npu_dumps]):
+        code, out, err = _cli(["compare", *argv, "--json"], capsys)
+        assert code == 1, (argv, err)
+        calls[tuple(argv)] = [call["call"] for call in json.loads(out)["replay"]["calls"]]
+    assert len(set(map(tuple, calls.values()))) == 1, calls
+    help_text = _cli(["compare", "--help"], capsys)[1]
+    assert "--replay-top N" in help_text and "--replay --replay-top 50" in help_text
