@@ -17,6 +17,7 @@ from probe.errors import (
     SeedError,
     NonfiniteError,
     NothingRecordedError,
+    RunExistsError,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "CompareError",
     "NonfiniteError",
     "NothingRecordedError",
+    "RunExistsError",
     "first_nonfinite",
 ]
 

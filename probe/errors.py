@@ -40,3 +40,7 @@ class NonfiniteError(ProbeError):
 
 class NothingRecordedError(ProbeError):
     """A check found nothing to look at (0 records): it must not pass."""
+
+
+class RunExistsError(DumpError):
+    """dump_path already holds another run's step files, and config "overwrite" is false."""

@@ -20,6 +20,7 @@ import sys
 import click
 
 from probe.config import ENV_CONFIG, ENV_SEED, SEED_MAX, Config, check_dump_path, load
+from probe.dump import run_folder
 from probe.errors import ProbeError
 
 USAGE = "probe run [-c config.json] [--seed N] -- python train.py [args...]"
@@ -185,6 +186,8 @@ def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[s
     config = load(config_path) if config_path is not None else None
     if config is not None:
         check_dump_path(config)  # now, not at the first dumped step hours into training
+        # another run's step files: refused (or removed with "overwrite") before any rank starts
+        run_folder.claim(config.dump_path, 0, config.overwrite, config.source, started=float("inf"))
     env = build_env(config, seed, dict(os.environ))
     _check_executable(command[0], env)
     if not quiet:
