@@ -4,12 +4,13 @@ IEEE 754 tells three ways apart, and each has its own fix:
 
 * **overflow**: a result beyond the dtype's largest value became Inf (``exp`` of a large
   number, a float16 product above 65504). Compute the op in a wider dtype or scale it down.
-* **division by zero**: a finite value divided by 0 (or ``log`` of 0) became Inf; 0/0 is NaN.
+* **division by zero**: a nonzero value divided by 0 (or ``log`` of 0) became Inf.
   In half precision the 0 is often a value that *underflowed*: AdamW's eps of 1e-8 is below
   float16's smallest positive value (6e-8) and rounds to 0, so ``sqrt(v) + eps`` is 0 where
   ``v`` is. Keep that computation in float32, or use a constant the dtype can hold.
-* **invalid operation**: a NaN from finite inputs: the square root or log of a negative value,
-  ``acos`` beyond [-1, 1], or an intermediate that overflowed inside the op and met
+* **invalid operation**: a NaN from finite inputs: 0/0 (its zero denominator is named, as for
+  a division by zero), the square root or log of a negative value, ``acos`` beyond [-1, 1], or
+  an intermediate that overflowed inside the op and met
   ``inf - inf`` or ``inf / inf`` (a softmax in float16).
 
 The evidence is each record's statistics: a denominator whose min or max is 0 holds a 0 (one
@@ -123,30 +124,37 @@ def classify(first: dict, rows: list[dict]) -> tuple[str, list[str]]:
     divisors = _DIVISORS.get(name, ())
     zeros = [(row, how) for row in inputs if _in_slots(row["slot"], divisors)
              for how in (_holds_zero(row),) if how]
-    made_nan = first["nan_count"] > 0
-    if zeros:
-        row, how = zeros[0]
-        what = "0/0 (a zero divided by zero) is NaN, " if made_nan else ""
-        subject = f"its argument {row['slot']}" if name.startswith("log") else f"its denominator {row['slot']}"
-        return DIVISION_BY_ZERO, [
-            f"division by zero: {subject} ({_range(row)}) {how}; {what}a finite value divided by 0 "
-            f"is Inf{_underflow_hint(row)}"]
+    made_nan, made_inf = first["nan_count"] > 0, first["inf_count"] > 0
+    is_log = name.startswith("log")
     low, high = _DOMAIN_LOW.get(name), _DOMAIN_HIGH.get(name)
     outside = [row for row in inputs if row["dtype"] and math.isfinite(row["min"])
                and ((low is not None and row["min"] < low) or (high is not None and row["max"] > high))]
+    if zeros and not is_log:
+        row, how = zeros[0]
+        where = f"its denominator {row['slot']} ({_range(row)}) {how}"
+        if made_nan and not made_inf:  # IEEE 754 calls 0/0 invalid; the zero is still the cause
+            return INVALID, [f"invalid operation: 0/0: {where}, and a zero divided by zero is "
+                             f"NaN{_underflow_hint(row)}"]
+        return DIVISION_BY_ZERO, [f"division by zero: {where}; a finite value divided by 0 is Inf"
+                                  + (" and 0/0 is NaN" if made_nan else "") + _underflow_hint(row)]
     if made_nan and outside:
         row = outside[0]
         bounds = f"[{low:g}, {high:g}]" if high is not None else f">= {low:g}"
         return INVALID, [
             f"invalid operation: {name} of a value outside its domain {bounds}: {row['slot']} "
             f"({_range(row)}) reaches it, and the result there is NaN"]
+    if zeros and made_inf:
+        row, how = zeros[0]
+        return DIVISION_BY_ZERO, [
+            f"division by zero: {name} of 0 is -Inf (IEEE 754 counts it as a division by zero): its "
+            f"argument {row['slot']} ({_range(row)}) {how}{_underflow_hint(row)}"]
     if made_nan:
         return INVALID, [
             "invalid operation: NaN from finite inputs: an intermediate result likely overflowed "
             "inside the op and met inf - inf, inf / inf or 0 * inf (a softmax or norm in half "
             "precision); compute this op in float32"]
     limit = DTYPE_MAX.get(first["dtype"])
-    if first["inf_count"] > 0 and limit is not None:
+    if made_inf and limit is not None:
         wider = "float64" if first["dtype"] == "float32" else "float32"
         return OVERFLOW, [
             f"{first['dtype']} overflow: a result beyond {limit:g}, the largest {first['dtype']} "

@@ -252,3 +252,27 @@ def test_a_result_beyond_the_dtype_max_is_an_overflow_in_float32_too(tmp_path):
     finding = probe.first_nonfinite(run_steps(tmp_path, [torch.tensor([1.0, 100.0])], model=Exp()))
     assert finding.cause == "overflow" and finding.overflow
     assert "float32 overflow: a result beyond 3.40282e+38" in finding.describe()
+
+
+class _Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+@pytest.mark.parametrize("values, cause, text", [
+    ([0.0, 1.0], "division by zero", "log of 0 is -Inf"),
+    ([-1.0, 1.0], "invalid operation", "invalid operation: log of a value outside its domain >= 0"),
+])
+def test_log_of_zero_is_a_division_by_zero_and_of_a_negative_value_invalid(tmp_path, values, cause, text):
+    finding = probe.first_nonfinite(run_steps(tmp_path, [torch.tensor(values)], model=_Log()))
+    assert finding.cause == cause and text in finding.describe()
+
+
+def test_zero_divided_by_zero_is_an_invalid_operation_naming_the_zero_denominator(tmp_path):
+    class Ratio(nn.Module):
+        def forward(self, x):
+            return torch.div(x, x)
+
+    finding = probe.first_nonfinite(run_steps(tmp_path, [torch.tensor([0.0, 2.0])], model=Ratio()))
+    assert finding.cause == "invalid operation" and finding.nan_count == 1
+    assert "invalid operation: 0/0: its denominator input.1 (float32, min 0, max 2) holds 0" in finding.describe()
