@@ -114,7 +114,7 @@ def test_mkldnn_on_versus_off_compares_clean_although_values_differ(tmp_path, ta
         pytest.skip("mkldnn on and off compute the same bits on this CPU: no difference to judge")
     if task == "checksum":
         changed = [r for r in result.rows if r.status == "changed"]
-        # issue 10: with sketches (the default) each change is measured, and within tolerance
+        # with sketches (the default) each change is measured, and within tolerance
         assert all(not r.size_unknown and "(sketch, k=16" in r.notes[-1] for r in changed)
 
 

@@ -206,6 +206,7 @@ def test_runs_sharing_one_hash_seed_are_told_hash_order_cannot_show():
     text = "\n".join(format_report(report))
     assert "PYTHONHASHSEED 1234 in both runs: nondeterminism from str hash order" in text
     assert "`probe determinism --hash-seed vary` gives each run its own" in text
+    assert report.to_dict()["hash_seeds"] == ("1234", "1234") and report.to_dict()["recorded"]
 
 
 def test_hash_seed_vary_gives_each_run_its_own_and_shows_hash_order_nondeterminism(tmp_path):

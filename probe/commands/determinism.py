@@ -94,6 +94,7 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, as_json, command) -
         click.echo(json.dumps({
             "verdict": "identical" if identical else "nondeterministic",
             "runs": runs,
+            "hash_seed": hash_seed,
             "dumps": dumps if dump_dir else [],
             "reports": [report.to_dict() for report in reports],
         }, indent=2, default=str))
