@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from probe import compat
 from probe.capture import naming
+from probe.capture.defaults import defaulted as _defaulted
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -143,6 +144,9 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                     add(call, "kwarg." + key, "in", arg)
                 else:
                     rec.add_tree(call, "kwarg." + key, "in", arg)
+        # the defaults that choose the function: F.gelu(x) against F.gelu(x, approximate="tanh")
+        for key, arg in _defaulted(func, args, kwargs):
+            add(call, "default." + key, "in", arg)
     track = filt.backward and _is_grad_enabled()
     edges = _grad_edges(args, kwargs) if track else None
     out = func(*args, **kwargs)

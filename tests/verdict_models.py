@@ -1,0 +1,76 @@
+"""Tiny models and a training loop for the verdict tests: a fault at a chosen step, a
+chosen activation or eps, a layer computed in a lower dtype, autocast (task "tensor" dumps)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from probe.config import from_dict
+from probe.debugger import PrecisionDebugger
+
+
+class SmallNet(nn.Module):
+    """fc1 -> activation -> LayerNorm -> fc2; every choice a fault can change is an argument."""
+
+    def __init__(self, act=None, approximate=None, eps=1e-5, fc1_dtype=None):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.ln = nn.LayerNorm(32, eps=eps)
+        self.fc2 = nn.Linear(32, 4)
+        self.act, self.approximate, self.fc1_dtype = act, approximate, fc1_dtype
+
+    def forward(self, x):
+        if self.fc1_dtype is not None:  # the model's own cast: fc1 computes in a lower dtype
+            h = F.linear(x.to(self.fc1_dtype), self.fc1.weight.to(self.fc1_dtype),
+                         self.fc1.bias.to(self.fc1_dtype)).float()
+        else:
+            h = self.fc1(x)
+        if self.act is not None:
+            h = self.act(h)
+        elif self.approximate is None:
+            h = F.gelu(h)
+        else:
+            h = F.gelu(h, approximate=self.approximate)
+        return self.fc2(self.ln(h))
+
+
+def batch(size: int = 8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(size, 16, generator=g), torch.randint(0, 4, (size,), generator=g)
+
+
+def train(path, build=SmallNet, *, steps=1, fault=None, fault_step=0, level="mix", task="tensor",
+          autocast=None, lr=1e-2):
+    """Train build() with AdamW for `steps` steps under the debugger, one dump per step;
+    fault(model) runs before the forward of step fault_step (and every later step)."""
+    torch.manual_seed(0)
+    model = build()
+    x, y = batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    debugger = PrecisionDebugger(from_dict({"task": task, "level": level, "dump_path": str(path),
+                                            "step": list(range(steps))}))
+    try:
+        for step in range(steps):
+            if fault is not None and step == fault_step:
+                fault(model)
+            debugger.start(model)
+            optimizer.zero_grad()
+            if autocast is not None:
+                with torch.autocast("cpu", dtype=autocast):
+                    loss = F.cross_entropy(model(x).float(), y)
+            else:
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            debugger.stop()
+            debugger.step()
+    finally:
+        debugger.close()
+    return str(path)
+
+
+def scale_fc1_weight(model):
+    with torch.no_grad():
+        model.fc1.weight.mul_(1.001)
