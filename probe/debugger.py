@@ -304,6 +304,7 @@ class PrecisionDebugger:
             "config": cfg.to_dict(),
             "seed_report": self._seed_report_dict,
             "determinism": determinism_state(),
+            "autocast": [],  # filled in place by the recorder: which calls ran under autocast
         }
         step = self.current_step
 
@@ -315,6 +316,7 @@ class PrecisionDebugger:
         self._recorder = Recorder(cfg, open_writer, capture_filter=self._filter,
                                   locate=self._locate, host_batch=self._host_batch or False)
         self._recorder.step_attrs = attrs
+        self._recorder.autocast_runs = attrs["autocast"]
         return self._recorder
 
     def _finish_step(self) -> None:

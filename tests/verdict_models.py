@@ -19,14 +19,14 @@ class SmallNet(nn.Module):
         self.fc1 = nn.Linear(16, 32)
         self.ln = nn.LayerNorm(32, eps=eps)
         self.fc2 = nn.Linear(32, 4)
-        self.act, self.approximate, self.fc1_dtype = act, approximate, fc1_dtype
+        self.act, self.approximate = act, approximate
+        if fc1_dtype is not None:  # the model's own casts: fc1 computes in a lower dtype inside
+            fc1 = self.fc1
+            fc1.forward = lambda x: F.linear(x.to(fc1_dtype), fc1.weight.to(fc1_dtype),
+                                             fc1.bias.to(fc1_dtype)).float()
 
     def forward(self, x):
-        if self.fc1_dtype is not None:  # the model's own cast: fc1 computes in a lower dtype
-            h = F.linear(x.to(self.fc1_dtype), self.fc1.weight.to(self.fc1_dtype),
-                         self.fc1.bias.to(self.fc1_dtype)).float()
-        else:
-            h = self.fc1(x)
+        h = self.fc1(x)
         if self.act is not None:
             h = self.act(h)
         elif self.approximate is None:
@@ -42,12 +42,14 @@ def batch(size: int = 8):
 
 
 def train(path, build=SmallNet, *, steps=1, fault=None, fault_step=0, level="mix", task="tensor",
-          autocast=None, lr=1e-2):
+          autocast=None, lr=1e-2, dtype=None):
     """Train build() with AdamW for `steps` steps under the debugger, one dump per step;
     fault(model) runs before the forward of step fault_step (and every later step)."""
     torch.manual_seed(0)
     model = build()
     x, y = batch()
+    if dtype is not None:
+        model, x = model.to(dtype), x.to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     debugger = PrecisionDebugger(from_dict({"task": task, "level": level, "dump_path": str(path),
                                             "step": list(range(steps))}))

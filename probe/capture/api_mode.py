@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from probe import compat
 from probe.capture import naming
+from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
 from probe.capture.defaults import defaulted as _defaulted
 from probe.capture.recorder import Recorder
 
@@ -129,6 +130,10 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
             f"{module}/{name}#{index}/forward/")
     rec.calls += 1
     add = rec.add
+    autocast = _autocast_dtype()
+    if autocast:  # a lower precision autocast chose is expected, one the model chose is not
+        _note_autocast(rec.autocast_runs, seq, autocast, rec.autocast_last)
+    rec.autocast_last[0] = seq
     if filt.forward_in:
         position = 0
         for arg in args:

@@ -13,9 +13,10 @@ import os
 from typing import Callable, Iterable
 
 from probe.comparison import result as R
-from probe.comparison import devices, groups, run_info, verdict
+from probe.comparison import devices, groups, model_overlap, run_info, verdict
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
+from probe.comparison.precision import PrecisionTally, judge_precision
 from probe.comparison.records import Records
 from probe.comparison.sketch import sketch_note
 from probe.comparison.tolerances import Tolerances
@@ -78,6 +79,8 @@ def compare(
     previous: dict[int, set] = {}  # rank -> content keys of A's last compared step file
     devices_ab = ("", "")
     explained: dict[int, dict] = {}  # rank -> accepted differences of A's last compared step file
+    precision = PrecisionTally()
+    same_model = None
     for position, (key_a, key_b) in enumerate(pairs):
         def report(done, total, read, _position=position):
             if progress is not None:
@@ -89,9 +92,13 @@ def compare(
                 differences = run_info.run_differences(file_a.attrs, file_b.attrs)
                 devices_ab = (str(file_a.attrs.get("device") or ""), str(file_b.attrs.get("device") or ""))
             records_a = Records.from_table(file_a.records, file_a.path)
+            records_b = Records.from_table(file_b.records, file_b.path)
+            if position == 0 and names is None:
+                share = model_overlap.overlap(records_a.columns["module"], records_b.columns["module"])
+                same_model = model_overlap.different_models_note(share)
             outcome = compare_step(
                 records_a,
-                Records.from_table(file_b.records, file_b.path),
+                records_b,
                 file_a.tensor if file_a.tensor_count else None,
                 file_b.tensor if file_b.tensor_count else None,
                 table,
@@ -102,6 +109,7 @@ def compare(
                 previous=previous.get(key_a[1]),
                 previous_explained=explained.get(key_a[1]),
             )
+            judge_precision(outcome.rows, file_a.attrs.get("autocast"), file_b.attrs.get("autocast"), precision)
             previous[key_a[1]] = content_keys(records_a)
             explained[key_a[1]] = outcome.explained
         total_bytes += outcome.tensor_bytes
@@ -118,7 +126,10 @@ def compare(
             "counts": counts,
         })
     result = _assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab)
-    result.run_differences = differences
+    result.run_differences = differences + precision.differences()
+    result.notes.extend(precision.notes())
+    if same_model is not None:
+        result.notes.insert(0, same_model)
     if replay is not None:
         # torch is imported here only: a compare without replay stays torch-free
         from probe.replay import replay_result

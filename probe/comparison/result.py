@@ -32,6 +32,8 @@ PLACEMENT_NOTE = "placement argument"
 INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
 # what kind of divergence a row is
 OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
+#: an op one run computes in a lower dtype by the model's own casts (comparison/precision.py)
+PRECISION = "precision"
 
 
 @dataclass
