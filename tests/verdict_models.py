@@ -42,12 +42,12 @@ def batch(size: int = 8):
 
 
 def train(path, build=SmallNet, *, steps=1, fault=None, fault_step=0, level="mix", task="tensor",
-          autocast=None, lr=1e-2, dtype=None):
+          autocast=None, lr=1e-2, dtype=None, data=None):
     """Train build() with AdamW for `steps` steps under the debugger, one dump per step;
-    fault(model) runs before the forward of step fault_step (and every later step)."""
+    fault(model) runs before the forward of step fault_step; data() gives the batch (x, y)."""
     torch.manual_seed(0)
     model = build()
-    x, y = batch()
+    x, y = (data or batch)()
     if dtype is not None:
         model, x = model.to(dtype), x.to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from probe.comparison.defaults import pair_defaults
+from probe.comparison.drift import carries_the_same
 from probe.comparison import result as R
 from probe.comparison import elementwise, optimizer, verdict
 from probe.comparison.align import CallPair, align_calls
@@ -247,6 +248,12 @@ def compare_step(
         def after_judge(row, ra, rb, number):
             stale.check(row, (ra, rb), firsts[number], number)
             earlier = previous_explained.get(content_key(records_a.columns, ra)) if previous_explained else None
+            if earlier is not None and not carries_the_same(row, earlier):
+                # A's values are what was accepted last step, B's moved since: a change (a weight
+                # edited between steps), not the accepted difference carried over
+                earlier = None
+            elif earlier is not None:
+                earlier = earlier[0]
             if earlier is not None and row.status == R.DIVERGED and verdict.is_accepted_carry(row):
                 verdict.explain(row, f"carries the accepted difference of {earlier} from the previous step")
             elif earlier is not None and row.status in R.WITHIN:
@@ -294,15 +301,17 @@ def compare_step(
     explained: dict = {}
     diverged_params = {_param_name(records_a.columns, row, None, {}) for row in rows
                        if row.slot.startswith("param.") and row.status == R.DIVERGED}
+    updated = {row.target for row in rows if row.target}  # parameters a recorded optimizer call updates
     for row, row_a, _ in (item for call_rows in per_pair for item in call_rows):
         if row.io == "out" and row_a is not None and verdict.accepted_difference(row):
             key = content_key(records_a.columns, row_a)
             if key is not None:
-                explained[key] = row.key
+                explained[key] = (row.key, row.metrics.rel_l2 if row.metrics is not None else None)
             if row.slot.startswith("param_grad."):
                 name = f"{row.module}.{row.slot[len('param_grad.'):]}" if row.module else row.slot[len("param_grad."):]
-                if name not in diverged_params:
-                    # the next step's parameter was updated from it by the optimizer
+                if name not in diverged_params and name not in updated:
+                    # the next step's parameter was updated from it by an optimizer probe did not
+                    # record (a recorded update is judged itself, and its result carried by value)
                     explained[("param", name)] = f"{row.key}, rel L2 {verdict.sci(row.metrics.rel_l2)}"
     moved: dict = {}
     dev_a, dev_b = records_a.columns["device"], records_b.columns["device"]

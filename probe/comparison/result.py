@@ -192,6 +192,8 @@ class CompareResult:
     replay: object = None
     #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/run_info.py)
     run_differences: list[dict] = field(default_factory=list)
+    #: {step, rank, text} when the runs part through accumulated rounding (comparison/drift.py)
+    drift: dict | None = None
 
     @property
     def diverged(self) -> bool:
@@ -253,6 +255,7 @@ class CompareResult:
             "missing": list(self.missing),
             "notes": list(self.notes),
             "run_differences": list(self.run_differences),
+            "drift": self.drift,
         }
         if rows:
             data["rows"] = [row.to_dict() for row in self.rows]
