@@ -66,3 +66,15 @@ def test_the_same_dtypes_on_both_sides_list_no_dtype_difference(reference, tmp_p
     result = probe.compare(reference, train(tmp_path / "b"))
     assert result.verdict == "pass"
     assert not any(d["setting"] == "compute dtypes" for d in result.run_differences)
+
+
+@pytest.mark.parametrize("mode", ["autocast", "cast"])
+def test_a_bf16_model_with_sdpa_against_eager_attention_passes_forward_and_backward(tmp_path, mode):
+    from tests.verdict_models import TinyAttention, tokens
+
+    options = dict(steps=3, data=tokens, task="statistics", lr=1e-3)
+    options.update({"autocast": torch.bfloat16} if mode == "autocast" else {"dtype": torch.bfloat16})
+    a = train(tmp_path / "a", lambda: TinyAttention("sdpa"), **options)
+    b = train(tmp_path / "b", lambda: TinyAttention("eager"), **options)
+    result = probe.compare(a, b)
+    assert result.verdict == "pass", result.to_text()[:1500]

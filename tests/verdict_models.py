@@ -49,7 +49,7 @@ def train(path, build=SmallNet, *, steps=1, fault=None, fault_step=0, level="mix
     model = build()
     x, y = (data or batch)()
     if dtype is not None:
-        model, x = model.to(dtype), x.to(dtype)
+        model, x = model.to(dtype), (x.to(dtype) if x.is_floating_point() else x)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     debugger = PrecisionDebugger(from_dict({"task": task, "level": level, "dump_path": str(path),
                                             "step": list(range(steps))}))
@@ -76,3 +76,40 @@ def train(path, build=SmallNet, *, steps=1, fault=None, fault_step=0, level="mix
 def scale_fc1_weight(model):
     with torch.no_grad():
         model.fc1.weight.mul_(1.001)
+
+
+class TinyAttention(nn.Module):
+    """Embedding, one pre-norm attention block with an MLP, a head; attention by sdpa or eager."""
+
+    def __init__(self, attn="sdpa", vocab=64, width=32, heads=4):
+        super().__init__()
+        self.attn, self.heads = attn, heads
+        self.embed = nn.Embedding(vocab, width)
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.o_proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        if self.attn == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-1, -2) / (q.shape[-1] ** 0.5)
+            mask = torch.ones(length, length, dtype=torch.bool).triu(1)
+            y = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+        x = x + self.o_proj(y.transpose(1, 2).reshape(batch, length, width))
+        x = x + self.down(F.gelu(self.up(self.norm2(x))))
+        return self.head(x).flatten(0, 1)
+
+
+def tokens(batch_size: int = 4, length: int = 16, vocab: int = 64):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch_size, length), generator=g)
+    return ids, torch.randint(0, vocab, (batch_size * length,), generator=g)

@@ -17,7 +17,7 @@ from probe.comparison import devices, groups, model_overlap, run_info, verdict
 from probe.comparison.drift import apply_drift
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
-from probe.comparison.precision import PrecisionTally, judge_precision
+from probe.comparison.precision import PrecisionTally, judge_precision, shared_autocast
 from probe.comparison.records import Records
 from probe.comparison.sketch import sketch_note
 from probe.comparison.tolerances import Tolerances
@@ -109,6 +109,7 @@ def compare(
                 progress=report,
                 previous=previous.get(key_a[1]),
                 previous_explained=explained.get(key_a[1]),
+                autocast=shared_autocast(file_a.attrs.get("autocast"), file_b.attrs.get("autocast")),
             )
             judge_precision(outcome.rows, file_a.attrs.get("autocast"), file_b.attrs.get("autocast"), precision)
             previous[key_a[1]] = content_keys(records_a)

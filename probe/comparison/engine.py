@@ -16,6 +16,7 @@ import numpy as np
 
 from probe.comparison.defaults import pair_defaults
 from probe.comparison.drift import carries_the_same
+from probe.comparison.kernels import explain_different_kernels
 from probe.comparison import result as R
 from probe.comparison import elementwise, optimizer, verdict
 from probe.comparison.align import CallPair, align_calls
@@ -204,6 +205,7 @@ def compare_step(
     progress: Callable[[int, int, int], None] | None = None,
     previous: set | None = None,
     previous_explained: dict | None = None,
+    autocast: tuple | None = None,
 ) -> StepOutcome:
     """Align, measure and judge one pair of step files.
 
@@ -213,6 +215,9 @@ def compare_step(
     previous_explained: StepOutcome.explained of that step file: a record holding the same
     values as an accepted difference there (a parameter AdamW updated from rounding noise)
     carries that accepted difference.
+    autocast: (A's first seq under autocast, its dtype) when both runs computed under autocast in
+    that dtype (precision.shared_autocast): every record from there on, the backward included,
+    carries that dtype's rounding and is judged at its tolerance at least.
     """
     rename = mapping.rename if mapping else None
     # a foreach call is one call per tensor (the i-th parameter's), on both sides
@@ -265,7 +270,8 @@ def compare_step(
                                          f"parameter from a gradient whose difference was accepted ({grad}); Adam-type "
                                          "optimizers turn a rounding-noise gradient into an lr-sized update")
 
-        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step, after_judge)
+        _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step, after_judge,
+                        autocast)
         stale.resolve(lambda number: [row for row, ra, rb in per_pair[number]
                                       if row.io == "out" and ra is not None and rb is not None
                                       and row.metrics is not None and row.metrics.evidence != "value"])
@@ -289,6 +295,7 @@ def compare_step(
 
             forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
             verdict.judge_call([row for row, _, _ in call_rows], input_kind, forward)
+            explain_different_kernels([row for row, _, _ in call_rows])
             verdict.explain_module_by_its_calls([row for row, _, _ in call_rows], rows)
             _check_amplified(call_rows, measure)
             summary = verdict.summarize_call([row for row, _, _ in call_rows], forward)
@@ -393,7 +400,7 @@ def _forward_rows(pairs, per_pair) -> dict:
 
 
 def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origins, progress, step=0,
-                    check_stale=None) -> None:
+                    check_stale=None, autocast=None) -> None:
     """Judge every paired record in A's execution order, carrying the precision floors."""
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
@@ -404,6 +411,8 @@ def _judge_in_order(paired, measure, provenance, seqs, judged, effective, origin
         if row.io == "in":
             origins[row_a] = (kind, producer)
         upstream = mixed
+        if autocast is not None and order[0] >= autocast[0]:
+            upstream = lower_precision(upstream, autocast[1])
         if kind == "produced" and producer in effective:
             upstream = lower_precision(upstream, effective[producer])
         if row.io == "out" and number in call_floor:
