@@ -81,9 +81,11 @@ def scale_fc1_weight(model):
 class TinyAttention(nn.Module):
     """Embedding, one pre-norm attention block with an MLP, a head; attention by sdpa or eager."""
 
-    def __init__(self, attn="sdpa", vocab=64, width=32, heads=4):
+    def __init__(self, attn="sdpa", vocab=64, width=32, heads=4, grad_scale=None, upcast_norm=True,
+                 sharpness=None):
         super().__init__()
-        self.attn, self.heads = attn, heads
+        self.attn, self.heads, self.grad_scale, self.upcast_norm = attn, heads, grad_scale, upcast_norm
+        self.sharpness = sharpness  # attention logits scaled by this (sharp attention amplifies)
         self.embed = nn.Embedding(vocab, width)
         self.norm1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
@@ -99,14 +101,24 @@ class TinyAttention(nn.Module):
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2)
                    for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))
         if self.attn == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.sharpness)
         else:
             scores = q @ k.transpose(-1, -2) / (q.shape[-1] ** 0.5)
             mask = torch.ones(length, length, dtype=torch.bool).triu(1)
             y = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
-        x = x + self.o_proj(y.transpose(1, 2).reshape(batch, length, width))
-        x = x + self.down(F.gelu(self.up(self.norm2(x))))
+        y = y.transpose(1, 2).reshape(batch, length, width)
+        if self.grad_scale is not None and y.requires_grad:  # a gradient scaled inside the block
+            y.register_hook(lambda grad: grad * self.grad_scale)
+        x = x + self.o_proj(y)
+        x = x + self.down(F.gelu(self.up(self.rms_norm(x))))
         return self.head(x).flatten(0, 1)
+
+
+    def rms_norm(self, x):
+        """Llama's RMSNorm: in float32 and back, or (the fault) in the activations' dtype."""
+        h = x.float() if self.upcast_norm else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.norm2.weight * h.to(x.dtype)
 
 
 def tokens(batch_size: int = 4, length: int = 16, vocab: int = 64):

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 from probe.comparison import result as R
 from probe.comparison import devices, groups, model_overlap, run_info, verdict
 from probe.comparison.drift import apply_drift
+from probe.comparison.entering import rank_entering
 from probe.comparison.engine import StepOutcome, compare_step, content_keys, count_rows
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.precision import PrecisionTally, judge_precision, shared_autocast
@@ -131,6 +132,7 @@ def compare(
     result.run_differences = differences + precision.differences()
     result.notes.extend(precision.notes())
     apply_drift(result)
+    rank_entering(result)
     if same_model is not None:
         result.notes.insert(0, same_model)
     if replay is not None:
