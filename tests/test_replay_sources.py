@@ -4,6 +4,7 @@ an unpartnered producer, and calls an argument change what it is (tiny task-"ten
 import json
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 import probe
@@ -78,3 +79,27 @@ def test_same_function_on_both_sides_still_replays_as_rounding_own(tmp_path):
     result = probe.compare(a, b, replay=3)
     assert result.verdict == "pass"
     assert all(call["replay"]["verdict"] not in ("arguments differ",) for call in result.replay.calls)
+
+
+class _Rotary(torch.nn.Module):
+    """Rotary-style frequencies held in a buffer made from theta (Llama's inv_freq)."""
+
+    def __init__(self, theta):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, 16, 2).float() / 16))
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        angles = torch.outer(torch.arange(x.shape[0]).float(), self.inv_freq)
+        return self.fc(x * torch.cat((angles, angles), dim=-1).cos())
+
+
+def test_a_changed_theta_buffer_is_where_the_error_enters_in_replay_too(tmp_path):
+    a = train(tmp_path / "a", lambda: _Rotary(10000.0))
+    b = train(tmp_path / "b", lambda: _Rotary(500000.0))
+    result = probe.compare(a, b, replay=5)
+    first = result.first_divergence
+    assert (first.op, first.origin) == ("torch.outer", "introduced")
+    verdict = result.replay.verdict_for(first.step, first.rank, first.key_a)
+    assert verdict["rounding"] == "enters" and verdict["enters_through"]["source"] == "external"
+    assert "no single op introduced" not in result.to_text()
