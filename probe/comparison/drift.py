@@ -71,21 +71,6 @@ def _differs_at_rounding(rows) -> bool:
     return any(_rel(row) > 0 or row.metrics.bit_equal is False for row in tensors)
 
 
-#: a record that holds the values accepted in the previous step differs by the same amount
-#: (the same tensors on both sides), up to this factor (sketch estimates of the same values)
-SAME_CARRY = 2.0
-
-
-def carries_the_same(row, earlier) -> bool:
-    """Whether row differs by about what the previous step accepted for the same values of A
-    (earlier: (key, rel L2) of that accepted record). Growth is carried; a jump is a change."""
-    _, accepted_rel = earlier
-    rel = _rel(row)
-    if accepted_rel is None or not isinstance(accepted_rel, (int, float)):
-        return True
-    return rel <= SAME_CARRY * accepted_rel + 1e-300
-
-
 def find_drift(result) -> dict | None:
     """{step, rank, text} when the compare's divergences are drift (see the module docstring)."""
     first = result.first_divergence

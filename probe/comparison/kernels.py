@@ -17,7 +17,7 @@ float64 records are not touched: there, other ops by either run are findings.
 from __future__ import annotations
 
 from probe.comparison import result as R
-from probe.comparison import verdict
+from probe.comparison.explain import explain
 
 #: how many times its tolerance a record made through different kernels may differ
 KERNEL_SLACK = 2.0
@@ -39,7 +39,7 @@ def explain_different_kernels(rows: list) -> None:
         return
     producers = ", ".join(sorted({item.get("producer") or "?" for item in divergent}))
     for row in inputs + outputs:
-        verdict.explain(row, f"the runs compute its input with different kernels ({producers} has no partner), "
+        explain(row, f"the runs compute its input with different kernels ({producers} has no partner), "
                              f"whose {row.tol_dtype} roundings differ by more than the tolerance's two: within "
                              f"{KERNEL_SLACK:g}x it (score {row.score:.3g}), not a divergence", R.INHERITED)
 
