@@ -48,9 +48,14 @@ def _enabled_legacy() -> str:
     return ""
 
 
+_ANY = getattr(torch._C, "_is_any_autocast_enabled", None)  # one cheap call on the hot path
+
+
 def autocast_dtype() -> str:
     """The dtype autocast computes in right now ("bfloat16"), "" when it is off."""
     global _KNOWN
+    if _ANY is not None and not _ANY():
+        return ""
     if _KNOWN is None:
         _KNOWN = _probe_devices()
     if not _KNOWN:
