@@ -17,13 +17,15 @@ from typing import Callable, Iterable
 from probe.comparison import load as L
 from probe.comparison import result as R
 from probe.comparison import model_overlap, run_info
-from probe.comparison.assemble import assemble, step_verdict
+from probe.comparison.assemble import assemble
 from probe.comparison.drift import apply_drift
+from probe.comparison.engine import compare_step
 from probe.comparison.entering import rank_entering
-from probe.comparison.engine import StepOutcome, compare_step
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
-from probe.comparison.precision import PrecisionTally, judge_precision, shared_autocast
-from probe.comparison.provenance import content_keys
+from probe.comparison.autocast_runs import shared_autocast
+from probe.comparison.precision import PrecisionTally, judge_precision
+from probe.comparison.records import content_keys
+from probe.comparison.result import StepOutcome
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
@@ -64,8 +66,8 @@ def compare(
     previous: dict[int, set] = {}  # rank -> content keys of A's last compared step file
     devices_ab = ("", "")
     explained: dict[int, dict] = {}  # rank -> accepted differences of A's last compared step file
-    precision = PrecisionTally()  # lower dtypes on one side (comparison/precision.py)
     same_model = None
+    autocast_runs: list = []  # (A's, B's) root attribute autocast, per step file pair
     with contextlib.closing(L.open_step_files(dump_a, dump_b, pairs)) as step_files:
         for position, files in enumerate(step_files):
             def report(done, total, read, _position=position):
@@ -95,7 +97,7 @@ def compare(
                 previous_explained=explained.get(key_a[1]),
                 autocast=shared_autocast(autocast_a, autocast_b),
             )
-            judge_precision(outcome.rows, autocast_a, autocast_b, precision)
+            autocast_runs.append((autocast_a, autocast_b))
             previous[key_a[1]] = content_keys(files.records_a)
             explained[key_a[1]] = outcome.explained
             total_bytes += outcome.tensor_bytes
@@ -108,9 +110,13 @@ def compare(
                 "rank_b": key_b[1],
                 "file_a": dump_a.files[key_a],
                 "file_b": dump_b.files[key_b],
-                "verdict": step_verdict(counts, strict),
+                "verdict": None,  # assemble.py decides, with strict
                 "counts": counts,
             })
+    precision = PrecisionTally()  # lower dtypes on one side (comparison/precision.py)
+    for outcome, (runs_a, runs_b), info in zip(outcomes, autocast_runs, steps_info):
+        judge_precision(outcome.rows, runs_a, runs_b, precision)
+        info["counts"] = outcome.counts()
     result = assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab)
     result.run_differences = differences + precision.differences()
     result.notes.extend(precision.notes())

@@ -14,13 +14,14 @@ from __future__ import annotations
 from typing import Callable
 
 from probe.comparison import normalize
-from probe.comparison.attribute import StepOutcome, attribute
+from probe.comparison.attribute import attribute
 from probe.comparison.foreach_pairing import pair_foreach
 from probe.comparison.judge import judge
 from probe.comparison.mapping import NameMapping
 from probe.comparison.measure import Fetch, measure
 from probe.comparison.pairing import align
 from probe.comparison.records import Records
+from probe.comparison.result import StepOutcome
 from probe.comparison.tolerances import Tolerances
 
 #: the normalize steps, in the order they run on both sides' records and calls

@@ -20,7 +20,8 @@ from probe.comparison import result as R
 from probe.comparison.metrics import Metrics, limit_masked, statistics_metrics, tensor_metrics, value_metrics
 from probe.comparison.pairing import AlignedStep
 from probe.comparison.prefetch import Prefetcher
-from probe.comparison.provenance import STAT_COLUMNS, PRODUCED, Provenance
+from probe.comparison.kinds import PRODUCED
+from probe.comparison.provenance import STAT_COLUMNS, Provenance
 from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.tolerances import Tolerance, Tolerances, tolerance_dtype
 
@@ -73,7 +74,7 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
     previous: content keys of A's previous step file of the same rank (provenance "carried").
     progress(done, total, tensor_bytes_read) is called every 64 records and at the end.
     autocast: (A's first seq under autocast, its dtype) when both runs computed under autocast in
-    that dtype (precision.shared_autocast): every record from there on, the backward included,
+    that dtype (autocast_runs.shared_autocast): every record from there on, the backward included,
     carries that dtype's rounding and is judged at its tolerance at least."""
     records_a = aligned.records_a
     provenance = Provenance(records_a, aligned.calls_a, previous)

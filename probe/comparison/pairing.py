@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from probe.comparison.defaults import pair_defaults
 from probe.comparison import result as R
-from probe.comparison.align import CallPair, align_calls
+from probe.comparison.align import align_calls
 from probe.comparison.normalize import NormalizedStep
-from probe.comparison.records import Call, Records
+from probe.comparison.records import Call, CallPair, Records
 
 #: (RecordRow, A's row or None, B's row or None) of one slot of a call pair
 SlotRow = tuple

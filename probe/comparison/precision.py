@@ -65,18 +65,6 @@ def _describe(dtypes: Counter) -> str:
     return ", ".join(f"{dtype} ({count} op{'s' if count != 1 else ''})" for dtype, count in dtypes.most_common())
 
 
-def shared_autocast(runs_a, runs_b) -> tuple | None:
-    """(A's first seq under autocast, dtype) when both runs computed under autocast in the same
-    dtype; None otherwise (or when a dump does not record it)."""
-    if not runs_a or not runs_b:
-        return None
-    dtypes_a = {dtype for _, _, dtype in runs_a}
-    dtypes_b = {dtype for _, _, dtype in runs_b}
-    if len(dtypes_a) != 1 or dtypes_a != dtypes_b:
-        return None
-    return (min(first for first, _, _ in runs_a), next(iter(dtypes_a)))
-
-
 def _in_runs(seq, runs) -> str:
     if seq is None or not runs:
         return ""
