@@ -114,6 +114,15 @@ class ModuleHooks:
         self._open_calls.clear()
         self.recorder.locate.forget()
 
+    def enter_running_call(self, module, args, kwargs):
+        """What the root's forward pre-hook does, for a call of the root that was already
+        under way when install() ran (torch had read that call's hook list): the forward hook
+        then closes it as usual. Returns None or the (args, kwargs) to run the call with."""
+        if not self.record:
+            self.recorder.module_stack.append("")
+            return None
+        return self._pre_record("", type(module).__name__, module, args, kwargs)
+
     # ------------------------------------------------------------------ forward
 
     def _pre_record(self, path, kind, module, args, kwargs):
