@@ -38,6 +38,15 @@ class OptimizerStepCapture:
         self.debugger.close()
 
 
+class CapturingCallback:
+    """The part every trainer callback shares: ``config`` as for PrecisionDebugger (a path,
+    a dict, a probe.Config or None); ``.debugger`` is the PrecisionDebugger it drives."""
+
+    def __init__(self, config=None) -> None:
+        self.capture = OptimizerStepCapture(config)
+        self.debugger = self.capture.debugger
+
+
 def missing(package: str, extra: str) -> ImportError:
     """The ImportError of an integration whose framework is not installed."""
     return ImportError(f"probe.integrations needs {package}: pip install {package} "

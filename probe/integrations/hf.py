@@ -10,7 +10,7 @@ captured. ``on_train_end`` writes the last file.
 
 from __future__ import annotations
 
-from probe.integrations.core import OptimizerStepCapture, missing
+from probe.integrations.core import CapturingCallback, missing
 
 try:
     from transformers import TrainerCallback
@@ -18,14 +18,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing("transformers", "hf") from error
 
 
-class ProbeCallback(TrainerCallback):
-    """Capture every optimizer step of a transformers Trainer; ``config`` as for
-    PrecisionDebugger (a path, a dict, a probe.Config or None). ``.debugger`` is the
-    PrecisionDebugger it drives."""
-
-    def __init__(self, config=None) -> None:
-        self.capture = OptimizerStepCapture(config)
-        self.debugger = self.capture.debugger
+class ProbeCallback(CapturingCallback, TrainerCallback):
+    """Capture every optimizer step of a transformers Trainer: ``ProbeCallback(config)``,
+    ``config`` as for PrecisionDebugger. ``.debugger`` is the PrecisionDebugger it drives."""
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self.capture.begin(model, rank=args.process_index)

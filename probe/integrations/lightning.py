@@ -13,7 +13,7 @@ Works with the ``lightning`` package, else with ``pytorch_lightning``.
 
 from __future__ import annotations
 
-from probe.integrations.core import OptimizerStepCapture, missing
+from probe.integrations.core import CapturingCallback, missing
 
 try:
     from lightning.pytorch import Callback
@@ -24,15 +24,11 @@ except ImportError:
         raise missing("lightning", "lightning") from error
 
 
-class ProbeCallback(Callback):
-    """Capture every optimizer step of a Lightning Trainer; ``config`` as for
-    PrecisionDebugger (a path, a dict, a probe.Config or None). ``.debugger`` is the
-    PrecisionDebugger it drives."""
+class ProbeCallback(CapturingCallback, Callback):
+    """Capture every optimizer step of a Lightning Trainer: ``ProbeCallback(config)``,
+    ``config`` as for PrecisionDebugger. ``.debugger`` is the PrecisionDebugger it drives."""
 
-    def __init__(self, config=None) -> None:
-        self.capture = OptimizerStepCapture(config)
-        self.debugger = self.capture.debugger
-        self._steps_at_begin: int | None = None
+    _steps_at_begin: int | None = None  # trainer.global_step when the open step began
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._steps_at_begin is None:

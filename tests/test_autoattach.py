@@ -1,0 +1,75 @@
+"""Zero-edit capture: ``probe run -c cfg -- python script.py`` dumps a script that has no
+probe code (examples/trainers/plain_loop.py), one step file per optimizer.step()."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import probe
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAIN_LOOP = os.path.join(REPO_ROOT, "examples", "trainers", "plain_loop.py")
+
+
+def probe_run(tmp_path, *command, options=(), env_extra=None, level="mix"):
+    (tmp_path / "cfg.json").write_text(json.dumps({"dump_path": "dump", "level": level}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE_")}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(env_extra or {})
+    done = subprocess.run([sys.executable, "-m", "probe", "run", "-c", "cfg.json", *options,
+                           "--", sys.executable, *command], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_a_script_without_probe_code_is_dumped_one_step_per_optimizer_step(tmp_path):
+    done = probe_run(tmp_path, PLAIN_LOOP, "--steps", "3")
+    assert "eval loss" in done.stdout
+    dump = probe.load(str(tmp_path / "dump"))
+    assert dump.steps == [0, 1, 2]  # the no_grad evaluation after the last step is no step
+    for step in dump.steps:
+        records = dump.records(step=step)
+        assert {"0", "1", "3"} <= {record["module"] for record in records}
+        forwards = {record["index"] for record in records if record["kind"] == "module"
+                    and record["module"] == "" and record["phase"] == "forward"}
+        assert forwards == {0}, (step, forwards)
+
+
+def test_zero_edit_capture_puts_every_micro_batch_in_its_optimizer_steps_file(tmp_path):
+    probe_run(tmp_path, PLAIN_LOOP, "--steps", "2", "--accumulation", "3", level="module")
+    dump = probe.load(str(tmp_path / "dump"))
+    assert dump.steps == [0, 1]
+    for step in dump.steps:
+        calls = collections.Counter(record["index"] for record in dump.records(step=step)
+                                    if record["module"] == "0" and record["phase"] == "forward")
+        assert sorted(calls) == [0, 1, 2], (step, calls)
+
+
+def test_a_script_that_builds_its_own_debugger_is_not_captured_automatically(tmp_path):
+    (tmp_path / "own.py").write_text(
+        "import runpy, sys\n"
+        "from probe import PrecisionDebugger\n"
+        "debugger = PrecisionDebugger()  # the script's own: it captures nothing here\n"
+        f"sys.argv = [{PLAIN_LOOP!r}]\n"
+        f"runpy.run_path({PLAIN_LOOP!r}, run_name='__main__')\n")
+    probe_run(tmp_path, "own.py")
+    assert not (tmp_path / "dump" / "step0").exists()
+
+
+def test_no_attach_and_probe_attach_0_opt_out_of_zero_edit_capture(tmp_path):
+    probe_run(tmp_path, PLAIN_LOOP, "--steps", "1", options=("--no-attach",))
+    probe_run(tmp_path, PLAIN_LOOP, "--steps", "1", env_extra={"PROBE_ATTACH": "0"})
+    assert not (tmp_path / "dump" / "step0").exists()
+
+
+def test_the_users_own_sitecustomize_still_runs_under_probe_run(tmp_path):
+    own = tmp_path / "site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    done = probe_run(tmp_path, "-c", "import os; print(os.environ.get('USER_SITE_RAN'))",
+                     env_extra={"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{own}"})
+    assert done.stdout.strip() == "yes"
