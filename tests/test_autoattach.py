@@ -1,13 +1,12 @@
 """Zero-edit capture: ``probe run -c cfg -- python script.py`` dumps a script that has no
 probe code (examples/trainers/plain_loop.py), one step file per optimizer.step()."""
 
-import collections
 import json
 import os
 import subprocess
 import sys
 
-import probe
+from tests.step_checks import assert_each_step_holds_micro_batches
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAIN_LOOP = os.path.join(REPO_ROOT, "examples", "trainers", "plain_loop.py")
@@ -29,24 +28,14 @@ def probe_run(tmp_path, *command, options=(), env_extra=None, level="mix"):
 def test_a_script_without_probe_code_is_dumped_one_step_per_optimizer_step(tmp_path):
     done = probe_run(tmp_path, PLAIN_LOOP, "--steps", "3")
     assert "eval loss" in done.stdout
-    dump = probe.load(str(tmp_path / "dump"))
-    assert dump.steps == [0, 1, 2]  # the no_grad evaluation after the last step is no step
-    for step in dump.steps:
-        records = dump.records(step=step)
-        assert {"0", "1", "3"} <= {record["module"] for record in records}
-        forwards = {record["index"] for record in records if record["kind"] == "module"
-                    and record["module"] == "" and record["phase"] == "forward"}
-        assert forwards == {0}, (step, forwards)
+    # steps 0, 1, 2, one forward of the model each; the no_grad evaluation after them is no step
+    dump = assert_each_step_holds_micro_batches(tmp_path / "dump", 3, "", 1)
+    assert {"0", "1", "3"} <= {record["module"] for record in dump.records(step=2)}
 
 
 def test_zero_edit_capture_puts_every_micro_batch_in_its_optimizer_steps_file(tmp_path):
     probe_run(tmp_path, PLAIN_LOOP, "--steps", "2", "--accumulation", "3", level="module")
-    dump = probe.load(str(tmp_path / "dump"))
-    assert dump.steps == [0, 1]
-    for step in dump.steps:
-        calls = collections.Counter(record["index"] for record in dump.records(step=step)
-                                    if record["module"] == "0" and record["phase"] == "forward")
-        assert sorted(calls) == [0, 1, 2], (step, calls)
+    assert_each_step_holds_micro_batches(tmp_path / "dump", 2, "0", 3)
 
 
 def test_a_script_that_builds_its_own_debugger_is_not_captured_automatically(tmp_path):

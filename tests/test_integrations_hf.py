@@ -1,8 +1,6 @@
 """probe.integrations.hf.ProbeCallback: a transformers Trainer dumps one step file per
 optimizer step (examples/trainers/hf_trainer.py: a tiny GPT-2 from a config, 3 steps)."""
 
-import collections
-
 import pytest
 
 from tests.torch_versions import transformers_or_skip
@@ -13,6 +11,7 @@ pytest.importorskip("accelerate", reason="the transformers Trainer needs acceler
 
 import probe  # noqa: E402
 from examples.trainers import hf_trainer  # noqa: E402
+from tests.step_checks import assert_each_step_holds_micro_batches  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +22,8 @@ def reference_dump(tmp_path_factory):
 
 
 def test_every_optimizer_step_of_the_trainer_is_one_step_file_with_module_names(reference_dump):
-    dump = probe.load(reference_dump)
-    assert dump.steps == [0, 1, 2] and dump.ranks == [0]
+    dump = assert_each_step_holds_micro_batches(reference_dump, 3, "", 1)
+    assert dump.ranks == [0]
     modules = {record["module"] for record in dump.records(step=2)}
     assert {"transformer.h.0.attn", "transformer.h.1.mlp.c_fc", "transformer.ln_f"} <= modules
 
@@ -45,13 +44,7 @@ def test_a_layer_norm_epsilon_change_is_named_at_a_layer_norm(reference_dump, tm
 def test_gradient_accumulation_puts_every_micro_batch_in_its_optimizer_steps_file(tmp_path):
     hf_trainer.train(str(tmp_path / "acc"), str(tmp_path / "trainer"), accumulation=4,
                      steps=2, level="module")
-    dump = probe.load(str(tmp_path / "acc"))
-    assert dump.steps == [0, 1]
-    for step in dump.steps:
-        root_calls = collections.Counter(
-            record["index"] for record in dump.records(step=step)
-            if record["module"] == "" and record["phase"] == "forward")
-        assert sorted(root_calls) == [0, 1, 2, 3], (step, root_calls)
+    assert_each_step_holds_micro_batches(tmp_path / "acc", 2, "", 4)
 
 
 def test_the_step_files_carry_the_trainers_process_index_as_rank(tmp_path, monkeypatch):
