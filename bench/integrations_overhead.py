@@ -1,14 +1,17 @@
 """What the trainer integrations and zero-edit capture cost over the same capture by hand.
 
-    python bench/integrations_overhead.py            # 20 optimizer steps per run, 5 repeats
+    python bench/integrations_overhead.py            # 20 optimizer steps per run, 7 repeats
     python bench/integrations_overhead.py 40 7       # steps, repeats
 
 One process. For each setting, three runs of the same training are interleaved repeat after
-repeat: without probe, with the capture written by hand (PrecisionDebugger start/stop/step in
+repeat (gc.collect() before each): without probe, with the capture written by hand (PrecisionDebugger start/stop/step in
 the loop, or a 6-line callback calling them), and with the integration. Each number is the
-median over the repeats of a run's wall time per optimizer step (set-up included alike on
-every side); level mix, task statistics, every step dumped. The last column is the one the
-integrations answer for: integration / by hand (1.00 = no cost of its own).
+median over the repeats of a run's time per optimizer step (set-up included alike on every
+side): wall clock, and the CPU time of the training thread (time.thread_time: what other
+processes on a shared machine do not move; the step files are written by probe's writer
+process on both sides alike). Level mix, task statistics, every step dumped. The last two
+columns are the ones the integrations answer for: integration / by hand (1.00 = no cost of
+its own).
 
   plain loop    a tiny GPT-2 trained by a plain loop; integration: zero-edit capture
                 (probe.autoattach.session, what ``probe run -c`` attaches in the child)
@@ -19,6 +22,7 @@ Rows whose framework is not installed are left out.
 """
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -36,7 +40,7 @@ from probe import PrecisionDebugger
 
 warnings.filterwarnings("ignore")
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 7
 LEVEL = "mix"
 
 
@@ -167,24 +171,30 @@ def main() -> None:
     for name in ("transformers", "lightning", "lightning.pytorch", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     print(f"torch {torch.__version__}, {STEPS} optimizer steps per run, median of {REPEATS} "
-          f"repeats, level {LEVEL}, ms per optimizer step (set-up included)")
+          f"repeats, level {LEVEL}; wall ms per optimizer step (set-up included)")
     print(f"{'setting':<24} {'no probe':>9} {'by hand':>9} {'integration':>12} "
-          f"{'by hand/none':>13} {'integration/by hand':>20}")
+          f"{'by hand/none':>13} {'integr./hand':>14} {'integr./hand cpu':>16}")
     for name, runs in settings():
         times = {kind: [] for kind in runs}
+        cpu = {kind: [] for kind in runs}
         for repeat in range(REPEATS + 1):  # the first round warms up and is not counted
             for kind, run in runs.items():
                 with tempfile.TemporaryDirectory() as folder:
-                    start = time.perf_counter()
+                    gc.collect()  # the previous run's garbage is not this run's cost
+                    start, start_cpu = time.perf_counter(), time.thread_time()
                     with contextlib.redirect_stdout(io.StringIO()):  # the trainers' chatter
                         run(folder)
                     elapsed = (time.perf_counter() - start) * 1e3 / STEPS
+                    elapsed_cpu = (time.thread_time() - start_cpu) * 1e3 / STEPS
                 if repeat:
                     times[kind].append(elapsed)
-        none, hand, integration = (statistics.median(times[k])
-                                   for k in ("none", "by hand", "integration"))
+                    cpu[kind].append(elapsed_cpu)
+        kinds = ("none", "by hand", "integration")
+        none, hand, integration = (statistics.median(times[k]) for k in kinds)
+        cpu_none, cpu_hand, cpu_integration = (statistics.median(cpu[k]) for k in kinds)
         print(f"{name:<24} {none:>9.2f} {hand:>9.2f} {integration:>12.2f} "
-              f"{hand / none:>12.2f}x {integration / hand:>19.2f}x", flush=True)
+              f"{hand / none:>12.2f}x {integration / hand:>13.2f}x "
+              f"{cpu_integration / cpu_hand:>15.2f}x", flush=True)
 
 
 if __name__ == "__main__":

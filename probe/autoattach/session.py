@@ -63,7 +63,7 @@ def on_debugger_created(debugger: PrecisionDebugger) -> None:
     own debugger captures by itself, so automatic capture stands down."""
     session = _SESSION
     if session is not None and debugger is not session.debugger and session.debugger is not None:
-        session.stand_down()
+        session.stand_down(announce=True)
 
 
 def _trainable(module: torch.nn.Module) -> bool:
@@ -141,8 +141,9 @@ class AutoCapture:
             if handle is not None:
                 handle.remove()
 
-    def stand_down(self) -> None:
-        """The script captures by itself: remove the hooks; write what was captured."""
+    def stand_down(self, announce: bool = False) -> None:
+        """Remove the hooks and write what was captured (the script captures by itself, or
+        a benchmark ends the session); ``announce``: say so on stderr if steps were taken."""
         global _SESSION
         if _SESSION is self:
             _SESSION = None
@@ -156,6 +157,6 @@ class AutoCapture:
             debugger._random_whole_run = None
             _remove_mode(random_mode)
         debugger.close()
-        if captured:
+        if captured and announce:
             print(f"probe: automatic capture stopped after step {debugger.current_step}: the "
                   "script builds its own PrecisionDebugger", file=sys.stderr)
