@@ -6,6 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+from torch import nn
+
+import probe
 from tests.step_checks import assert_each_step_holds_micro_batches
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,3 +67,51 @@ def test_the_users_own_sitecustomize_still_runs_under_probe_run(tmp_path):
     done = probe_run(tmp_path, "-c", "import os; print(os.environ.get('USER_SITE_RAN'))",
                      env_extra={"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{own}"})
     assert done.stdout.strip() == "yes"
+
+
+@pytest.fixture
+def attached(tmp_path, monkeypatch):
+    """Automatic capture attached in this process, as the start-up hook does; removed after."""
+    from probe.autoattach import session
+
+    (tmp_path / "cfg.json").write_text(json.dumps({"dump_path": str(tmp_path / "dump"),
+                                                   "level": "module"}))
+    monkeypatch.setenv("PROBE_ATTACH", "1")
+    monkeypatch.setenv("PROBE_CONFIG", str(tmp_path / "cfg.json"))
+    capture = session.attach()
+    yield capture
+    if session.current() is capture:
+        capture.stand_down()
+
+
+def test_the_model_is_the_first_trained_module_not_a_frozen_or_no_grad_forward(attached, tmp_path):
+    torch.manual_seed(0)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)  # an evaluation before training
+    for _ in range(2):
+        model(frozen(x)).sum().backward()
+        optimizer.step()
+    attached.stand_down()
+    assert attached.model is model
+    dump = probe.load(str(tmp_path / "dump"))
+    assert dump.steps == [0, 1]
+    assert {record["module"] for record in dump.records(step=1)} == {"", "0", "1"}
+
+
+def test_a_second_optimizer_does_not_end_steps_and_warns_once(attached, tmp_path):
+    model, other = nn.Linear(4, 1), nn.Linear(4, 1)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    second = torch.optim.SGD(other.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    with pytest.warns(RuntimeWarning, match="a second optimizer") as caught:
+        for _ in range(3):
+            (model(x).sum() + other(x).sum()).backward()
+            first.step()
+            second.step()
+    assert sum("second optimizer" in str(w.message) for w in caught) == 1
+    attached.stand_down()
+    assert probe.load(str(tmp_path / "dump")).steps == [0, 1, 2]
