@@ -16,6 +16,8 @@ from probe.errors import (
     ProbeError,
     SeedError,
     NonfiniteError,
+    NothingRecordedError,
+    RunExistsError,
 )
 
 __all__ = [
@@ -37,6 +39,8 @@ __all__ = [
     "CaptureError",
     "CompareError",
     "NonfiniteError",
+    "NothingRecordedError",
+    "RunExistsError",
     "first_nonfinite",
 ]
 
@@ -50,7 +54,7 @@ _LAZY = {
     "load_config": ("probe.config", "load"),
     "Config": ("probe.config", "Config"),
     "load": ("probe.dump.reader", "load"),
-    "compare": ("probe.comparison.api", "compare"),
+    "compare": ("probe.compare_and_replay", "compare"),
     "first_nonfinite": ("probe.nonfinite", "first_nonfinite"),
 }
 

@@ -136,7 +136,11 @@ def test_rounding_level_differences_stay_within_tolerance_with_sketches(dumps, o
     result = compare(a, b)
     assert result.verdict == "pass", result.first_divergence and result.first_divergence.reasons
     measured = [r for r in result.rows if r.metrics is not None and r.metrics.sketch]
-    assert measured and any(r.metrics.sketch["raw_err"] > 0 for r in measured)  # rounding really differs
+    assert measured
+    if "threads" in options and not any(r.metrics.sketch["raw_err"] > 0 for r in measured):
+        pytest.skip("1 and 2 threads sum in the same order with this CPU's kernels: no rounding to judge")
+    # float32 against float64 always rounds differently
+    assert any(r.metrics.sketch["raw_err"] > 0 for r in measured)
 
 
 def test_schema_1_dumps_still_compare_with_their_lower_bounds():

@@ -33,7 +33,8 @@ def train(dump_path: str, *, steps: int = 3, accumulation: int = 2, level: str =
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-    capture = AcceleratorCapture(accelerator, {"dump_path": dump_path, "level": level})
+    capture = AcceleratorCapture(accelerator, {"dump_path": dump_path, "level": level,
+                                               "overwrite": True})
     for batch_inputs, targets in loader:
         with accelerator.accumulate(model), capture.batch(model):
             loss = nn.functional.mse_loss(model(batch_inputs), targets)

@@ -50,7 +50,7 @@ def train(dump_path: str, workdir: str, *, layer_norm_epsilon: float = 1e-5,
         use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, seed=0)
     if callbacks is None:  # else the caller's (the benchmark's)
-        callbacks = [ProbeCallback({"dump_path": dump_path, "level": level})]
+        callbacks = [ProbeCallback({"dump_path": dump_path, "level": level, "overwrite": True})]
     trainer = Trainer(model=tiny_gpt2(layer_norm_epsilon), args=args,
                       train_dataset=token_data(), callbacks=callbacks)
     trainer.train()

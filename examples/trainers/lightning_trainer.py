@@ -44,7 +44,7 @@ def train(dump_path: str, workdir: str, *, steps: int = 3, accumulation: int = 1
     torch.manual_seed(0)
     model = Regressor()
     if callbacks is None:  # else the caller's (the benchmark's)
-        callbacks = [ProbeCallback({"dump_path": dump_path, "level": level})]
+        callbacks = [ProbeCallback({"dump_path": dump_path, "level": level, "overwrite": True})]
     trainer = Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, accumulate_grad_batches=accumulation,

@@ -4,6 +4,8 @@ At level api, only the path of the running module is needed: two global module h
 (torch.nn.modules.module.register_module_forward_pre_hook / register_module_forward_hook,
 handles removed at stop()) keep a stack of paths, looked up by module identity in a table
 built from ``model.named_modules()`` at start(); modules outside the model are ignored.
+Paths and class names are the user's: wrapper segments (DDP's ``module``, torch.compile's
+``_orig_mod``, activation checkpointing's) are left out (capture/wrappers.py).
 
 At level module/mix, every submodule of the model, the root included (path ""), gets
 
@@ -43,6 +45,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 
 from probe import compat
+from probe.capture import wrappers
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -68,8 +71,8 @@ class ModuleHooks:
                 self._install_tracking()
                 return
             seen_params: set[int] = set()
-            for path, module in self.model.named_modules(remove_duplicate=True):
-                kind = type(module).__name__
+            for path, module in wrappers.user_modules(self.model):
+                kind = wrappers.user_kind(module)
                 pre = functools.partial(self._pre_record, path, kind)
                 self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 post = functools.partial(self._post, path, kind)
@@ -91,7 +94,7 @@ class ModuleHooks:
         200-module model; a global hook is one registration, and modules outside the model
         (not in the path table) are ignored.
         """
-        paths = {id(module): path for path, module in self.model.named_modules()}
+        paths = {id(module): path for path, module in wrappers.user_modules(self.model)}
         stack = self.recorder.module_stack
 
         def pre(module, args):
