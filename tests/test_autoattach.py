@@ -115,3 +115,26 @@ def test_a_second_optimizer_does_not_end_steps_and_warns_once(attached, tmp_path
     assert sum("second optimizer" in str(w.message) for w in caught) == 1
     attached.stand_down()
     assert probe.load(str(tmp_path / "dump")).steps == [0, 1, 2]
+
+
+class _KeywordModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, *, features):
+        return self.fc(features)
+
+
+def test_the_models_keyword_inputs_are_recorded_from_step_0(attached, tmp_path):
+    model = _KeywordModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(features=torch.randn(2, 4, requires_grad=True)).sum().backward()
+        optimizer.step()
+    attached.stand_down()
+    dump = probe.load(str(tmp_path / "dump"))
+    for step in (0, 1):
+        slots = {(record["phase"], record["slot"]) for record in dump.records(step=step)
+                 if record["module"] == ""}
+        assert {("forward", "kwarg.features"), ("backward", "grad_input.features")} <= slots, step

@@ -25,9 +25,10 @@ found with torch's global hooks (no torch function is replaced).
   doing so.
 
 The model's first forward of the run is seen by a global hook, which torch gives no keyword
-arguments: its keyword inputs are not recorded in step 0 (positional inputs, outputs and
-everything inside are). From step 1 on, a step starts in a pre-hook of the model that sees
-both, and the step file holds what ``start(model)`` before the forward would record.
+arguments: they are read from torch's calling frame (_running_call_kwargs), so step 0 records
+them too; on a torch whose frame is laid out otherwise they are left out of step 0 only. From
+step 1 on, a step starts in a pre-hook of the model that sees both, and the step file holds
+what ``start(model)`` before the forward would record.
 """
 
 from __future__ import annotations
@@ -66,6 +67,23 @@ def on_debugger_created(debugger: PrecisionDebugger) -> None:
         session.stand_down(announce=True)
 
 
+def _running_call_kwargs(module: torch.nn.Module) -> dict | None:
+    """The keyword arguments of ``module``'s running call, for the global pre-hook that finds
+    the model: torch hands global forward pre-hooks none, so they are read (not replaced)
+    from the frame that calls the hook, ``Module._call_impl`` or its inner function, where
+    they are the local ``kwargs``. None when that frame does not look so (another torch
+    layout): the call's keyword inputs then go unrecorded."""
+    try:
+        frame = sys._getframe(2)  # 0: here, 1: _find_model, 2: torch's hook caller
+        names = frame.f_locals
+    except (AttributeError, ValueError):
+        return None
+    kwargs = names.get("kwargs")
+    if names.get("self") is module and isinstance(kwargs, dict):
+        return kwargs
+    return None
+
+
 def _trainable(module: torch.nn.Module) -> bool:
     return any(param.requires_grad for param in module.parameters())
 
@@ -92,8 +110,13 @@ class AutoCapture:
         self._find_handle = None
         self.model = module
         self._begin_handle = module.register_forward_pre_hook(self._begin_step, with_kwargs=True)
-        replaced = self._begin(module, args, {})
-        return None if replaced is None else replaced[0]
+        kwargs = _running_call_kwargs(module)
+        replaced = self._begin(module, args, {} if kwargs is None else kwargs)
+        if replaced is None:
+            return None
+        if kwargs is not None:
+            kwargs.update(replaced[1])  # the very dict torch passes to forward
+        return replaced[0]
 
     def _begin_step(self, module, args, kwargs):
         if self.debugger.started or not torch.is_grad_enabled():
