@@ -48,6 +48,7 @@ def compare_step(
     progress: Callable[[int, int, int], None] | None = None,
     previous: set | None = None,
     previous_explained: dict | None = None,
+    autocast: tuple | None = None,
 ) -> StepOutcome:
     """Normalize, align, measure, judge and attribute one pair of step files.
 
@@ -57,9 +58,10 @@ def compare_step(
     previous_explained: StepOutcome.explained of that step file: a record holding the same
     values as an accepted difference there (a parameter AdamW updated from rounding noise)
     carries that accepted difference.
+    autocast: (A's first seq under autocast, its dtype) when both runs ran under autocast in it.
     """
     normalized = normalize.normalize(records_a, records_b, mapping, NORMALIZE)
     aligned = align(normalized, ALIGN_REFINERS, step, rank)
-    measured = measure(aligned, fetch_a, fetch_b, tolerances, previous, progress)
+    measured = measure(aligned, fetch_a, fetch_b, tolerances, previous, progress, autocast)
     judged = judge(measured, previous_explained)
     return attribute(judged)

@@ -34,6 +34,8 @@ PLACEMENT_NOTE = "placement argument"
 INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
 # what kind of divergence a row is
 OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
+#: an op one run computes in a lower dtype by the model's own casts (comparison/precision.py)
+PRECISION = "precision"
 
 
 @dataclass
@@ -190,6 +192,8 @@ class CompareResult:
     replay: object = None
     #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/run_info.py)
     run_differences: list[dict] = field(default_factory=list)
+    #: {step, rank, text} when the runs part through accumulated rounding (comparison/drift.py)
+    drift: dict | None = None
 
     @property
     def diverged(self) -> bool:
@@ -217,6 +221,7 @@ class CompareResult:
             "missing": list(self.missing),
             "notes": list(self.notes),
             "run_differences": list(self.run_differences),
+            "drift": self.drift,
         }
         if rows:
             data["rows"] = [row.to_dict() for row in self.rows]

@@ -14,7 +14,7 @@ from probe.comparison import result as R
 def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
     """Earliest divergent output in execution order (inputs only if no output diverged)."""
     diverged = [row for row in rows if row.status == R.DIVERGED]
-    outputs = [row for row in diverged if row.divergence == R.OUTPUT]
+    outputs = [row for row in diverged if row.divergence in (R.OUTPUT, R.PRECISION)]
     candidates = outputs or [row for row in diverged if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT)] or diverged
     return min(candidates, key=lambda row: row.order, default=None)
 
@@ -25,7 +25,7 @@ def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.Record
     the first divergence."""
     ordered = sorted((row for row in rows if row.status == R.DIVERGED), key=lambda row: row.order)
     for row in ordered:
-        if row.divergence == R.OUTPUT and row.origin == R.INTRODUCED:
+        if row.divergence in (R.OUTPUT, R.PRECISION) and row.origin == R.INTRODUCED:
             return row
     for row in ordered:
         if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT) and row.origin == R.INTRODUCED:
