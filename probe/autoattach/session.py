@@ -69,10 +69,11 @@ def on_debugger_created(debugger: PrecisionDebugger) -> None:
 
 def _running_call_kwargs(module: torch.nn.Module) -> dict | None:
     """The keyword arguments of ``module``'s running call, for the global pre-hook that finds
-    the model: torch hands global forward pre-hooks none, so they are read (not replaced)
-    from the frame that calls the hook, ``Module._call_impl`` or its inner function, where
-    they are the local ``kwargs``. None when that frame does not look so (another torch
-    layout): the call's keyword inputs then go unrecorded."""
+    the model: torch hands global forward pre-hooks none, so they are looked up in the frame
+    that calls the hook, ``Module._call_impl`` or its inner function, where they are the local
+    dict ``kwargs`` that forward receives (the caller writes the capture's aliases of inputs
+    that require grad into it, what a pre-hook with kwargs would return). None when that frame
+    does not look so (another torch layout): the call's keyword inputs then go unrecorded."""
     try:
         frame = sys._getframe(2)  # 0: here, 1: _find_model, 2: torch's hook caller
         names = frame.f_locals
