@@ -1,4 +1,5 @@
 # Everything a fresh machine needs, in a virtual environment under .venv.
+# The extras hf and lightning (trainer integrations) are installed like models, torch held.
 # torch is installed FIRST and pinned: an unpinned resolve on a machine without torch pulls
 # several GB of CUDA packages. Override the pin: make test TORCH_SPEC="torch==2.5.1"
 # (or TORCH_SPEC= to keep whatever torch the venv already has). The extras are installed with
@@ -20,7 +21,7 @@ $(VENV)/.probe-installed: setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -q -e '.[test,examples,models]' $$($(BIN)/python scripts/torch_pins.py)
+	$(BIN)/python -m pip install -q -e '.[test,examples,models,hf,lightning]' $$($(BIN)/python scripts/torch_pins.py)
 	touch $@
 
 demo: setup

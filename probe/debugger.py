@@ -100,11 +100,15 @@ class PrecisionDebugger:
         # handed the config down (pushed here, under every later mode, never popped)
         self._random = None
         self._random_whole_run = None
+        self._rank: int | None = None  # set by a trainer integration (its process index)
         if cfg.random_on_cpu and config is None:
             from probe.capture import random_on_cpu
 
             self._random_whole_run = random_on_cpu.install()
         _LIVE.add(self)
+        attached = sys.modules.get("probe.autoattach.session")
+        if attached is not None:  # zero-edit capture gives way to the script's own debugger
+            attached.on_debugger_created(self)
 
     # ------------------------------------------------------------------ public lifecycle
 
@@ -114,7 +118,13 @@ class PrecisionDebugger:
 
     @property
     def rank(self) -> int:
-        return _current_rank()
+        """The rank in step file names: set by a trainer integration, else torch.distributed's
+        rank, else $RANK, else 0."""
+        return _current_rank() if self._rank is None else self._rank
+
+    @rank.setter
+    def rank(self, value: int | None) -> None:
+        self._rank = None if value is None else int(value)
 
     @property
     def last_file(self) -> str | None:
@@ -176,6 +186,14 @@ class PrecisionDebugger:
             self._uninstall()
             self._started = False
             raise
+
+    def start_inside_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict):
+        """start(model) from a forward pre-hook of ``model``'s call that is already running
+        (automatic capture starts a step there): torch read that call's hook list before
+        start() installed the model's own hooks, so its inputs are recorded here. Returns
+        what the pre-hook returns: None, or the (args, kwargs) to run the call with."""
+        self.start(model)
+        return None if self._hooks is None else self._hooks.enter_running_call(model, args, kwargs)
 
     def stop(self) -> None:
         """Remove every hook and the API mode; the records so far go to the step's writer."""
@@ -243,7 +261,7 @@ class PrecisionDebugger:
 
     def _selected(self) -> bool:
         cfg = self.config
-        return cfg.wants_step(self.current_step) and cfg.wants_rank(_current_rank())
+        return cfg.wants_step(self.current_step) and cfg.wants_rank(self.rank)
 
     def _warn_if_scope_selects_nothing(self) -> None:
         """A scope that matches no module of this model dumps empty files that compare
@@ -278,7 +296,7 @@ class PrecisionDebugger:
         import probe.dump.writer  # noqa: F401
 
         _hook_exit()
-        self._recorder = self._files.open(self.current_step, _current_rank(), _world_size())
+        self._recorder = self._files.open(self.current_step, self.rank, _world_size())
         return self._recorder
 
     def _finish_step(self) -> None:

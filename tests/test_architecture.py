@@ -17,7 +17,7 @@ LAYERS = [
     {"capture", "nonfinite", "nonfinite_cause"},
     {"comparison", "determinism"},
     {"report", "replay"},
-    {"compare_and_replay", "debugger", "step_files", "write_results"},
+    {"compare_and_replay", "debugger", "step_files", "write_results", "autoattach", "integrations"},
     {"commands"},
     {"cli", "__main__", "__init__"},
 ]

@@ -196,6 +196,16 @@ class ModuleHooks:
         self._open_calls.clear()
         self.recorder.locate.forget()
 
+    def enter_running_call(self, module, args, kwargs):
+        """What the root's forward pre-hook does, for a call of the root that was already
+        under way when install() ran (torch had read that call's hook list): the forward hook
+        then closes it as usual. Returns None or the (args, kwargs) to run the call with."""
+        if not self.record:
+            self.recorder.module_stack.append("")
+            return None
+        user = wrappers.unwrap(module)
+        return self._pre_record("", wrappers.user_kind(user), user, module, args, kwargs)
+
     # ------------------------------------------------------------------ forward
 
     def _pre_record(self, path, kind, user_module, module, args, kwargs):

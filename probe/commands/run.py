@@ -161,8 +161,12 @@ class _RunCommand(click.Command):
               help="Seed for PYTHONHASHSEED (default: the config's seed, else 1234); "
                    "exported as PROBE_SEED and overrides the config's seed in the child.")
 @click.option("-q", "--quiet", is_flag=True, help="Do not print the variables set on stderr.")
+@click.option("--no-attach", is_flag=True,
+              help="With -c: do not capture a script that builds no PrecisionDebugger "
+                   "(also: PROBE_ATTACH=0 in the environment).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[str, ...]) -> int:
+def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
+        command: tuple[str, ...]) -> int:
     """Run COMMAND with the env vars that must be set before Python and CUDA start.
 
     \b
@@ -172,6 +176,11 @@ def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[s
       HCCL_DETERMINISTIC=true                when the config's mode is true/"warn"
       PROBE_CONFIG=<absolute config path>    PrecisionDebugger() with no argument reads it
       PROBE_SEED=<seed>                      only with --seed
+      PROBE_ATTACH=1, PYTHONPATH=<probe's start-up hook>:...
+                                             with -c: a script with no probe code is
+                                             captured (each optimizer.step() ends a step);
+                                             one that builds a PrecisionDebugger is not
+                                             changed (docs/trainers.md)
     Returns the command's exit code (128+N when killed by signal N); 2 for a bad config or
     a command that cannot be started.
 
@@ -189,9 +198,14 @@ def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[s
         # another run's step files: refused (or removed with "overwrite") before any rank starts
         run_folder.claim(config.dump_path, 0, config.overwrite, config.source, started=float("inf"))
     env = build_env(config, seed, dict(os.environ))
+    if config is not None and not no_attach:
+        from probe.autoattach import attach_env
+
+        env = attach_env(env)
     _check_executable(command[0], env)
     if not quiet:
-        shown = ("PYTHONHASHSEED", ENV_SEED, ENV_CONFIG, "CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC")
+        shown = ("PYTHONHASHSEED", ENV_SEED, ENV_CONFIG, "CUBLAS_WORKSPACE_CONFIG",
+                 "HCCL_DETERMINISTIC", "PROBE_ATTACH")
         changed = [f"{name}={env[name]}" for name in shown
                    if name in env and os.environ.get(name) != env[name]]
         click.echo(f"probe run: {' '.join(changed) or 'no variables changed'}", err=True)

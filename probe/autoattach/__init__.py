@@ -1,0 +1,43 @@
+"""Zero-edit capture: ``probe run -c config.json -- python train.py`` on a script without probe code.
+
+``probe run`` puts this package's ``bootstrap`` folder first on the child's PYTHONPATH and sets
+$PROBE_ATTACH=1. Python imports ``sitecustomize`` from that folder when it starts (the same
+mechanism ddtrace-run and coverage's subprocess support use): it loads the user's own
+sitecustomize, if any, and waits for ``import torch``. When torch has been imported,
+probe.autoattach.session builds a PrecisionDebugger from $PROBE_CONFIG and registers torch's
+global module and optimizer hooks (session.py says what they do). Nothing of torch is
+replaced or wrapped.
+
+Why a start-up hook and not ``python -m probe.autoattach train.py``: it works whatever the
+command is (``python``, ``torchrun``, ``accelerate launch``, a shell script) and reaches every
+process of the run, each rank included.
+
+This module does not import torch (``probe run`` imports it).
+"""
+
+from __future__ import annotations
+
+import os
+
+#: "1": the child attaches (set by ``probe run -c``); "0" in the caller's environment: never
+ENV_ATTACH = "PROBE_ATTACH"
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
+
+
+def attach_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what makes a Python child attach: the bootstrap folder first on
+    PYTHONPATH and PROBE_ATTACH=1. Unchanged when ``env`` says PROBE_ATTACH=0 (opt-out)."""
+    if env.get(ENV_ATTACH) == "0":
+        return env
+    env = dict(env)
+    rest = [part for part in env.get("PYTHONPATH", "").split(os.pathsep)
+            if part and os.path.abspath(part) != BOOTSTRAP_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *rest])
+    env[ENV_ATTACH] = "1"
+    return env
+
+
+def wanted(environ=None) -> bool:
+    """True in a process ``probe run`` asked to attach (PROBE_ATTACH=1 and a config)."""
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV_ATTACH) == "1" and bool(environ.get("PROBE_CONFIG"))

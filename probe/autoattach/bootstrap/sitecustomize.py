@@ -1,0 +1,75 @@
+"""Loaded by Python at start-up in processes ``probe run -c`` starts (probe/autoattach).
+
+Two jobs, both cheap and neither importing torch: load the sitecustomize this one shadows, and
+attach probe once the program imports torch (a one-shot finder on sys.meta_path: it lets
+torch's own loader run, then calls probe.autoattach.session.attach()). A failure to attach is
+one line on stderr; the program runs on without capture.
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_shadowed_sitecustomize():
+    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+class _AttachAfterTorch:
+    """A meta-path finder that only watches for ``torch``: it finds torch's spec the usual
+    way, and makes that loader call attach() right after torch's module has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from recursing
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        run_torch = loader.exec_module
+
+        def exec_module(module):
+            try:
+                run_torch(module)
+            finally:
+                del loader.exec_module  # the loader is torch's own again
+            _attach()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _attach():
+    try:
+        from probe.autoattach import session
+
+        session.attach()
+    except Exception as error:  # never break the user's program over the capture
+        print(f"probe: automatic capture not attached: {type(error).__name__}: {error}",
+              file=sys.stderr)
+
+
+def _install():
+    try:
+        _load_shadowed_sitecustomize()
+    except Exception as error:
+        print(f"probe: the sitecustomize this run shadows failed: {error}", file=sys.stderr)
+    if os.environ.get("PROBE_ATTACH") != "1" or not os.environ.get("PROBE_CONFIG"):
+        return
+    if "torch" in sys.modules:
+        _attach()
+    else:
+        sys.meta_path.insert(0, _AttachAfterTorch())
+
+
+_install()
