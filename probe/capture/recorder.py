@@ -17,7 +17,7 @@ storage's Python object alive exactly as long as the storage; measured: 232 of D
 64-bit hash rather than the tuple because every object the cache keeps alive is work for
 Python's garbage collector during the step (measured: docs/performance.md).
 
-Rows are tuples in schema.RECORD_COLUMNS order followed by the record's sketch (a tuple of
+Rows are tuples in schema.ALL_COLUMNS order followed by the record's sketch (a tuple of
 config.sketch_size floats, or None; schema.ROW_WIDTH). On CPU the statistics and the sketch
 are computed at once; on other devices they stay on the device (stats.device_stats) and are
 filled in by ``resolve()`` with one host copy per batch.
@@ -31,19 +31,25 @@ import torch
 
 from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
+from probe.capture.host_view import host_array
+from probe.capture.placement import dtensor_class, local_and_placement
 from probe.capture.host_batch import SMALL_MAX, HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, describe_value, flatten
 from probe.config import Config
-from probe.dump.schema import COLUMN_NAMES
+from probe.dump.schema import COLUMN_NAMES, OPTIONAL_COLUMN_NAMES
 from probe.errors import DumpError, ProbeError
 
 Tensor = torch.Tensor
 NAN = float("nan")
 _STATS_AT = COLUMN_NAMES.index("min")  # min max mean norm nan_count inf_count
 _STATS_END = _STATS_AT + 6
+#: a DTensor's placement (JSON); a shard ("S(d)" in it) gets no sketch: the sketch projects
+#: with the entries of the values' positions, and a shard's positions in the logical tensor
+#: are not its own
+_PLACEMENT_AT = len(COLUMN_NAMES) + OPTIONAL_COLUMN_NAMES.index("placement")
 #: payload of a meta tensor's statistics: unknown (counts -1)
 _UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
 #: resolve pending device statistics after this many records (bounds device memory)
@@ -109,6 +115,8 @@ class Recorder:
         self._bucket: list[tuple[Tensor, list]] = []  # (frozen copy, its pending slot)
         self._bucket_bytes = 0
         self._cache: dict = {}
+        #: DTensor's class once torch.distributed.tensor is imported (None matches no type)
+        self._dtensor = dtensor_class()
         self._want_checksum = config.task == "checksum" or config.task == "tensor"
         self._want_tensor = config.task == "tensor"
         self._plain = not (self._want_checksum or self._want_tensor)
@@ -147,9 +155,15 @@ class Recorder:
         if decision == BY_KEY and not self.filter.key_wanted(op, prefix + slot):
             return
         if isinstance(value, Tensor):
+            placed = ""
             try:
+                version = value._version
+                if type(value) is self._dtensor:  # a shard: its local values and placement
+                    # DTensor's in-place ops bump the wrapper's version, not the local one's
+                    value, placed = local_and_placement(value)
+                    version = (version, value._version)
                 cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
-                                  value._version))
+                                  version))
             except (RuntimeError, NotImplementedError, AttributeError):
                 entry = self._describe(value, None)  # sparse, nested, inference: not cached
             else:
@@ -158,7 +172,8 @@ class Recorder:
                     entry = self._describe(value, cache_key)
             rows = self.rows
             rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
-                         source, "", entry[3]))  # value_type "" for tensors, then the sketch
+                         source, "", placed,  # value_type "" for tensors, then the sketch
+                         None if "S(" in placed else entry[3]))
             if entry[2] is not None:
                 self._pending.append((len(rows) - 1, entry[2]))
                 if len(self._pending) >= PENDING_LIMIT:
@@ -168,7 +183,7 @@ class Recorder:
         if described is not None:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
-                              described[1], None))
+                              described[1], "", None))
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
         """Records for every leaf of a nested structure under prefix (see values.flatten)."""
@@ -256,7 +271,7 @@ class Recorder:
         if batch is None or numel > SMALL_MAX or values.dtype not in _BATCHED_DTYPES:
             return None
         try:
-            array = (values.detach() if values.requires_grad else values).numpy()
+            array = host_array(values)
         except (RuntimeError, TypeError):  # conj/neg bits, subclasses without numpy()
             return None
         return batch.add(array)
@@ -320,6 +335,8 @@ class Recorder:
         for position, item in pending:
             row = rows[position]
             resolved, sketched = results[id(item)]
+            if "S(" in row[_PLACEMENT_AT]:
+                sketched = None  # a shard's sketch would use the wrong projection entries
             rows[position] = row[:_STATS_AT] + resolved + row[_STATS_END:-1] + (sketched,)
         # cache entries keep the resolved numbers so later hits need no more work
         for key, (ref, payload, item, _) in list(self._cache.items()):

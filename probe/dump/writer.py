@@ -63,6 +63,9 @@ _LIBVER = ("earliest", "v110")
 DIRECT_WRITE_BYTES = 64 << 10
 _HAVE_PWRITE = hasattr(os, "pwrite")  # not on Windows: HDF5 writes everything there
 _NUMERIC_DTYPES = {"int64": np.int64, "float64": np.float64}
+#: optional columns written only when some record of the file has a value: files of runs
+#: without DTensors keep the layout older readers know
+_ONLY_WHEN_SET = frozenset({"placement"})
 
 
 #: bytes kept reserved beyond what the writer knows it will write next: HDF5's own metadata
@@ -272,13 +275,14 @@ class StepWriter:
         by the record's sketch (schema.ROW_WIDTH values). Rows of schema.RECORD_COLUMNS width
         (no optional columns, no sketch) are accepted too; all rows of one file have one width."""
         self._require_open("add_rows")
-        widths = (schema.ROW_WIDTH, len(schema.ALL_COLUMNS), len(schema.RECORD_COLUMNS))
-        width = len(self._rows[0]) if self._rows else (len(rows[0]) if rows else widths[0])
+        width = len(self._rows[0]) if self._rows else (len(rows[0]) if rows else schema.ROW_WIDTH)
         for row in rows:
-            if len(row) != width or width not in widths:
+            if len(row) != width or schema.row_layout(width) is None:
+                base = len(schema.RECORD_COLUMNS)
                 raise ValueError(
-                    f"a record row has {len(row)} values, expected {widths[2]} (the record columns), "
-                    f"{widths[1]} (with the optional columns) or {widths[0]} (and the sketch), "
+                    f"a record row has {len(row)} values, expected {base} (the record columns), "
+                    f"{base + 1} (with value_type), {base + 2} (and the sketch) or "
+                    f"{schema.ROW_WIDTH} (every column and the sketch), "
                     f"the same for every row of the file: {row!r}")
         self._rows.extend(rows)
 
@@ -462,10 +466,15 @@ class StepWriter:
         # known and reserved first (module doc).
         count = len(self._rows)
         columns = list(zip(*self._rows)) if self._rows else [()] * len(schema.ALL_COLUMNS)
+        layout, sketched = schema.row_layout(len(columns)) or (schema.ALL_COLUMNS, False)
+        written = []  # (name, kind) of each array below
         vocabulary: dict[str, int] = {}
         arrays = []
         # rows without the optional columns leave them out of the file (zip stops early)
-        for (name, kind), values in zip(schema.ALL_COLUMNS, columns):
+        for (name, kind), values in zip(layout, columns):
+            if name in _ONLY_WHEN_SET and not any(values):
+                continue  # a column no record of this file uses: older readers' layout
+            written.append((name, kind))
             try:
                 if kind == "str":
                     if set(map(type, values)) - {str}:  # map(type) runs in C: 10x an isinstance loop
@@ -479,8 +488,8 @@ class StepWriter:
             except (TypeError, ValueError, OverflowError) as error:
                 raise DumpError(f"cannot write {self.path}: record column {name!r} {error}") from error
         sketches = None
-        if len(columns) == schema.ROW_WIDTH:
-            sketches = _sketch_table(columns[len(schema.ALL_COLUMNS)], self.path)
+        if sketched:
+            sketches = _sketch_table(columns[len(layout)], self.path)
         blob, ends = _encode_texts(list(vocabulary))
         attr_bytes = sum(len(v) if isinstance(v, str) else 8 for v in attrs.values())
         self._reserve(sum(a.nbytes for a in arrays) + blob.nbytes + ends.nbytes
@@ -488,7 +497,7 @@ class StepWriter:
                       + (len(arrays) + 3) * _DATASET_OVERHEAD
                       + 2 * attr_bytes + len(attrs) * _ATTR_OVERHEAD)
         group = self._file.require_group(schema.RECORDS_GROUP)
-        for (name, _), array in zip(schema.ALL_COLUMNS, arrays):
+        for (name, _), array in zip(written, arrays):
             _create_array(group, name, array)
         if sketches is not None:
             _create_array(group, schema.SKETCH, sketches)
