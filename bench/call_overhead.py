@@ -1,4 +1,4 @@
-"""Per-call capture cost of two probe source trees, A/B in one process (issue 12 item 2).
+"""Per-call capture cost of two probe source trees, A/B in one process.
 
     git archive main | tar -x -C /tmp/probe-main
     python bench/call_overhead.py /tmp/probe-main . deepmlp,mlp api stub 12

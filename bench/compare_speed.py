@@ -1,4 +1,4 @@
-"""Speed and memory of ``probe compare``: the numbers docs/compare.md quotes.
+"""Speed and memory of ``probe compare``: the numbers docs/compare-rules.md quotes.
 
     python bench/compare_speed.py                 # 400 MB per dump (about a minute)
     python bench/compare_speed.py --mb 100 --runs 1

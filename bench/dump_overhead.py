@@ -28,7 +28,7 @@ Columns:
   no sketch          stats api with sketch_size 0
   sketch cost        stats api / no sketch: what the sketches add to a captured step
   sketch share       time inside sketch.array_sketch, sketch.fold_into and
-                     host_batch._arena_sketches (the sketches' numpy parts; before issue 12 it timed
+                     host_batch._arena_sketches (the sketches' numpy parts; it once timed
                      host_sketch, which also converted the tensor) over the rest of
                      a stats api step (CPU):
                      the same cost measured inside one step, so it is far less sensitive to
@@ -227,7 +227,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         variants[1:1] = [make("not started", construct=True),
                          make("unselected", config={"level": "api"}, select=False)]
         variants += [make("stats module", config={"level": "module"}), make("stats mix", config={"level": "mix"})]
-    if device != "cpu":  # the bulk statistics path (issue 12) only serves deferred records
+    if device != "cpu":  # the bulk statistics path only serves deferred records
         variants.append(make("bulk api", config={"level": "api"}, bulk=True))
     if with_tensor and not sketch_only:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))

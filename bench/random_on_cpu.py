@@ -11,7 +11,7 @@ One process, median of --repeats, ratios against the same loop without the mode:
   * a training step of a small MLP with dropout on the CPU (forward, backward, SGD).
 
 What it cannot measure here: the host-to-device copy per redirected draw on an accelerator
-(no GPU in this session); that cost is the size of the drawn tensor over the host-to-device
+(no GPU was available to measure it); that cost is the size of the drawn tensor over the host-to-device
 bandwidth, plus one synchronisation.
 """
 

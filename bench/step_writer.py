@@ -144,7 +144,7 @@ def synthetic_rows(count: int, sketch: int = 16) -> list[tuple]:
 def profile(repeats: int = 30) -> None:
     import h5py
 
-    from probe.dump import writer
+    from probe.dump import layout, writer
 
     attrs = {name: "x" for name in writer.REQUIRED_ATTRS}
     attrs.update(schema_version=2, step=0, rank=0, world_size=1, config={"task": "statistics"},
@@ -160,9 +160,9 @@ def profile(repeats: int = 30) -> None:
                 timers[name] = timers.get(name, 0.0) + time.perf_counter() - begin
         return wrapper
 
-    writer._create_partial = timed("create file", writer._create_partial)
-    writer._create_array = timed("datasets", writer._create_array)
-    writer._set_attr = timed("attributes", writer._set_attr)
+    layout.create_partial = timed("create file", layout.create_partial)
+    layout.create_array = timed("datasets", layout.create_array)
+    layout.set_attr = timed("attributes", layout.set_attr)
     writer.StepWriter._reserve = timed("reserve", writer.StepWriter._reserve)
     writer.StepWriter._write_records = timed("records", writer.StepWriter._write_records)
     writer.StepWriter.close = timed("close", writer.StepWriter.close)

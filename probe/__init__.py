@@ -50,7 +50,7 @@ _LAZY = {
     "load_config": ("probe.config", "load"),
     "Config": ("probe.config", "Config"),
     "load": ("probe.dump.reader", "load"),
-    "compare": ("probe.comparison.api", "compare"),
+    "compare": ("probe.compare_and_replay", "compare"),
     "first_nonfinite": ("probe.nonfinite", "first_nonfinite"),
 }
 

@@ -18,13 +18,25 @@ Matching conventions (implemented here so capture and docs agree):
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
+from probe.config_values import (  # the value checks, under the names this module uses
+    show as _show,
+    type_name as _type_name,
+    suggest as _suggest,
+    bad as _bad,
+    choice as _choice,
+    bounded_int as _bounded_int,
+    selection as _selection,
+    strings as _strings,
+    mode_flag as _mode,
+    yaml_word_hint as _yaml_word_hint,
+    compile_list as _compile_list,
+)
 from probe.errors import ConfigError
 
 TASKS = ("statistics", "tensor", "checksum")
@@ -32,9 +44,6 @@ LEVELS = ("module", "api", "mix")
 MODES = (False, True, "warn")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
 SEED_MAX = 2**32 - 1
-INDEX_MAX = 2**31 - 1
-#: step/rank ranges expand to at most this many numbers, so "0-999999999999" cannot eat memory.
-MAX_SELECTED = 1_000_000
 BUFFER_MB_MAX = 1_048_576
 WRITE_ERROR_POLICIES = ("raise", "warn")
 #: who writes statistics/checksum step files: a writer process, step() itself, or the process
@@ -49,7 +58,6 @@ EXTENSIONS = (".json", ".yaml", ".yml")
 ENV_CONFIG = "PROBE_CONFIG"
 #: ``probe run --seed N`` exports N under this name; from_env() lets it override the config's seed.
 ENV_SEED = "PROBE_SEED"
-REGEX_PREFIX = "re:"
 
 
 @dataclass(frozen=True)
@@ -110,147 +118,10 @@ KEYS: dict[str, KeySpec] = {
 }
 
 
-def _show(value: Any) -> str:
-    """A value as the user wrote it in JSON/YAML (true, "x", [1, 2]), falling back to repr."""
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    if isinstance(value, dict):
-        return "mapping"
-    return {int: "int", float: "float", str: "string"}.get(type(value), type(value).__name__)
-
-
-def _suggest(word: Any, choices: Iterable[str]) -> str:
-    if not isinstance(word, str):
-        return ""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _bad(source: str, path: str, value: Any, allowed: str, hint: str = "") -> ConfigError:
-    kind = "" if value is None else f" ({_type_name(value)})"
-    return ConfigError(f"{source}: {path} is {_show(value)}{kind}, expected {allowed}{hint}")
-
-
 def _unknown_key(source: str, name: Any) -> ConfigError:
     hint = _suggest(name, KEYS) or ";"
     shown = repr(name) if isinstance(name, str) else _show(name)
     return ConfigError(f"{source}: unknown key {shown}{hint} valid keys are {', '.join(KEYS)}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# ---------------------------------------------------------------- per-key normalisers
-
-def _choice(source: str, path: str, value: Any, choices: tuple[str, ...]) -> str:
-    allowed = " | ".join(f'"{c}"' for c in choices)
-    if not isinstance(value, str):
-        raise _bad(source, path, value, f"a string, one of {allowed}")
-    if value not in choices:
-        raise _bad(source, path, value, f"one of {allowed}", _suggest(value, choices))
-    return value
-
-
-def _bounded_int(source: str, path: str, value: Any, low: int, high: int) -> int:
-    if not _is_int(value):
-        raise _bad(source, path, value, f"an int in {low} .. {high}")
-    if not low <= value <= high:
-        raise _bad(source, path, value, f"an int in {low} .. {high}")
-    return value
-
-
-_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
-
-
-def _selection(source: str, key: str, value: Any) -> tuple[int, ...]:
-    """step/rank: ints and inclusive 'a-b' strings -> sorted unique ints."""
-    allowed = f"an int in 0 .. {INDEX_MAX} or an inclusive range string like \"0-3\""
-    if value is None:
-        raise _bad(source, key, value, "a list of ints or ranges ([] = all)")
-    items = value if isinstance(value, (list, tuple)) else [value]
-    single = not isinstance(value, (list, tuple))
-    chosen: set[int] = set()
-    for position, item in enumerate(items):
-        path = key if single else f"{key}[{position}]"
-        if _is_int(item):
-            chosen.add(_bounded_int(source, path, item, 0, INDEX_MAX))
-        elif isinstance(item, str) and item.strip().isdigit():
-            chosen.add(_bounded_int(source, path, int(item), 0, INDEX_MAX))
-        elif isinstance(item, str) and _RANGE.match(item):
-            first, last = (int(g) for g in _RANGE.match(item).groups())
-            if last > INDEX_MAX:
-                raise _bad(source, path, item, f"range ends in 0 .. {INDEX_MAX}")
-            if first > last:
-                raise _bad(source, path, item, f"a range 'a-b' with a <= b, e.g. \"{last}-{first}\"")
-            if len(chosen) + (last - first + 1) > MAX_SELECTED:
-                raise _bad(source, path, item, f"ranges selecting at most {MAX_SELECTED} numbers in all")
-            chosen.update(range(first, last + 1))
-        else:
-            raise _bad(source, path, item, allowed)
-        if len(chosen) > MAX_SELECTED:
-            raise _bad(source, path, item, f"at most {MAX_SELECTED} numbers in all")
-    return tuple(sorted(chosen))
-
-
-def _strings(source: str, key: str, value: Any, what: str) -> tuple[str, ...]:
-    """A string or list of non-empty strings -> tuple of unique strings in the order given."""
-    if value is None:
-        raise _bad(source, key, value, f"a list of {what}")
-    single = isinstance(value, str)
-    items = [value] if single else value
-    if not isinstance(items, (list, tuple)):
-        raise _bad(source, key, value, f"a list of {what}")
-    result: list[str] = []
-    for position, item in enumerate(items):
-        path = key if single else f"{key}[{position}]"
-        if not isinstance(item, str):
-            raise _bad(source, path, item, f"a string ({what})")
-        if not item.strip():
-            raise _bad(source, path, item, f"a non-empty string ({what}); use [] to select all")
-        if item not in result:
-            result.append(item)
-    return tuple(result)
-
-
-def _mode(source: str, value: Any) -> bool | str:
-    if value is True or value is False or value == "warn" and isinstance(value, str):
-        return value
-    hint = _suggest(value, ["warn", "true", "false"]) if isinstance(value, str) else ""
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        hint = f"; write {value.lower()} without quotes"
-    raise _bad(source, "mode", value, 'false, true or "warn"', hint or _yaml_word_hint(value))
-
-
-def _yaml_word_hint(value: Any) -> str:
-    if isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n"):
-        return " (yes/no/on/off are not booleans in a probe config: write true or false)"
-    return ""
-
-
-def _compile_list(source: str, entries: tuple[str, ...]) -> tuple[re.Pattern | None, ...]:
-    patterns: list[re.Pattern | None] = []
-    for position, entry in enumerate(entries):
-        if not entry.startswith(REGEX_PREFIX):
-            patterns.append(None)
-            continue
-        try:
-            patterns.append(re.compile(entry[len(REGEX_PREFIX):]))
-        except re.error as error:
-            raise _bad(source, f"list[{position}]", entry,
-                       f"a valid regular expression after 're:' ({error})") from None
-    return tuple(patterns)
 
 
 # ---------------------------------------------------------------- the Config

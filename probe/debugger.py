@@ -1,4 +1,6 @@
-"""PrecisionDebugger: the lifecycle of a capture. What is recorded lives in probe/capture/.
+"""PrecisionDebugger: the lifecycle of a capture. What is recorded lives in probe/capture/,
+how a step's file is opened and finished in step_files.py, what became of each file in
+write_results.py.
 
     debugger = PrecisionDebugger("config.json")   # seeds once, installs nothing
     for batch in loader:
@@ -28,7 +30,7 @@ Rules (docs/capture.md):
   step(), wait(), close() or read of last_file after the failure is known raises DumpError
   naming the step (``on_write_error: raise``, the default) or warns once (``warn``);
 * one live debugger per dump_path and rank: the first selected start() takes a lock
-  (writer.RankLock) that close() or the death of the process releases;
+  (rank_lock.RankLock) that close() or the death of the process releases;
 * every step file carries this debugger's ``run_id``.
 """
 
@@ -47,18 +49,15 @@ import torch
 
 from probe import compat
 from probe import config as config_module
-from probe._version import __version__
 from probe.capture.api_mode import ApiCaptureMode
-from probe.capture import recorder as recorder_module
 from probe.capture import wrappers
-from probe.capture.filters import CaptureFilter
-from probe.capture.host_batch import HostBatch
 from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
-from probe.capture.values import SourceLocator
-from probe.dump.schema import COLUMN_NAMES, SCHEMA_VERSION, step_file_path
+from probe.dump.schema import COLUMN_NAMES
 from probe.errors import CaptureError, DumpError, ProbeError
-from probe.seed import determinism_state, seed_all
+from probe.seed import seed_all
+from probe.step_files import StepFiles
+from probe.write_results import WriteResults
 
 _LIVE: "weakref.WeakSet[PrecisionDebugger]" = weakref.WeakSet()
 _EXIT_HOOKED = False
@@ -77,11 +76,10 @@ class PrecisionDebugger:
         config_module.check_dump_path(cfg)
         #: written into every step file: a dump folder mixing two runs' steps is detectable
         self.run_id = secrets.token_hex(8)
-        self._lock = None  # writer.RankLock, taken by the first selected start()
         self._warned_selection = False
-        self._warned_write = False
+        self._results = WriteResults(cfg.on_write_error)
         #: DumpErrors of steps that could not be written (with on_write_error "warn")
-        self.write_errors: list[DumpError] = []
+        self.write_errors: list[DumpError] = self._results.errors
         self.seed_report = seed_all(cfg.seed, cfg.mode, cfg.remove_dropout)
         self.current_step = 0
         self._model: torch.nn.Module | None = None
@@ -89,16 +87,10 @@ class PrecisionDebugger:
         self._recorder: Recorder | None = None  # the open step, if any
         self._mode: ApiCaptureMode | None = None
         self._hooks: ModuleHooks | None = None
-        self._seed_report_dict = self.seed_report.to_dict()
-        self._filter = CaptureFilter(cfg)  # caches decisions and source files across steps
-        self._locate = SourceLocator()
-        # arenas of small CPU tensors' statistics, reused step after step (capture/host_batch.py)
-        self._host_batch = HostBatch(cfg.sketch_size) if recorder_module.HOST_BATCH else None
+        # opens each captured step and finishes its file (step_files.py); the rank's lock
+        # is taken by the first selected start()
+        self._files = StepFiles(cfg, self.run_id, self.seed_report.to_dict(), self._results)
         self._collectives_checked = False  # warned (once) about collectives torch hides?
-        self._last_file: str | None = None  # see last_file
-        #: steps handed to the writer process and not yet confirmed (config writer "process")
-        self._pending = None
-        self._no_process = False  # the writer process could not be started: write inline
         self.last_step_calls = 0  # API and module calls captured in that step
         self._nonfinite_stop: ProbeError | None = None  # stop_on_nonfinite: raised by step()
         # random_on_cpu: between start() and stop(); for the whole run when `probe run`
@@ -126,18 +118,18 @@ class PrecisionDebugger:
         """Path of the step file written last (None when the last step could not be written).
         Waits for the step files still being written, as wait() does."""
         self.wait()
-        return self._last_file
+        return self._results.last_file
 
     @last_file.setter
     def last_file(self, path: str | None) -> None:
         self.wait()
-        self._last_file = path
+        self._results.last_file = path
 
     def wait(self) -> None:
         """Wait until every step file handed to the writer process is on disk (or failed).
         A step that could not be written raises DumpError here (on_write_error "raise") or
         warns (on_write_error "warn"), as step() would."""
-        self._deliver(block=True)
+        self._results.deliver(block=True)
 
     def start(self, model: torch.nn.Module | None = None) -> None:
         """Begin (or resume) capturing the current step. model: the root nn.Module."""
@@ -236,11 +228,9 @@ class PrecisionDebugger:
                 self._finish_step()
         finally:
             try:
-                self._deliver(block=True)
+                self._results.deliver(block=True)
             finally:
-                lock, self._lock = self._lock, None
-                if lock is not None:
-                    lock.release()
+                self._files.release_lock()
 
     # ------------------------------------------------------------------ internals
 
@@ -275,161 +265,33 @@ class PrecisionDebugger:
             f"list {list(cfg.list)} select no call of this model (check them for typos); "
             "two empty dumps compare as nothing, not as a pass", UserWarning, stacklevel=4)
 
-    def _take_lock(self, rank: int) -> None:
-        from probe.dump.writer import RankLock
-
-        if self._lock is None or self._lock.rank != rank:
-            if self._lock is not None:
-                self._lock.release()
-            self._lock = RankLock(self.config.dump_path, rank, self.run_id)
-
     def _open_step(self) -> Recorder:
-        from probe.dump.writer import make_folder  # h5py, once something is dumped
+        # h5py and probe.dump.writer first: their exit hooks must be registered before this
+        # module's, which atexit then runs first (a step is finished before its writer closes)
+        import probe.dump.writer  # noqa: F401
 
         _hook_exit()
-        cfg = self.config
-        make_folder(cfg.dump_path, "dump_path")
-        rank = _current_rank()
-        self._take_lock(rank)
-        attrs = {
-            "run_id": self.run_id,
-            "schema_version": SCHEMA_VERSION,
-            "probe_version": __version__,
-            "torch_version": str(torch.__version__),
-            "step": self.current_step,
-            "rank": rank,
-            "world_size": _world_size(),
-            "task": cfg.task,
-            "level": cfg.level,
-            "device": "",
-            "config": cfg.to_dict(),
-            "seed_report": self._seed_report_dict,
-            "determinism": determinism_state(),
-        }
-        step = self.current_step
-
-        def open_writer():
-            from probe.dump.writer import StepWriter
-
-            return StepWriter(cfg.dump_path, step, rank, attrs, buffer_bytes=cfg.buffer_mb << 20)
-
-        self._recorder = Recorder(cfg, open_writer, capture_filter=self._filter,
-                                  locate=self._locate, host_batch=self._host_batch or False)
-        self._recorder.step_attrs = attrs
+        self._recorder = self._files.open(self.current_step, _current_rank(), _world_size())
         return self._recorder
 
     def _finish_step(self) -> None:
         recorder, self._recorder = self._recorder, None
         if recorder is None:
-            self._deliver(block=False)
+            self._results.deliver(block=False)
             return
-        recorder.resolve()
-        rows, recorder.rows = recorder.rows, []
-        writer = recorder.writer
-        attrs = recorder.step_attrs
-        device = recorder.device or "cpu"
         self.last_step_calls = recorder.calls
-        recorder.end_step()
-
+        rows = self._files.take_rows(recorder)
         self._warn_if_selection_recorded_nothing(rows)
-        if recorder.write_error is not None:
-            if writer is not None:
-                writer.abort()
-            self._deliver(block=False)
-            self._write_failed(recorder.write_error, attrs["step"])
-            return
-        path = None
-        if writer is None and self._in_background():
-            path = self._hand_over(rows, attrs, device)
-        if path is None:
-            path = self._write_inline(writer or recorder._open_writer(), rows, device)
+        attrs = recorder.step_attrs
+        path = self._files.write(recorder, rows)
         if path is not None and self.config.stop_on_nonfinite:
             from probe.nonfinite import stop_error
 
             stop = stop_error(rows, COLUMN_NAMES, attrs["step"], attrs["rank"], path)
             if stop is not None:
-                self._deliver(block=True)  # "its file is written": make it so first
-                if self._last_file == path:
+                self._results.deliver(block=True)  # "its file is written": make it so first
+                if self._results.last_file == path:
                     self._nonfinite_stop = stop
-
-    def _in_background(self) -> bool:
-        """Statistics and checksum steps go to the writer process (config writer)."""
-        choice = self.config.writer
-        if choice == "auto":
-            choice = "process" if _usable_cpus() >= 2 else "inline"
-        return choice == "process" and self.config.task != "tensor" and not self._no_process
-
-    def _write_inline(self, target, rows: list, device: str) -> str | None:
-        path = error = None
-        try:
-            path = target.finish(rows, {"device": device})
-        except DumpError as failure:
-            error = failure
-        if self._pending is not None and len(self._pending):
-            # steps are still with the writer process: report this one after them, in order
-            self._pending.add_done(target.step, path, error)
-            self._deliver(block=True)
-        elif error is not None:
-            self._write_failed(error, target.step)
-        else:
-            self._last_file = path
-        return path
-
-    def _hand_over(self, rows: list, attrs: dict, device: str) -> str | None:
-        """Give the step to the writer process and return the path its file will have;
-        None when no writer process can be started (then this debugger writes inline from now
-        on, and says so once)."""
-        from probe.dump import background
-
-        if self._pending is None:
-            self._pending = background.PendingSteps()
-        if self._pending.full():
-            self._pending.wait_oldest()  # bounds memory; its result is delivered below
-        job = {"dump_path": os.path.abspath(self.config.dump_path), "step": attrs["step"],
-               "rank": attrs["rank"], "attrs": attrs, "extra": {"device": device}, "rows": rows}
-        path = step_file_path(self.config.dump_path, attrs["step"], attrs["rank"])
-        try:
-            self._pending.submit(job, path)
-        except OSError as error:
-            self._no_process = True
-            warnings.warn(f"probe: cannot start the writer process ({error}); step() writes "
-                          "the step files itself from now on", RuntimeWarning, stacklevel=4)
-            return None
-        self._deliver(block=False)
-        return path
-
-    def _deliver(self, block: bool) -> None:
-        """Take in the results of the steps the writer process finished (all of them when
-        block), oldest first: last_file, and on_write_error for a step that failed."""
-        while self._deliver_one(block):
-            pass
-
-    def _deliver_one(self, block: bool) -> bool:
-        pending = self._pending
-        done = pending.pop_done(block) if pending is not None else None
-        if done is None:
-            return False
-        step, path, error = done
-        if error is None:
-            self._last_file = path
-        else:
-            self._write_failed(error, step)
-        return True
-
-    def _write_failed(self, error: DumpError, step: int) -> None:
-        """Apply on_write_error to a step that could not be written (its file is gone;
-        the steps finished before it are intact)."""
-        self._last_file = None
-        message = f"step {step} was not written: {error}"
-        if self.config.on_write_error == "raise":
-            raise DumpError(message) from error
-        self.write_errors.append(error)
-        if not self._warned_write:
-            self._warned_write = True
-            warnings.warn(f"probe: {message} (on_write_error is \"warn\": training goes on; "
-                          "later steps that cannot be written are skipped without another "
-                          "warning, see PrecisionDebugger.write_errors)",
-                          RuntimeWarning, stacklevel=4)
 
     def _uninstall(self) -> ProbeError | None:
         """Remove the mode and hooks; never leaves either behind, even when one fails."""
@@ -543,14 +405,6 @@ def _close_all_at_exit() -> None:
     background = sys.modules.get("probe.dump.background")
     if background is not None:
         background.shutdown()
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 __all__ = ["PrecisionDebugger"]

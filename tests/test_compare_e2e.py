@@ -110,7 +110,7 @@ def test_mkldnn_on_versus_off_compares_clean_although_values_differ(tmp_path, ta
         assert any(r.metrics is not None and r.metrics.max_abs > 0 for r in result.rows)  # kernels really differ
     else:
         changed = [r for r in result.rows if r.status == "changed"]
-        # issue 10: with sketches (the default) each change is measured, and within tolerance
+        # with sketches (the default) each change is measured, and within tolerance
         assert changed and all(not r.size_unknown and "(sketch, k=16" in r.notes[-1] for r in changed)
 
 

@@ -1,12 +1,12 @@
 """Real dumps of one training step on an NVIDIA H100 and on its host CPU (tests/data/gpu_dumps,
-copied byte for byte from the runs described in docs/compare.md): what a user expects."""
+copied byte for byte from the runs described in docs/compare-rules.md): what a user expects."""
 
 import os
 
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison.api import compare
+from probe import compare
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gpu_dumps")
 

@@ -4,7 +4,7 @@ reported once, with the steps and ranks where it occurs (not once per step file)
 import json
 
 from probe.comparison import groups
-from probe.comparison.api import _assemble
+from probe.comparison.assemble import assemble as _assemble
 from probe.comparison.engine import compare_step
 from probe.comparison.tolerances import Tolerances
 from probe.report import json_report, terminal

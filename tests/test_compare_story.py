@@ -3,7 +3,7 @@
 import numpy as np
 
 from probe.comparison import result as R
-from probe.comparison.api import _assemble
+from probe.comparison.assemble import assemble as _assemble
 from probe.comparison.engine import compare_step
 from probe.comparison.tolerances import Tolerances
 from probe.report import terminal

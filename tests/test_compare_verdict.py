@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison import groups, verdict
+from probe.comparison import groups, story
 from probe.comparison.engine import compare_step
 from probe.comparison.tolerances import Tolerances
 from probe.comparison.api import compare
@@ -15,7 +15,7 @@ def _compare(run_a, run_b, **tolerances):
     fetch_a = run_a.fetch if run_a.task == "tensor" else None
     fetch_b = run_b.fetch if run_b.task == "tensor" else None
     outcome = compare_step(run_a.records(), run_b.records(), fetch_a, fetch_b, Tolerances.build(**tolerances))
-    first = verdict.first_divergence(outcome.rows)
+    first = story.first_divergence(outcome.rows)
     return outcome, first
 
 

@@ -469,9 +469,9 @@ def test_large_tensors_written_around_hdf5_read_back_bit_exact(tmp_path, dtype):
 @pytest.mark.parametrize("rows,small,large", [(1, 0, 0), (20_000, 0, 0), (0, 400, 0), (300, 30, 2)])
 def test_hdf5_never_outgrows_the_space_reserved_for_it(tmp_path, monkeypatch, rows, small, large):
     # force the allocating path (as on a nearly full disk) and check HDF5 stayed inside it
-    from probe.dump import writer as writer_module
+    from probe.dump import space
 
-    monkeypatch.setattr(writer_module, "PLENTY_FREE_BYTES", 1 << 62)
+    monkeypatch.setattr(space, "PLENTY_FREE_BYTES", 1 << 62)
     writer = StepWriter(str(tmp_path), 0, 0, root_attrs())
     for i in range(small):
         writer.add_tensor(torch.full((i % 50 + 1,), float(i)))

@@ -96,7 +96,7 @@ def test_mixed_precision_lists_the_ops_that_add_the_most_bf16_error(tmp_path):
 
 def test_find_the_bug_points_at_each_changed_layer_with_checksums(tmp_path):
     """Checksum dumps: the transposed weight keeps its min, max, mean and norm; its sketch
-    (issue 10) measures the change, and it is named as the cause, not passed as a match."""
+    measures the change, and it is named as the cause, not passed as a match."""
     stdout, out = run_example("find_the_bug", tmp_path, "--task", "checksum")
     found = dict(re.findall(r"probe points at layer: (\S+) -- expected (\S+): CORRECT", stdout))
     assert found == {"blocks.3.norm": "blocks.3.norm", "blocks.3.act": "blocks.3.act",

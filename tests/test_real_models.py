@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from probe.comparison import result as R
-from probe.comparison.api import compare
+from probe import compare
 from real_models import TinyResNet, dump_run, resnet_batch
 
 

@@ -9,7 +9,7 @@ transformers = transformers_or_skip()
 import torch  # noqa: E402
 
 from probe.comparison import result as R  # noqa: E402
-from probe.comparison.api import compare  # noqa: E402
+from probe import compare  # noqa: E402
 from probe.dump.reader import load  # noqa: E402
 from real_models import dump_run, hf_model, lm_loss, token_batch  # noqa: E402
 

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison.api import _assemble
+from probe.comparison.assemble import assemble
 from probe.comparison.engine import compare_step
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 from probe.report import csv_report, html_report, json_report, output, terminal
 from probe.report.progress import Progress
+from probe.report.rendered import RenderedResult
 from test_compare_support import SyntheticRun, linear_checksum_run, mlp_run, square_weight
 
 
@@ -26,7 +27,7 @@ def _result(run_a, run_b, strict=False):
     table = Tolerances()
     outcome = compare_step(run_a.records(), run_b.records(), run_a.fetch, run_b.fetch, table)
     info = [{"step": 0, "rank": 0, "verdict": "diverged" if outcome.diverged else "pass", "counts": outcome.counts()}]
-    return _assemble([outcome], info, table, "a/", "b/", [], [], 10, strict)
+    return RenderedResult.of(assemble([outcome], info, table, "a/", "b/", [], [], 10, strict))
 
 
 @pytest.fixture()

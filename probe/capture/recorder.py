@@ -54,7 +54,7 @@ _PLACEMENT_AT = len(COLUMN_NAMES) + OPTIONAL_COLUMN_NAMES.index("placement")
 _UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
 #: resolve pending device statistics after this many records (bounds device memory)
 PENDING_LIMIT = 20_000
-#: issue 12, opt-in until measured on a GPU: deferred (device) statistics through
+#: opt-in until measured on a GPU: deferred (device) statistics through
 #: bulk_stats.bulk_device_stats. Each record's values are frozen by one copy at record time
 #: (a later in-place write must not change them) and a bucket's statistics are computed
 #: together when it reaches BUCKET_TENSORS tensors or BUCKET_BYTES bytes, or at resolve().

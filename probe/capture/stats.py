@@ -22,7 +22,7 @@ Other devices (``device_stats``): the statistics stay on the device as two small
 record and no host synchronisation happens per tensor; ``resolve_device_stats`` copies a
 whole batch to the host at once (the debugger does it at stop()/step()).
 ``bulk_stats.bulk_device_stats`` gives the same pairs for a whole bucket of tensors in a
-fixed number of torch calls (issue 12; the recorder uses it when recorder.BULK_STATS is on).
+fixed number of torch calls (the recorder uses it when recorder.BULK_STATS is on).
 
 Sketches (sketch.py) are computed next to the statistics: on CPU by ``host_stats_and_sketch``
 (the sketch reads the numpy view the statistics made: one Tensor.numpy() per record), and on

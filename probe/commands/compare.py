@@ -63,7 +63,7 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     (step<N>/rank<R>.h5). Calls are aligned by execution order, so extra or missing calls
     on one side (autocast casts, a fused op) do not shift the pairing of the others.
     """
-    from probe.comparison.api import compare as run_compare
+    from probe.compare_and_replay import compare as run_compare
     from probe.report import output, progress
 
     # fail on unwritable destinations before the (possibly long) compare

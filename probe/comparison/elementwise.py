@@ -1,7 +1,7 @@
 """Check an "amplified" verdict elementwise where the tensors were dumped.
 
 An output that differs far more than its inputs is accepted as amplified when the op's
-conditioning can explain it (verdict.judge_call). With task "tensor" the claim can be
+conditioning can explain it (explain.judge_call). With task "tensor" the claim can be
 checked instead of assumed, for the elementwise ops optimizers and normalizations are made
 of: recompute the op in float64 from each run's *own* recorded inputs. If each run's
 output is its own inputs' result up to that run's rounding, the op did its job and the

@@ -51,7 +51,7 @@ class Metrics:
     value_a: str | None = None  # non-tensor values
     value_b: str | None = None
     notes: list[str] = field(default_factory=list)
-    # issue 10: what the records' sketches measured (comparison/sketch.py SketchEstimate + lower_bound, text)
+    # what the records' sketches measured (comparison/sketch.py SketchEstimate + lower_bound, text)
     sketch: dict | None = None
 
     def to_dict(self) -> dict:

@@ -58,7 +58,7 @@ class Records:
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
         columns = {name: table.column(name).tolist() for name in schema.COLUMN_NAMES}
-        sketches = table.sketches() if hasattr(table, "sketches") else None  # issue 10: schema 2
+        sketches = table.sketches() if hasattr(table, "sketches") else None  # schema 2
         if sketches is not None:
             columns[schema.SKETCH] = list(sketches)
         return cls(columns, source)
@@ -68,7 +68,7 @@ class Records:
         """From record dicts; missing columns get the schema's 'not recorded' values."""
         filled = [_fill(row) for row in rows]
         columns = {name: [row[name] for row in filled] for name in schema.COLUMN_NAMES}
-        if any(schema.SKETCH in row for row in rows):  # issue 10: optional sketches
+        if any(schema.SKETCH in row for row in rows):  # optional sketches
             columns[schema.SKETCH] = [row.get(schema.SKETCH) for row in rows]
         return cls(columns, source)
 

@@ -1,9 +1,10 @@
 """What a compare returns: one row per aligned record, the verdict, and the summaries.
 
-``CompareResult.to_json()`` is exactly what ``probe compare --json`` prints (``to_dict()``
-is the same without the headline and the divergences list); ``write_html/write_csv/
-write_json`` write the report files as ``--html/--csv`` do. Non-finite floats become the
-strings "inf", "-inf" and "nan" so the output stays strict JSON.
+Data only: the renderers (probe/report/) import this module, never the reverse.
+``probe.compare`` returns it with its renderers attached (report/rendered.py:
+``to_text``, ``to_json`` as ``probe compare --json`` prints it, ``write_html/write_csv/
+write_json``). ``to_dict()`` is the JSON without the headline and the divergences list;
+non-finite floats become the strings "inf", "-inf" and "nan" so the output stays strict JSON.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from probe.comparison.metrics import Metrics
+from probe.comparison.where import where_text
 
 # row status
 MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
@@ -20,7 +22,7 @@ MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
 CHANGED = "changed"
 #: paired, beyond its own dtype's tolerance, but explained by differences that were accepted
 #: (rounding amplified by the op's conditioning: Adam's division by sqrt(v), a cancelling sum)
-#: or without effect: not a divergence (verdict.judge_call decides; docs/compare.md)
+#: or without effect: not a divergence (explain.judge_call decides; docs/compare-rules.md)
 EXPLAINED = "explained"
 WITHIN = (MATCH, CHANGED, EXPLAINED)  # paired and accepted: within tolerance or explained
 PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
@@ -62,7 +64,7 @@ class RecordRow:
     stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (stale.py)
     #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
     scale_norm: float = 0.0
-    #: its difference is rounding or explained by accepted differences (verdict.accepted), when
+    #: its difference is rounding or explained by accepted differences (explain.is_accepted), when
     #: judge_call decided it; None: not decided (accepted() decides from the row alone)
     accepted: bool | None = None
     tol_dtype: str = ""
@@ -90,7 +92,7 @@ class RecordRow:
         return (
             m is not None and m.evidence == "checksum" and m.bit_equal is False and not m.nan_mismatch
             and not m.inf_mismatch and self.score is not None and self.score <= 1
-            and m.sketch is None  # issue 10: sketches measure the change
+            and m.sketch is None  # sketches measure the change
         )
 
     def to_dict(self) -> dict:
@@ -158,8 +160,6 @@ class OpSummary:
     diverged_in: int = 0  # in how many of those its output is beyond tolerance
 
     def to_dict(self) -> dict:
-        from probe.comparison.groups import where_text
-
         data = dict(self.__dict__)
         where = data.pop("where") or [(self.step, self.rank)]
         data["occurrences"] = len(where)
@@ -185,8 +185,8 @@ class CompareResult:
     notes: list[str] = field(default_factory=list)
     changes: list = field(default_factory=list)  # groups.Change: changed params/arguments, each once
     op_summaries: list[OpSummary] = field(default_factory=list)  # every call pair, before grouping
-    # issue 11 hook: probe.replay.ReplayReport when compare ran with replay=N (float64 replay
-    # verdicts per call; report/json_report.py, csv_report.py, html_report.py show them)
+    # probe.replay.ReplayReport when compare ran with replay=N (float64 replay verdicts per
+    # call; report/json_report.py, csv_report.py, html_report.py show them)
     replay: object = None
     #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/run_info.py)
     run_differences: list[dict] = field(default_factory=list)
@@ -198,40 +198,6 @@ class CompareResult:
     @property
     def divergences(self) -> list[RecordRow]:
         return [row for row in self.rows if row.status == DIVERGED]
-
-    # The reports, as ``probe compare`` writes them. Files are written through a temporary
-    # file and a rename (probe.report.output): whole or not at all; an unwritable path raises
-    # CompareError naming it. The renderers load only when asked (they import this module).
-
-    def to_text(self) -> str:
-        """The terminal report ``probe compare A B`` prints."""
-        from probe.report import terminal
-
-        return terminal.render(self)
-
-    def to_json(self, rows: bool = False) -> str:
-        """The JSON text ``probe compare --json`` prints (``rows=True``: ``--rows``)."""
-        from probe.report import json_report
-
-        return json_report.render(self, rows=rows)
-
-    def write_json(self, path, rows: bool = False) -> str:
-        """Write to_json() to path; returns the absolute path."""
-        from probe.report import output
-
-        return output.write_report(path, self.to_json(rows=rows), "write_json", (self.path_a, self.path_b))
-
-    def write_csv(self, path) -> str:
-        """Write one CSV row per aligned record (``--csv``); returns the absolute path."""
-        from probe.report import csv_report, output
-
-        return output.write_report(path, csv_report.render(self), "write_csv", (self.path_a, self.path_b))
-
-    def write_html(self, path) -> str:
-        """Write the self-contained HTML page (``--html``); returns the absolute path."""
-        from probe.report import html_report, output
-
-        return output.write_report(path, html_report.render(self), "write_html", (self.path_a, self.path_b))
 
     def to_dict(self, rows: bool = False) -> dict:
         """The result's own fields (to_json() adds headline and divergences)."""

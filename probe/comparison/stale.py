@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.verdict import amplifies
+from probe.comparison.explain import amplifies
 
 _STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
 

@@ -60,7 +60,7 @@ A record is one tensor (or one non-tensor argument) seen at one slot of one call
 Optional columns (OPTIONAL_COLUMNS): added after schema 1, absent from older files; the reader
 gives them their "absent" value for files without them, and the writer accepts rows without them.
 
-    value_type (schema 2, issue 11: replay) what kind of Python value a non-tensor argument was,
+    value_type (schema 2, for the replay) what kind of Python value a non-tensor argument was,
                where its JSON ``value`` alone does not say: "dtype" (value "float32"),
                "device" ("cuda:0"), "memory_format", "layout", "qscheme" (value is the printed
                name, "torch.preserve_format"), "slice", "ellipsis", "enum", "complex" and
@@ -90,8 +90,8 @@ from __future__ import annotations
 import os
 import re
 
-#: 2: optional column value_type (issue 11), root attribute run_id and unique partial names
-#: (issue 13); other version-2 fields are listed with their columns
+#: 2: optional column value_type (the replay), root attribute run_id and unique partial
+#: names; other version-2 fields are listed with their columns
 SCHEMA_VERSION = 2
 FILE_SUFFIX = ".h5"
 #: a step file is written under a temporary name ending in this suffix and renamed to its
@@ -143,7 +143,7 @@ COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in RECORD_COLUMNS)
 #: written by capture carry them after the RECORD_COLUMNS; rows of RECORD_COLUMNS width alone
 #: (older writers, tests) are accepted and the column is then absent from the file.
 OPTIONAL_COLUMNS: tuple[tuple[str, str, object], ...] = (
-    ("value_type", "str", ""),  # schema 2: see the module docstring (replay, issue 11)
+    ("value_type", "str", ""),  # schema 2: see the module docstring (replay)
     ("placement", "str", ""),  # schema 2, optional: a DTensor shard's place (docstring)
 )
 OPTIONAL_COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _, _ in OPTIONAL_COLUMNS)

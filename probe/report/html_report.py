@@ -20,7 +20,7 @@ import json
 import math
 
 from probe.comparison import result as R
-from probe.comparison.groups import where_text
+from probe.comparison.where import where_text
 from probe.report import replay_html, terminal
 from probe.report.fmt import err, num
 
@@ -403,7 +403,7 @@ def render(result: R.CompareResult) -> str:
         f"<title>probe compare: {_e(result.verdict)}</title><style>{_CSS}</style></head><body>"
         f'<h1 id="verdict" class="{css_class}">{_e(line)}</h1>'
         f"{_summary_html(result)}"
-        f"{replay_html.section(result)}"  # issue 11: replay verdicts (empty without --replay)
+        f"{replay_html.section(result)}"  # replay verdicts (empty without --replay)
         f"{_run_differences_html(result)}"
         "<h2>Error along execution order</h2>"
         '<div class="legend"><span><i class="dot" style="background:#1f6feb"></i> forward</span>'

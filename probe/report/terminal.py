@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from probe.comparison import result as R
 from probe.comparison import run_info
-from probe.comparison.groups import where_text
+from probe.comparison.where import where_text
 from probe.report.fmt import err, num
 
 # kept for callers of the old name
@@ -47,7 +47,7 @@ def verdict_line(result: R.CompareResult) -> str:
     module = first.module or "<root>"
     line = (f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op}{updates(first.target)} "
             f"({first.phase}, {first.slot}){origin}")
-    if result.replay is not None:  # issue 11 hook: the replay verdict of the first divergence
+    if result.replay is not None:  # the replay verdict of the first divergence
         from probe.report.replay_text import headline_suffix
 
         line += headline_suffix(result)
@@ -67,7 +67,7 @@ def metrics_line(row: R.RecordRow) -> str:
         return f"value {m.value_a} in A, {m.value_b} in B"
     bound = ">= " if m.evidence == "statistics" or (m.evidence == "checksum" and not m.bit_equal) else ""
     parts = [R.SIZE_UNKNOWN + ":"] if row.size_unknown else []
-    if m.sketch is not None:  # issue 10: measured by the sketches, not bounded
+    if m.sketch is not None:  # measured by the sketches, not bounded
         parts += [f"rel L2 ~{err(m.rel_l2)} {m.sketch['text']}"]
     else:
         parts += [f"rel L2 {bound}{err(m.rel_l2)}"]
@@ -88,7 +88,7 @@ def metrics_line(row: R.RecordRow) -> str:
         parts.append("bit-equal" if m.bit_equal else "not bit-equal")
     if m.stat_rel:
         changes = ", ".join(f"{name} {err(value)}" for name, value in m.stat_rel.items())
-        what = "statistics" if m.sketch is not None else "lower bounds from the statistics"  # issue 10
+        what = "statistics" if m.sketch is not None else "lower bounds from the statistics"
         parts.append(f"({what}; relative change of {changes})")
     return "  ".join(parts)
 
@@ -271,7 +271,7 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
     lines += run_info.block_lines(getattr(result, "run_differences", []))
     lines += changes_lines(result, max_divergences)
     lines += top_ops_lines(result)
-    if result.replay is not None:  # issue 11 hook: which side is right, per replayed call
+    if result.replay is not None:  # which side is right, per replayed call
         from probe.report.replay_text import lines as replay_lines
 
         lines += replay_lines(result)

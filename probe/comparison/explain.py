@@ -1,0 +1,374 @@
+"""Judge stage, call rules: which differences of one call pair explain the others.
+
+* The inputs of a call are classified through the step's records (provenance.py):
+  *produced* when an earlier record outputs the same tensor, *param* when it is a parameter,
+  *carried* when the previous step file of the rank holds the same values, *unrecorded*
+  when no record made it and it first shows up after the backward began, else *external*.
+  A produced input that differs although its producer agreed was changed by something
+  unrecorded in between: *changed*.
+* A parameter record (slot ``param.*``) beyond tolerance is a divergence of kind "param".
+* Carriers pass on error made upstream: produced, carried and unrecorded inputs, and any
+  input still within tolerance (its error counts even when its scaled output crosses the
+  absolute floor). Sources are where error enters: changed arguments, and divergent params, changed
+  and external inputs.
+* The backward of a call computes from the values its forward saw: when judging a backward
+  call, the tensor records of the same call's forward (inputs and outputs, matched by step,
+  rank, module, op and index) are carriers too (kind *forward*). A loss's grad_input whose
+  grad_output is 1.0 in both runs inherits the error of its forward logits.
+* A divergent output is ``introduced`` when an argument changed, when a source's rel L2 is
+  at least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
+  largest carrier's; otherwise ``inherited``. An output whose inputs' accepted differences
+  explain it is ``explained`` (origin ``amplified``): not a divergence.
+"""
+
+from __future__ import annotations
+
+import math
+
+from probe.comparison import result as R
+from probe.comparison.causes import amplified_cause, cause_text, inherited_cause, input_summary
+from probe.comparison.provenance import (
+    CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
+)
+from probe.comparison.records import is_param_slot
+from probe.comparison.verdict import is_dtype_limit_pair, rel_error, sci
+
+#: an output whose rel L2 error is this many times its inputs' is called introduced
+AMPLIFICATION = 10.0
+
+
+def is_carrier(kind: str, status: str) -> bool:
+    return kind in CARRIERS or status != R.DIVERGED
+
+
+def forward_carriers(forward: list[R.RecordRow]) -> list[R.RecordRow]:
+    """The tensor records of a call's forward that its backward computes from: paired,
+    measured as tensors (not plain values)."""
+    return [r for r in forward if r.status in R.PAIRED and r.metrics is not None and r.metrics.evidence != "value"]
+
+
+def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] = ()) -> None:
+    """Classify the divergent rows of one call pair and give its outputs an origin.
+
+    input_kind(row) -> (kind, producer) for an input-side tensor row: kind is "produced",
+    "param", "carried" or "external"; producer is the RecordRow of the earlier output that
+    made the tensor (None when unknown).
+
+    Carriers pass on error made upstream, whatever their own judgement (a within-tolerance
+    input can hand an op an error that its scaled output no longer fits under the absolute
+    floor): produced and carried inputs, and every input still within tolerance. Sources are
+    where error enters: changed arguments, divergent parameters, produced inputs that differ
+    although their producer agreed (changed in between), and divergent external inputs
+    (data, a weight of an api-level dump). A
+    divergent output is introduced when an argument changed, when a source's rel L2 is at
+    least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
+    largest carrier's; otherwise it inherits the error it was given.
+
+    forward: for a backward call, the rows of the same call's forward (already judged). Its
+    tensor records are carriers too: a backward recomputes from the forward's values, so a
+    grad_input can differ while its grad_output agrees (a loss whose forward logits differ).
+    """
+    carriers, changed_args, dtype_args, sources = [], [], [], []
+    kinds, producers = {}, {}
+    dtypes_differ = any(r.dtype_a and r.dtype_b and r.dtype_a != r.dtype_b for r in rows)
+    for row in rows:
+        if row.io != "in" or row.status not in R.PAIRED:
+            continue
+        if row.metrics is not None and row.metrics.evidence == "value":
+            m = row.metrics
+            if row.status == R.DIVERGED and dtypes_differ and is_dtype_limit_pair(m.value_a, m.value_b):
+                # clamp(min=-torch.finfo(x.dtype).max) in a float64 run against a float32 one:
+                # the argument follows the dtype, which is a note, not an error
+                row.status = R.MATCH
+                row.reasons.clear()
+                row.notes.append(f"dtype limit argument {m.value_a} in A, {m.value_b} in B (the call's dtype differs)")
+            if row.status == R.DIVERGED:
+                row.divergence = R.ARGUMENT
+                row.origin = R.INTRODUCED
+                changed_args.append(row)
+            elif not row.metrics.bit_equal:
+                dtype_args.append(row)  # a dtype choice: named as a cause, never an error alone
+            continue
+        kind, producer = (PARAM_INPUT, None) if is_param_slot(row.slot) else input_kind(row)
+        if kind == PRODUCED and row.status == R.DIVERGED and producer is not None:
+            if producer.status == R.EXPLAINED and explainable(row) and rel_error(row) <= 2 * rel_error(producer) + 1e-12:
+                # the same tensor, whose difference was accepted where it was made
+                explain(row, f"carries the accepted difference made by {producer.key} "
+                             f"(rel L2 {sci(rel_error(producer))}): {producer.cause or 'amplified rounding'}")
+            elif producer.status in (R.ONLY_A, R.ONLY_B):
+                # made by a call the other run does not have: the runs compute it differently
+                kind = UNPAIRED
+            elif producer.status in R.WITHIN and producer.order < row.order:
+                # the op that made this tensor agreed, yet it differs here: something that was
+                # not recorded changed it in between (a custom autograd Function, a hook, ...)
+                kind = CHANGED
+        kinds[id(row)] = kind
+        if kind == CARRIED and row.status in R.WITHIN and row.accepted is None:
+            # state from the previous step, judged there: within tolerance here, accepted
+            row.accepted = True
+        if producer is not None:
+            producers[id(row)] = producer
+            if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
+                # the same tensor as its producer's output: accepted as that one was
+                row.accepted = bool(row.accepted) or rounding_ok(row) or is_accepted(producer)
+        (carriers if is_carrier(kind, row.status) else sources).append(row)
+        if row.status == R.DIVERGED:
+            row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
+            row.origin = R.INHERITED if kind in CARRIERS else R.INTRODUCED
+    for row in forward_carriers(forward):
+        carriers.append(row)
+        kinds[id(row)] = FORWARD
+    carried_rel = max((rel_error(r) for r in carriers), default=0.0)
+    source_rel = max((rel_error(r) for r in sources), default=0.0)
+    # every input agreed or its difference was accepted: what the output may differ by is
+    # what those differences explain through the op (judged below), not a new error
+    accepted = not sources and not changed_args and all(is_accepted(r) for r in carriers)
+    amplifier = amplifies(rows[0].op) if rows else False
+    summary = [input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
+    summary += [input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
+    outputs = [row for row in rows if row.io == "out" and row.status in R.PAIRED]
+    if changed_args and _identical(outputs):
+        # use_cache=True against False: the call computed exactly the same; no effect here
+        for arg in changed_args:
+            arg.status, arg.origin, arg.divergence = R.MATCH, "", ""
+            arg.reasons.clear()
+            arg.notes.append(f"argument {arg.slot} differs ({arg.metrics.value_a} in A, {arg.metrics.value_b} in B) "
+                             "but every output of the call is identical: no effect here")
+        changed_args = []
+    _reduction_scales(rows, outputs)
+    for row in outputs:
+        row.input_errors = summary
+        if changed_args and row.status in R.WITHIN:
+            row.status = R.DIVERGED
+            row.reasons.append("computed with a changed argument")
+        if row.status != R.DIVERGED:
+            if row.status in R.WITHIN and not changed_args:
+                row.accepted = bool(row.accepted) or rounding_ok(row) or (accepted and (
+                    _explains(carriers, rel_error(row), carried_rel) or (amplifier and carried_rel > 0)))
+            continue
+        if not changed_args and _within_scaled_budget(row):
+            explain(row, f"a cancelling sum: tiny against the tensor it was reduced from (norm "
+                         f"{row.scale_norm:.3g}, its own {row.metrics.ref_norm:.3g}); judged against that scale it "
+                         f"is within tolerance", R.AMPLIFIED)
+            continue
+        row.divergence = R.OUTPUT
+        out_rel = rel_error(row)
+        from_source = bool(sources) and not source_rel < carried_rel
+        within_ratio = _explains(carriers, out_rel, carried_rel)
+        conditioned = amplifier and carried_rel > 0 and math.isfinite(out_rel)
+        if changed_args or from_source:
+            row.origin = R.INTRODUCED
+            row.cause = cause_text(changed_args + dtype_args, sources if from_source else [], kinds, producers,
+                               False, carriers, out_rel, carried_rel)
+        elif accepted and explainable(row) and (within_ratio or conditioned):
+            explain(row, amplified_cause(row, carriers, out_rel, carried_rel, within_ratio), R.AMPLIFIED)
+        elif within_ratio:
+            row.origin = R.INHERITED
+            worst = max(carriers, key=rel_error)
+            row.cause = inherited_cause(worst, kinds[id(worst)], producers.get(id(worst)), out_rel)
+        elif conditioned and explainable(row):
+            row.origin = R.AMPLIFIED
+            row.cause = amplified_cause(row, carriers, out_rel, carried_rel, False)
+        else:
+            row.origin = R.INTRODUCED
+            row.cause = cause_text(changed_args + dtype_args, [], kinds, producers, True, carriers, out_rel, carried_rel)
+            if row.kind != "api":
+                row.cause += ": the error arises inside this module"
+    stale = [r for r in rows if r.io == "in" and r.stale]
+    for row in outputs:
+        if stale and row.status == R.DIVERGED and row.origin == R.INTRODUCED:
+            row.cause += (f"; input {stale[0].slot} was not compared ({stale[0].stale}'s record holds the values from "
+                          "before an in-place write): if that write did not happen, the error entered there")
+    _unused_inputs(rows, outputs, kinds)
+
+
+#: ops whose output can differ far more than their inputs (relatively) without any error of
+#: their own: a division or reciprocal by values near their own error, a square root near 0,
+#: a subtraction of nearly equal values, exp/pow of a difference, and the optimizer updates
+#: built on them (Adam's m / (sqrt(v) + eps) is about sign(g) whatever |g|)
+_AMPLIFIERS = frozenset({
+    "div", "divide", "true_divide", "addcdiv", "reciprocal", "rsqrt", "sqrt", "sub", "rsub", "subtract",
+    "exp", "exp2", "expm1", "pow", "log", "log1p", "log_softmax", "softmax", "adam", "adamw", "sgd",
+    "fused_adam", "fused_adamw", "fused_sgd", "normalize", "batch_norm", "layer_norm", "group_norm",
+    "instance_norm", "rms_norm", "var", "std", "var_mean", "std_mean", "atan2", "tan",
+})
+
+
+def accepted_difference(row: R.RecordRow) -> bool:
+    """An accepted output that differs at all: the next step file accepts the same values again
+    when it reads them (a parameter the optimizer updated, judged here with the precision of
+    what it was computed from, read there as a float32 parameter)."""
+    m = row.metrics
+    return is_accepted(row) and m is not None and m.evidence != "value" and m.err_l2 > 0
+
+
+def is_accepted_carry(row: R.RecordRow) -> bool:
+    """A divergent record that may carry an accepted difference from an earlier step (sized)."""
+    return explainable(row)
+
+
+def _identical(outputs) -> bool:
+    """The call has tensor outputs and every one is the same in both runs (no measured
+    difference at all, NaN and Inf in the same places)."""
+    tensors = [r for r in outputs if r.metrics is not None and r.metrics.evidence != "value"]
+    return bool(tensors) and all(
+        r.metrics.err_l2 == 0 and not r.metrics.nan_mismatch and not r.metrics.inf_mismatch
+        and r.metrics.bit_equal is not False and not (r.shape_a and r.shape_b and r.shape_a != r.shape_b)
+        for r in tensors)
+
+
+def _explains(carriers, out_rel: float, carried_rel: float) -> bool:
+    """The output's relative error is no more than its inputs' can make: AMPLIFICATION times
+    theirs, and, for inputs that differ by more than their own size (rounding noise compared
+    with rounding noise), the growth of a product of two such inputs ((1 + e)^2 - 1)."""
+    return bool(carriers) and out_rel <= AMPLIFICATION * carried_rel * max(1.0, 1.0 + carried_rel)
+
+
+def rounding_ok(row: R.RecordRow) -> bool:
+    """Its difference is within the relative tolerance of its scale (its own norm, or the norm
+    of what it was reduced from): rounding, not a small real difference hidden under the
+    absolute floor atol."""
+    m = row.metrics
+    if m is None or m.evidence == "value" or m.err_l2 == 0:
+        return True
+    if m.nan_mismatch or m.inf_mismatch or not math.isfinite(m.err_l2):
+        return False
+    # statistics and checksum evidence: the lower bound is all there is (as for the status)
+    return m.err_l2 <= (row.rtol or 0.0) * max(m.ref_norm, row.scale_norm)
+
+
+def is_accepted(row: R.RecordRow) -> bool:
+    """The row's difference is one a correct run may have: explained, or within tolerance and
+    rounding (or explained by accepted differences, as judge_call decided for outputs)."""
+    if row.status == R.EXPLAINED:
+        return True
+    if row.status not in R.WITHIN:
+        return False
+    return row.accepted if row.accepted is not None else rounding_ok(row)
+
+
+def _reduction_scales(rows, outputs) -> None:
+    """Outputs that sum over many elements of an input (a bias gradient sums grad_output over
+    all but one dimension; torch.sum, torch.mean) get that input's scale: a cancelling sum is
+    tiny against its summands, and so is the rounding it carries."""
+    head = rows[0] if rows else None
+    if head is None:
+        return
+    if head.phase == "backward":
+        source = next((r for r in rows if r.slot == "grad_output.0" and r.metrics is not None
+                       and r.metrics.evidence != "value"), None)
+        name = None
+    else:
+        name = head.op.rsplit(".", 1)[-1]
+        source = next((r for r in rows if r.slot == "input.0" and r.metrics is not None
+                       and r.metrics.evidence != "value"), None) if name in ("sum", "mean", "nansum", "nanmean") else None
+    if source is None or not source.metrics.numel:
+        return
+    for row in outputs:
+        m = row.metrics
+        if m is None or m.evidence == "value" or not m.numel or m.numel >= source.metrics.numel:
+            continue
+        if head.phase == "backward" and (row.shape_a or "").count(",") > 0:
+            continue  # a weight gradient is a product, not a plain sum
+        scale = source.metrics.ref_norm
+        if name in ("mean", "nanmean"):
+            scale /= source.metrics.numel / m.numel
+        row.scale_norm = max(row.scale_norm, scale)
+
+
+def _within_scaled_budget(row: R.RecordRow) -> bool:
+    m = row.metrics
+    if not row.scale_norm or row.scale_norm <= m.ref_norm or not explainable(row) or row.rtol is None:
+        return False
+    return m.err_l2 <= row.rtol * row.scale_norm + (row.atol or 0.0) * math.sqrt(max(m.numel, 0))
+
+
+def amplifies(op: str) -> bool:
+    """The op is one whose conditioning can amplify relative error (see _AMPLIFIERS)."""
+    name = op.rsplit(".", 1)[-1].removeprefix("_foreach_").removeprefix("_fused_").strip("_")
+    if name in _AMPLIFIERS or name.removeprefix("fused_") in _AMPLIFIERS:
+        return True
+    # a module (kind "module": the class name): BatchNorm2d, LayerNorm, LlamaRMSNorm, Softmax
+    lowered = name.lower().rstrip("123d")
+    return lowered.endswith(("norm", "softmax"))
+
+
+def explainable(row: R.RecordRow) -> bool:
+    """A difference that other differences can explain: a sized, finite one (NaN or Inf on
+    one side only, a shape change or a tensor against a value never is)."""
+    m = row.metrics
+    if m is None or m.evidence == "value" or m.nan_mismatch or m.inf_mismatch:
+        return False
+    if row.size_unknown or (row.shape_a and row.shape_b and row.shape_a != row.shape_b):
+        return False
+    return math.isfinite(m.rel_l2)
+
+
+def explain(row: R.RecordRow, cause: str, origin: str = R.AMPLIFIED) -> None:
+    """Accept a difference beyond the row's own tolerance that accepted differences explain."""
+    row.status = R.EXPLAINED
+    row.origin = origin
+    row.cause = cause
+    row.divergence = ""
+    kept = [r for r in row.reasons if not (r.startswith("rel L2 ") and " tolerance (score " in r)]
+    row.notes.extend(f"{R.EXPLAINED} ({r})" for r in row.reasons if r not in kept)
+    row.reasons = kept
+
+
+def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRow]) -> None:
+    """Level "mix": a module call is the composition of the api calls recorded inside it.
+
+    call: the rows of one module call pair; judged: the rows of the calls judged before it
+    (every call whose outputs were made earlier, so every api call inside this one).
+    When every api call recorded inside the module call (same phase, between the module
+    call's first and last record, in the module or below it) is within tolerance or explained,
+    a divergent output of the module call is what those calls computed, put together by code
+    probe does not record (autograd summing the gradient of an input used twice): explained
+    when it is within AMPLIFICATION times their largest difference, not an error of its own.
+    """
+    if not call or call[0].kind != "module":
+        return
+    outputs = [r for r in call if r.io == "out" and r.status == R.DIVERGED and r.origin == R.INTRODUCED
+               and r.divergence == R.OUTPUT and explainable(r)]
+    orders = [r.order for r in call if r.order]
+    if not outputs or not orders:
+        return
+    head = call[0]
+    first, last = min(orders), max(orders)
+    inside = [r for r in judged if r.kind == "api" and r.io == "out" and r.status in R.PAIRED
+              and r.step == head.step and r.rank == head.rank and r.phase == head.phase
+              and r.order and first < r.order < last
+              and (not head.module or r.module == head.module or r.module.startswith(head.module + "."))]
+    if not inside or any(r.status == R.DIVERGED for r in inside):
+        return
+    worst = max(inside, key=rel_error)
+    for row in outputs:
+        if rel_error(row) <= AMPLIFICATION * rel_error(worst):
+            explain(row, f"every api call recorded inside {head.module or 'the root module'} agrees or is "
+                         f"explained (largest: {worst.key}, rel L2 {sci(rel_error(worst))}); this output puts their "
+                         f"results together (rel L2 {sci(rel_error(row))}) in code probe does not record")
+
+
+def unexplain(row: R.RecordRow, cause: str) -> None:
+    """Undo explain(): the output is a divergence its own op introduced."""
+    row.status = R.DIVERGED
+    row.origin = R.INTRODUCED
+    row.divergence = R.OUTPUT
+    row.cause = cause
+    row.reasons.extend(note.removeprefix(f"{R.EXPLAINED} (").removesuffix(")") for note in row.notes
+                       if note.startswith(f"{R.EXPLAINED} ("))
+    row.notes = [note for note in row.notes if not note.startswith(f"{R.EXPLAINED} (")]
+
+
+def _unused_inputs(rows, outputs, kinds) -> None:
+    """An input read from outside the step's records (a buffer, state carried over) that
+    differs while every tensor output of the call agrees had no effect on this call
+    (BatchNorm's running statistics in training mode): accepted, with a note."""
+    tensors = [r for r in outputs if r.metrics is not None and r.metrics.evidence != "value"]
+    if not tensors or any(r.status not in R.WITHIN for r in tensors):
+        return
+    for row in rows:
+        if row.io == "in" and row.status == R.DIVERGED and kinds.get(id(row)) in (EXTERNAL, CARRIED, UNRECORDED) \
+                and explainable(row):
+            explain(row, f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
+                         f"here (a buffer such as BatchNorm's running statistics in training mode)", "")

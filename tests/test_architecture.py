@@ -1,0 +1,177 @@
+"""The import structure of probe/ (docs/architecture.md): read from the source with ast, no
+module is imported. Every ``import`` counts, at module level or inside a function."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "probe")
+
+#: probe's layers, lowest first: a module may import its own layer and the ones below
+LAYERS = [
+    {"_version", "errors"},
+    {"compat", "config", "config_values"},
+    {"seed", "data"},
+    {"dump"},
+    {"capture", "nonfinite"},
+    {"comparison", "determinism"},
+    {"report", "replay"},
+    {"compare_and_replay", "debugger", "step_files", "write_results"},
+    {"commands"},
+    {"cli", "__main__", "__init__"},
+]
+
+#: the compare pipeline (probe/comparison/), stage by stage: a stage may import its own
+#: modules and those of earlier stages, never a later one. "support" is what every stage uses.
+COMPARE_STAGES = [
+    ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
+                 "where", "result", "prefetch", "elementwise"}),
+    ("load", {"load"}),
+    ("normalize", {"foreach", "optimizer_targets", "normalize"}),
+    ("align", {"align", "foreach_pairing", "pairing"}),
+    ("measure", {"provenance", "measure"}),
+    ("judge", {"verdict", "causes", "explain", "stale", "judge"}),
+    ("attribute", {"story", "attribute"}),
+    ("result", {"groups", "assemble"}),
+    ("orchestration", {"engine", "api"}),
+]
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = "probe." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(modules: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the probe modules it imports (a name imported from a package counts as the
+    submodule when there is one of that name, else as the package)."""
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+        targets = set()
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name.split(".")[0] == "probe"}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                if base.split(".")[0] != "probe":
+                    continue
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in modules else base)
+        graph[module] = {target for target in targets if target in modules and target != module}
+    return graph
+
+
+MODULES = _modules()
+GRAPH = _imports(MODULES)
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(module: str) -> int:
+    top = _top(module)
+    for number, names in enumerate(LAYERS):
+        if top in names:
+            return number
+    raise AssertionError(f"{module}: add probe/{top} to a layer in tests/test_architecture.py LAYERS")
+
+
+def _stage(module: str) -> int:
+    name = module.split(".")[2] if module.count(".") >= 2 else "__init__"
+    for number, (_, names) in enumerate(COMPARE_STAGES):
+        if name in names:
+            return number
+    raise AssertionError(f"{module}: add it to a stage in tests/test_architecture.py COMPARE_STAGES")
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle, as the modules around it; [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        graph.setdefault(_top(module), set()).update(_top(t) for t in targets if _top(t) != _top(module))
+    return graph
+
+
+def test_the_walk_sees_the_compare_pipeline_imports():
+    # the walk itself: a test that reads no edge would pass whatever the code does
+    assert "probe.comparison.judge" in GRAPH["probe.comparison.engine"]
+    assert "probe.comparison.result" in GRAPH["probe.report.terminal"]
+
+
+def test_no_module_of_probe_imports_itself_back_through_others():
+    circle = _cycle(GRAPH)
+    assert not circle, "import circle: " + " -> ".join(circle)
+
+
+def test_no_package_of_probe_imports_itself_back_through_others():
+    circle = _cycle(_package_graph())
+    assert not circle, "package import circle: " + " -> ".join(circle)
+
+
+def test_no_module_imports_from_a_higher_layer():
+    wrong = [f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+             for module, targets in sorted(GRAPH.items()) for target in sorted(targets)
+             if _layer(target) > _layer(module)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_compare_stages_import_only_earlier_stages():
+    inside = {m: {t for t in targets if t.startswith("probe.comparison")}
+              for m, targets in GRAPH.items() if m.startswith("probe.comparison")}
+    wrong = [f"{module} ({COMPARE_STAGES[_stage(module)][0]}) imports {target} ({COMPARE_STAGES[_stage(target)][0]})"
+             for module, targets in sorted(inside.items()) for target in sorted(targets)
+             if _stage(target) > _stage(module)]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("lower, higher", [("comparison", "report"), ("comparison", "replay"),
+                                           ("report", "replay"), ("capture", "comparison")])
+def test_lower_layers_never_reach_the_higher_one(lower, higher):
+    """result.py renders nothing and the compare never runs the replay: the renderers and
+    the replay import the comparison, not the reverse."""
+    reached = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if _top(m) == lower
+                     for t in targets if _top(t) == higher)
+    assert not reached, reached
