@@ -28,13 +28,13 @@ COMPARE_STAGES = [
     ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
                  "where", "result", "prefetch", "elementwise"}),
     ("load", {"load"}),
-    ("normalize", {"foreach", "optimizer_targets", "normalize"}),
+    ("normalize", {"foreach", "optimizer_targets", "normalize", "shards"}),
     ("align", {"align", "foreach_pairing", "pairing"}),
     ("measure", {"provenance", "measure"}),
     ("judge", {"verdict", "causes", "explain", "stale", "judge"}),
     ("attribute", {"story", "attribute"}),
     ("result", {"groups", "assemble"}),
-    ("orchestration", {"engine", "api"}),
+    ("orchestration", {"engine", "sharded_steps", "api"}),
 ]
 
 

@@ -6,9 +6,10 @@ statistics computation (and, for task "tensor", one stored copy) per step howeve
 records reference it (an op's output is the next op's input).
 
 Cache key: the hash of (data_ptr, dtype, shape, stride, _version). data_ptr includes the
-storage offset, _version changes on every in-place write, and a weak reference to the
-storage of the tensor the entry was made from must still be alive for a hit: freed memory
-may be reused by a new tensor with the same layout, and that one must miss. The storage,
+storage offset, _version changes on every in-place write, and for a hit the storage of the
+tensor the entry was made from (held by a weak reference) must be alive and be the looked-up
+tensor's storage: freed memory may be reused by a new tensor with the same layout, and that
+one must miss (FSDP2 frees memory by resizing a storage that lives on). The storage,
 not the tensor object, because a tensor's Python object can die while its memory lives on
 in an alias that shares its version counter: autograd hands a hook the gradient, then
 stores ``grad.detach()`` as ``param.grad``, a new object over the same bytes (torch keeps a
@@ -167,8 +168,13 @@ class Recorder:
             except (RuntimeError, NotImplementedError, AttributeError):
                 entry = self._describe(value, None)  # sparse, nested, inference: not cached
             else:
+                if fresh:
+                    self._forget_storage(value)
                 entry = self._cache.get(cache_key)
-                if entry is None or fresh or entry[0]() is None:
+                # a hit must be over the same storage, not only the same address: FSDP2
+                # frees its unsharded parameters by resizing their storage to 0, and the
+                # address comes back for a gradient while that storage object lives on
+                if entry is None or fresh or entry[0]() is not _lifetime(value):
                     entry = self._describe(value, cache_key)
             rows = self.rows
             rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
@@ -184,6 +190,18 @@ class Recorder:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
                               described[1], "", None))
+
+    def _forget_storage(self, tensor: Tensor) -> None:
+        """Drop the cache entries of every tensor over tensor's storage: it was written
+        without a version bump (FSDP2 copies the all-gathered values into the unsharded
+        parameters through views of one buffer), so other views of it are stale too."""
+        try:
+            storage = _lifetime(tensor)
+        except Exception:
+            return
+        stale = [key for key, entry in self._cache.items() if entry[0]() is storage]
+        for key in stale:
+            del self._cache[key]
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
         """Records for every leaf of a nested structure under prefix (see values.flatten)."""

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from probe.comparison import load as L
 from probe.comparison import result as R
 from probe.comparison import run_info
+from probe.comparison import sharded_steps
 from probe.comparison.assemble import assemble, step_verdict
 from probe.comparison.engine import StepOutcome, compare_step
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
@@ -51,7 +52,15 @@ def compare(
     names = _mapping(mapping)
     path_a, path_b = os.fspath(a), os.fspath(b)
     dump_a, dump_b = L.load_dumps(path_a, path_b)
-    pairs, missing = L.pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
+    sharded = None
+    if os.path.isdir(path_a) and os.path.isdir(path_b):
+        sharded = sharded_steps.plan(dump_a, dump_b, None if steps is None else set(steps),
+                                     None if ranks is None else set(ranks))
+    if sharded is None:
+        pairs, missing = L.pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
+        opened = L.open_step_files(dump_a, dump_b, pairs)
+    else:  # DTensor records, or different world sizes: logical tensors (shards.py)
+        pairs, missing, opened = sharded.pairs, [], sharded.step_files()
 
     notes = L.dump_notes(dump_a, dump_b)
     differences: list[dict] = []
@@ -61,7 +70,7 @@ def compare(
     previous: dict[int, set] = {}  # rank -> content keys of A's last compared step file
     devices_ab = ("", "")
     explained: dict[int, dict] = {}  # rank -> accepted differences of A's last compared step file
-    with contextlib.closing(L.open_step_files(dump_a, dump_b, pairs)) as step_files:
+    with contextlib.closing(opened) as step_files:
         for position, files in enumerate(step_files):
             def report(done, total, read, _position=position):
                 if progress is not None:
@@ -100,6 +109,8 @@ def compare(
                 "verdict": step_verdict(counts, strict),
                 "counts": counts,
             })
+    if sharded is not None:
+        notes += sharded.notes
     result = assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab)
     result.run_differences = differences
     return result

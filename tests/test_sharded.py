@@ -1,10 +1,11 @@
-"""Capture of sharded training (FSDP2, DDP, tensor parallel) on CPU with gloo, 2 ranks.
+"""Sharded training (FSDP2, DDP, tensor parallel) on CPU with gloo, 2 ranks: capture, compare.
 
 One torchrun job (tests/scripts/sharded_train.py) trains the same tiny model once per
-scenario, without capture and under capture, and writes each rank's losses; the tests read
-them. FSDP2 frees and re-allocates the memory of its unsharded parameters every step, and
-every DTensor is a wrapper without memory of its own: capture must read both without
-changing what training computes.
+scenario, without capture and under capture, and writes each rank's losses and dumps; the
+tests read them. FSDP2 frees and re-allocates the memory of its unsharded parameters every
+step, and every DTensor is a wrapper without memory of its own: capture must read both
+without changing what training computes, and compare must pair their logical tensors with
+the records of DDP and of one device.
 """
 
 import math
@@ -29,6 +30,8 @@ OTHERS = [
     ("tp-none", "tp-mix.statistics"),
     ("tp-none", "tp-api.tensor"),
 ]
+#: dumps only the compare tests read
+COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1"]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +39,23 @@ def job(tmp_path_factory):
     sharding_or_skip()
     out = tmp_path_factory.mktemp("sharded")
     scenarios = ["fsdp-none"] + [f"fsdp-{capture}" for capture in CAPTURES]
-    scenarios += sorted({name for pair in OTHERS for name in pair})
+    scenarios += sorted({name for pair in OTHERS for name in pair}) + COMPARED
     sharded_train.launch(out, scenarios)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_device(job):
+    """The same model on one device, with the tensor-parallel run's global batch."""
+    model = sharded_train.build()
+    debugger = sharded_train.debugger_for("mix.statistics", str(job / "one"))
+    sharded_train.train(model, sharded_train.batches(100), debugger)
+    return job / "one"
+
+
+def _paired_share(result):
+    counts = result.counts
+    return counts["matched"] / (counts["matched"] + counts["only_a"])
 
 
 def test_fsdp2_trains_bit_identically_under_every_level_and_task(job):
@@ -98,3 +115,52 @@ def test_capture_leaves_every_storage_it_reads_resizable(task, size):
     assert all(row[13] == row[13] for row in recorder.rows)  # statistics were computed
     for tensor in tensors:
         tensor.untyped_storage().resize_(0)  # what FSDP2 does after forward
+
+
+def test_ddp_and_fsdp2_with_the_same_data_pass_with_parameters_paired_as_logical_tensors(job):
+    from probe import compare
+
+    result = compare(job / "ddp-mix.statistics", job / "fsdp-mix.statistics")
+    assert result.verdict == "pass", result.first_divergence
+    assert _paired_share(result) >= 0.9
+    # the optimizer's updates of FSDP2's sharded parameters pair with DDP's whole ones
+    targets = {row.target for row in result.rows if row.target and row.status != "only_b"}
+    assert targets == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert any("merged" in note and "2 shards" in note for note in result.notes)
+
+
+def test_fsdp2_where_rank_1_alone_uses_the_tanh_gelu_diverges_at_rank_1s_gelu(job):
+    from probe import compare
+
+    result = compare(job / "fsdp-mix.statistics", job / "fsdp-mix.statistics-tanh1")
+    first = result.first_divergence
+    assert result.verdict == "diverged"
+    assert (first.rank, first.module, first.op, first.origin) == (1, "1", "functional.gelu", "introduced")
+
+
+def test_one_device_and_tensor_parallel_pass_with_most_records_paired(job, one_device):
+    from probe import compare
+
+    result = compare(one_device, job / "tp-mix.statistics")
+    assert result.verdict == "pass", result.first_divergence
+    assert _paired_share(result) >= 0.8
+    assert any("not compared: the world sizes differ (1 and 2)" in note for note in result.notes)
+
+
+def test_a_changed_shard_of_a_tensor_parallel_weight_is_found_at_its_linear(job, one_device):
+    from probe import compare
+
+    result = compare(one_device, job / "tp-mix.statistics-scale1")
+    first = result.first_divergence
+    assert result.verdict == "diverged"
+    assert (first.step, first.module, first.op, first.origin) == (0, "0", "functional.linear", "introduced")
+    assert "parameter 0.weight differs" in first.cause
+    weights = [row for row in result.divergences if row.key_b == "0/Linear#0/forward/param.weight"]
+    assert weights and weights[0].shape_b == "[16, 8]"  # the logical weight, merged
+
+
+def test_fsdp2_in_bfloat16_raises_no_false_alarm_against_float32(job):
+    from probe import compare
+
+    result = compare(job / "fsdp-mix.statistics", job / "fsdp-mix.statistics-bf16")
+    assert result.verdict == "pass", result.first_divergence

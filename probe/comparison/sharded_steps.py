@@ -1,0 +1,95 @@
+"""Which step files to compare when a run is sharded, and their records as logical tensors.
+
+A plain compare pairs step files by (step, rank). When one run recorded DTensors (FSDP2,
+tensor parallel) or the runs have different world sizes, the records of every rank of a
+step are read together and merged (shards.merge_ranks) first:
+
+* equal world sizes: rank r of A with rank r of B, each side's records with every sharded
+  record standing for its logical tensor (so FSDP2 parameters pair with DDP's);
+* different world sizes (one device against two tensor-parallel ranks): one comparison per
+  step, of the logical records alone (shards.logical_view); rank-local records are counted
+  in a note, not compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from probe.comparison import shards
+from probe.comparison.load import StepFiles
+from probe.comparison.records import Records
+
+
+@dataclass
+class ShardedPlan:
+    dump_a: object
+    dump_b: object
+    steps: list  # the steps both sides hold
+    ranks_a: list
+    ranks_b: list
+    pairs: list  # ((step, rank), (step, rank)) in the order step_files() yields them
+    notes: list = field(default_factory=list)  # filled while step_files() runs
+
+    def step_files(self):
+        for step in self.steps:
+            with contextlib.ExitStack() as stack:
+                files_a = {rank: stack.enter_context(self.dump_a.open(step, rank)) for rank in self.ranks_a}
+                files_b = {rank: stack.enter_context(self.dump_b.open(step, rank)) for rank in self.ranks_b}
+                merged_a = shards.merge_ranks({r: Records.from_table(f.records, f.path) for r, f in files_a.items()})
+                merged_b = shards.merge_ranks({r: Records.from_table(f.records, f.path) for r, f in files_b.items()})
+                if step == self.steps[0]:
+                    self.notes += shards.summary("A", merged_a, len(self.ranks_a))
+                    self.notes += shards.summary("B", merged_b, len(self.ranks_b))
+                if self.ranks_a == self.ranks_b:
+                    for rank in self.ranks_a:
+                        yield _files(step, rank, rank, merged_a.views[rank], merged_b.views[rank],
+                                     files_a[rank], files_b[rank])
+                    continue
+                view_a, local_a = shards.logical_view(merged_a)
+                view_b, local_b = shards.logical_view(merged_b)
+                if step == self.steps[0] and (local_a or local_b):
+                    self.notes.append(
+                        f"{local_a} rank-local records of A and {local_b} of B not compared: "
+                        f"the world sizes differ ({len(self.ranks_a)} and {len(self.ranks_b)})")
+                rank_a, rank_b = self.ranks_a[0], self.ranks_b[0]
+                yield _files(step, rank_a, rank_b, view_a, view_b, files_a[rank_a], files_b[rank_b])
+
+
+def _files(step, rank_a, rank_b, records_a, records_b, file_a, file_b) -> StepFiles:
+    return StepFiles((step, rank_a), (step, rank_b), records_a, records_b,
+                     file_a.tensor if file_a.tensor_count else None,
+                     file_b.tensor if file_b.tensor_count else None,
+                     file_a.attrs, file_b.attrs)
+
+
+def plan(dump_a, dump_b, steps=None, ranks=None) -> ShardedPlan | None:
+    """A ShardedPlan when either dump holds DTensor records or the world sizes differ;
+    None for a plain compare. Steps and ranks filter as in load.pair_step_files."""
+    keys_a, keys_b = set(dump_a.files), set(dump_b.files)
+    ranks_a = sorted({rank for _, rank in keys_a if ranks is None or rank in ranks})
+    ranks_b = sorted({rank for _, rank in keys_b if ranks is None or rank in ranks})
+    common = sorted({step for step, _ in keys_a} & {step for step, _ in keys_b})
+    common = [step for step in common if steps is None or step in steps]
+    if not ranks_a or not ranks_b or not common:
+        return None
+    complete = all((step, rank) in keys_a for step in common for rank in ranks_a) and \
+        all((step, rank) in keys_b for step in common for rank in ranks_b)
+    if not complete:
+        return None  # steps or ranks missing on a side: the plain compare says which
+    if len(ranks_a) == len(ranks_b) and not (_sharded(dump_a, common[0], ranks_a[0])
+                                             or _sharded(dump_b, common[0], ranks_b[0])):
+        return None
+    if len(ranks_a) == len(ranks_b) and ranks_a != ranks_b:
+        return None
+    if ranks_a == ranks_b:
+        pairs = [((step, rank), (step, rank)) for step in common for rank in ranks_a]
+    else:
+        pairs = [((step, ranks_a[0]), (step, ranks_b[0])) for step in common]
+    return ShardedPlan(dump_a, dump_b, common, ranks_a, ranks_b, pairs)
+
+
+def _sharded(dump, step, rank) -> bool:
+    with dump.open(step, rank) as step_file:
+        table = step_file.records
+        return shards.PLACEMENT in table.columns and any(table.column(shards.PLACEMENT))
