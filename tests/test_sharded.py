@@ -164,3 +164,19 @@ def test_fsdp2_in_bfloat16_raises_no_false_alarm_against_float32(job):
 
     result = compare(job / "fsdp-mix.statistics", job / "fsdp-mix.statistics-bf16")
     assert result.verdict == "pass", result.first_divergence
+
+
+def test_a_functional_collective_is_recorded_with_its_waited_result_not_its_buffer(job):
+    """Tensor parallel's all_reduce (torch.ops._c10d_functional) returns before its result is
+    there; the result is recorded where it is waited for, and every rank holds the same."""
+    from probe.dump.reader import load
+
+    dump = load(job / "tp-mix.statistics")
+    waited = []
+    for rank in (0, 1):
+        rows = list(dump.records(step=0, rank=rank))
+        assert not [row for row in rows if row["op"] == "ops._c10d_functional.all_reduce"
+                    and row["io"] == "out"]
+        waited.append([(row["min"], row["max"], row["mean"]) for row in rows
+                       if row["op"].startswith("ops._c10d_functional._wrap") and row["io"] == "out"])
+    assert waited[0] and waited[0] == waited[1]

@@ -180,6 +180,10 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
         # an out= buffer: a custom op (FSDP2's split_with_sizes_copy) may write it without a
         # version bump, and an alias of it read later must not hit the stale cache entry
         produced, written = kwargs["out"], True
+    if name.startswith(_ASYNC_COLLECTIVES) and not name.startswith(_WAIT):
+        # a functional collective (tensor parallel's all_reduce) returns before its result is
+        # there: its values are recorded where they are waited for (_wrap_tensor_autograd)
+        produced = None
     if filt.forward_out and produced is not None:
         if isinstance(produced, Tensor) and not written:
             add(call, "output.0", "out", produced)
@@ -249,6 +253,8 @@ def _output_buffers(func, name, args, kwargs) -> set | None:
     return found
 
 
+_ASYNC_COLLECTIVES = "ops._c10d_functional."
+_WAIT = ("ops._c10d_functional.wait_tensor", "ops._c10d_functional._wrap_tensor_autograd")
 #: collective parameters that hold only the result (all_reduce's ``tensor`` is also its input)
 _SEPARATE_OUTPUTS = frozenset({"output_tensor", "output", "tensor_list", "output_tensor_list",
                                "output_tensor_lists", "gather_list"})
