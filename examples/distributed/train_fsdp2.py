@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from probe import Config, PrecisionDebugger
+from examples.distributed.sharded_loop import leave_job, train
 
 
 def build(approximate):
@@ -61,24 +61,8 @@ def main():
         model = nn.parallel.DistributedDataParallel(model)
     else:
         model = shard(model, args.bf16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    debugger = PrecisionDebugger(Config(dump_path=args.dump, level="mix", step=[], rank=[]))
-    data = torch.Generator().manual_seed(100 + rank)
-    for step in range(args.steps):
-        x = torch.randn(8, 16, generator=data)
-        debugger.start(model)
-        optimizer.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        debugger.stop()
-        debugger.step()
-        print(f"rank {rank} step {step} loss {loss.item():.6f}")
-    debugger.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads can outlive the process group (examples/distributed/README.md)
+    train(model, args.dump, args.steps, rank, data_seed=100 + rank)  # each rank its own batches
+    leave_job()
 
 
 if __name__ == "__main__":

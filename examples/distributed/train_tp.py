@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import torch.nn as nn
 
-from probe import Config, PrecisionDebugger
+from examples.distributed.sharded_loop import leave_job, train
 
 
 def main():
@@ -47,25 +47,9 @@ def main():
         if rank == args.bug_rank:
             with torch.no_grad():
                 model[0].weight.to_local().mul_(1.001)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    debugger = PrecisionDebugger(Config(dump_path=args.dump, level="mix", step=[], rank=[]))
-    data = torch.Generator().manual_seed(100)  # the same global batch on every rank
-    for step in range(args.steps):
-        x = torch.randn(8, 16, generator=data)
-        debugger.start(model)
-        optimizer.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        debugger.stop()
-        debugger.step()
-        print(f"rank {rank} step {step} loss {loss.item():.6f}")
-    debugger.close()
+    train(model, args.dump, args.steps, rank, data_seed=100)  # the same global batch on every rank
     if not args.one_device:
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)  # gloo's threads can outlive the process group (examples/distributed/README.md)
+        leave_job()
 
 
 if __name__ == "__main__":
