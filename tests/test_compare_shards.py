@@ -103,3 +103,17 @@ def test_across_world_sizes_only_logical_and_replicated_records_are_compared():
     view, left_out = logical_view(merge_ranks(by_rank))
     assert view.columns["key"] == ["w/op#0/forward/input.1", "loss/op#0/forward/output.0"]
     assert left_out == 1
+
+
+def test_dumped_shards_are_reassembled_into_the_logical_tensor():
+    import numpy as np
+
+    stored = {0: {5: np.array([[1.0, 2.0]])}, 1: {9: np.array([[3.0, 4.0]])}}
+    merged = merge_ranks({
+        rank: Records.from_dicts([_shard(list(stored[rank][tid].ravel()), rank,
+                                         _place(["S(0)"], [2, 2], [rank, 0], [rank]), tensor_id=tid)])
+        for rank, tid in ((0, 5), (1, 9))})
+    (row,) = _rows_by_key(merged.views[1]).values()
+    fetch = merged.fetch({rank: stored[rank].__getitem__ for rank in stored}, stored[1].__getitem__)
+    assert fetch(row["tensor_id"]).tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert fetch(9).tolist() == [[3.0, 4.0]]  # the rank's own tensors read as before

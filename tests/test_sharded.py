@@ -53,6 +53,14 @@ def one_device(job):
     return job / "one"
 
 
+@pytest.fixture(scope="module")
+def one_device_tensors(job):
+    model = sharded_train.build()
+    debugger = sharded_train.debugger_for("api.tensor", str(job / "one-tensors"))
+    sharded_train.train(model, sharded_train.batches(100), debugger)
+    return job / "one-tensors"
+
+
 def _paired_share(result):
     counts = result.counts
     return counts["matched"] / (counts["matched"] + counts["only_a"])
@@ -181,3 +189,13 @@ def test_a_functional_collective_is_recorded_with_its_waited_result_not_its_buff
         waited.append([(row["min"], row["max"], row["mean"]) for row in rows
                        if row["op"].startswith("ops._c10d_functional._wrap") and row["io"] == "out"])
     assert waited[0] and waited[0] == waited[1]
+
+
+def test_tensor_dumps_of_shards_are_reassembled_and_compared_as_tensors(job, one_device_tensors):
+    from probe import compare
+
+    result = compare(one_device_tensors, job / "tp-api.tensor")
+    assert result.verdict == "pass", result.first_divergence
+    assert result.evidence == "tensor"
+    weights = [row for row in result.rows if row.key_b == "0/functional.linear#0/forward/input.1"]
+    assert weights and weights[0].shape_b == "[16, 8]" and weights[0].status == "match"

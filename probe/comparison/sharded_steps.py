@@ -44,6 +44,7 @@ class ShardedPlan:
                 if self.ranks_a == self.ranks_b:
                     for rank in self.ranks_a:
                         yield _files(step, rank, rank, merged_a.views[rank], merged_b.views[rank],
+                                     _fetch(merged_a, files_a, rank), _fetch(merged_b, files_b, rank),
                                      files_a[rank], files_b[rank])
                     continue
                 view_a, local_a = shards.logical_view(merged_a)
@@ -53,13 +54,20 @@ class ShardedPlan:
                         f"{local_a} rank-local records of A and {local_b} of B not compared: "
                         f"the world sizes differ ({len(self.ranks_a)} and {len(self.ranks_b)})")
                 rank_a, rank_b = self.ranks_a[0], self.ranks_b[0]
-                yield _files(step, rank_a, rank_b, view_a, view_b, files_a[rank_a], files_b[rank_b])
+                yield _files(step, rank_a, rank_b, view_a, view_b, _fetch(merged_a, files_a, rank_a),
+                             _fetch(merged_b, files_b, rank_b), files_a[rank_a], files_b[rank_b])
 
 
-def _files(step, rank_a, rank_b, records_a, records_b, file_a, file_b) -> StepFiles:
-    return StepFiles((step, rank_a), (step, rank_b), records_a, records_b,
-                     file_a.tensor if file_a.tensor_count else None,
-                     file_b.tensor if file_b.tensor_count else None,
+def _fetch(merged, files: dict, rank):
+    """rank's tensor fetch, reassembling the logical tensors; None when no file has tensors."""
+    by_rank = {r: f.tensor for r, f in files.items() if f.tensor_count}
+    if rank not in by_rank:
+        return None
+    return merged.fetch(by_rank, by_rank[rank]) if merged.assembled else by_rank[rank]
+
+
+def _files(step, rank_a, rank_b, records_a, records_b, fetch_a, fetch_b, file_a, file_b) -> StepFiles:
+    return StepFiles((step, rank_a), (step, rank_b), records_a, records_b, fetch_a, fetch_b,
                      file_a.attrs, file_b.attrs)
 
 

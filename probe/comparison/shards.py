@@ -9,7 +9,9 @@ sharded record stands for its logical tensor:
 * shards (``S(d)``, possibly replicated on other mesh dimensions): one copy per distinct
   offset; min and max of the copies' extremes, the sum from each shard's mean and numel,
   the norm from the shards' squared norms, NaN and Inf counts added; shape and numel are
-  the logical tensor's. A shard has no sketch (capture records none), nor a checksum.
+  the logical tensor's. A shard has no sketch (capture records none), nor a checksum; where
+  the shards' tensors were dumped (task tensor), the logical tensor is reassembled from them
+  when compare reads it (``MergedStep.fetch``).
 * ``R`` (replicated everywhere): one copy; the copies must agree (statistics and checksum),
   and a copy that differs is a finding named with its rank (``MergedStep.replicas``).
 * ``P(...)`` (partial): the logical tensor is a reduction of the copies whose statistics
@@ -34,6 +36,8 @@ from dataclasses import dataclass, field
 from probe.comparison.records import Records
 
 PLACEMENT = "placement"
+#: tensor ids of reassembled logical tensors start here (a step file's own ids are far below)
+LOGICAL_IDS = 1 << 48
 _STATISTICS = ("min", "max", "mean", "norm", "nan_count", "inf_count")
 #: what two copies of one replicated tensor must share
 _SAME = ("dtype", "shape", "min", "max", "mean", "norm", "nan_count", "inf_count", "checksum")
@@ -48,6 +52,19 @@ class MergedStep:
     shards: dict = field(default_factory=dict)  # key -> number of shards merged
     partial: set = field(default_factory=set)  # keys left rank-local: partial placements
     replicas: list = field(default_factory=list)  # (key, rank) of copies that disagree
+    #: tensor_id of a logical record (LOGICAL_IDS + n) -> (shape, [(rank, tensor_id, offset)])
+    assembled: dict = field(default_factory=dict)
+
+    def fetch(self, fetch_by_rank: dict, own_fetch):
+        """A tensor fetch for a view: logical tensors are reassembled from their shards
+        (each rank's own fetch), every other id is read through own_fetch."""
+        def fetch(tensor_id):
+            found = self.assembled.get(tensor_id)
+            if found is None:
+                return own_fetch(tensor_id)
+            shape, parts = found
+            return assemble(shape, [(fetch_by_rank[rank](part), offset) for rank, part, offset in parts])
+        return fetch
 
 
 def _placement(text):
@@ -113,7 +130,21 @@ def _logical(key, copies, by_rank, merged: MergedStep):
         base["checksum"] = ""
         base["tensor_id"] = -1
     merged.shards[key] = len(shards)
+    if len(shards) > 1 and all(int(record["tensor_id"]) >= 0 for _, record in by_offset.values()):
+        base["tensor_id"] = LOGICAL_IDS + len(merged.assembled)
+        merged.assembled[base["tensor_id"]] = (shape, [
+            (rank, int(record["tensor_id"]), offset) for offset, (rank, record) in by_offset.items()])
     return base
+
+
+def assemble(shape, parts):
+    """The logical tensor from its shards: [(array, offset)] placed into one array."""
+    import numpy as np
+
+    out = np.zeros(shape, dtype=np.result_type(*[array for array, _ in parts]))
+    for array, offset in parts:
+        out[tuple(slice(start, start + size) for start, size in zip(offset, array.shape))] = array
+    return out
 
 
 def _combined(shards, numel) -> dict:
