@@ -44,21 +44,21 @@ def job(tmp_path_factory):
     return out
 
 
+def _one_device_dump(folder, capture):
+    """The same model on one device, with the tensor-parallel run's global batch."""
+    debugger = sharded_train.debugger_for(capture, str(folder))
+    sharded_train.train(sharded_train.build(), sharded_train.batches(100), debugger)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def one_device(job):
-    """The same model on one device, with the tensor-parallel run's global batch."""
-    model = sharded_train.build()
-    debugger = sharded_train.debugger_for("mix.statistics", str(job / "one"))
-    sharded_train.train(model, sharded_train.batches(100), debugger)
-    return job / "one"
+    return _one_device_dump(job / "one", "mix.statistics")
 
 
 @pytest.fixture(scope="module")
 def one_device_tensors(job):
-    model = sharded_train.build()
-    debugger = sharded_train.debugger_for("api.tensor", str(job / "one-tensors"))
-    sharded_train.train(model, sharded_train.batches(100), debugger)
-    return job / "one-tensors"
+    return _one_device_dump(job / "one-tensors", "api.tensor")
 
 
 def _paired_share(result):
