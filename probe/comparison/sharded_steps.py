@@ -72,8 +72,9 @@ def _files(step, rank_a, rank_b, records_a, records_b, fetch_a, fetch_b, file_a,
 
 
 def plan(dump_a, dump_b, steps=None, ranks=None) -> ShardedPlan | None:
-    """A ShardedPlan when either dump holds DTensor records or the world sizes differ;
-    None for a plain compare. Steps and ranks filter as in load.pair_step_files."""
+    """A ShardedPlan when either dump holds DTensor records or the world sizes differ, and
+    each dump holds every rank of its world; None for a plain compare. Steps and ranks
+    filter as in load.pair_step_files."""
     keys_a, keys_b = set(dump_a.files), set(dump_b.files)
     ranks_a = sorted({rank for _, rank in keys_a if ranks is None or rank in ranks})
     ranks_b = sorted({rank for _, rank in keys_b if ranks is None or rank in ranks})
@@ -85,10 +86,11 @@ def plan(dump_a, dump_b, steps=None, ranks=None) -> ShardedPlan | None:
         all((step, rank) in keys_b for step in common for rank in ranks_b)
     if not complete:
         return None  # steps or ranks missing on a side: the plain compare says which
-    if len(ranks_a) == len(ranks_b) and not (_sharded(dump_a, common[0], ranks_a[0])
-                                             or _sharded(dump_b, common[0], ranks_b[0])):
-        return None
-    if len(ranks_a) == len(ranks_b) and ranks_a != ranks_b:
+    world_a, sharded_a = _inspect(dump_a, common[0], ranks_a[0])
+    world_b, sharded_b = _inspect(dump_b, common[0], ranks_b[0])
+    if len(ranks_a) != world_a or len(ranks_b) != world_b:
+        return None  # not every rank of a run is here (a rank filter): compare rank by rank
+    if world_a == world_b and (ranks_a != ranks_b or not (sharded_a or sharded_b)):
         return None
     if ranks_a == ranks_b:
         pairs = [((step, rank), (step, rank)) for step in common for rank in ranks_a]
@@ -97,7 +99,13 @@ def plan(dump_a, dump_b, steps=None, ranks=None) -> ShardedPlan | None:
     return ShardedPlan(dump_a, dump_b, common, ranks_a, ranks_b, pairs)
 
 
-def _sharded(dump, step, rank) -> bool:
+def _inspect(dump, step, rank) -> tuple[int, bool]:
+    """(the run's world size, whether the step file holds DTensor records)."""
     with dump.open(step, rank) as step_file:
         table = step_file.records
-        return shards.PLACEMENT in table.columns and any(table.column(shards.PLACEMENT))
+        sharded = shards.PLACEMENT in table.columns and any(table.column(shards.PLACEMENT))
+        try:
+            world = int(step_file.attrs.get("world_size") or 1)
+        except (TypeError, ValueError):
+            world = 1
+        return world, sharded
