@@ -217,7 +217,8 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = models.make_batch(key, batch_size, generator=torch.Generator().manual_seed(0), device=device)
     sync = torch.cuda.synchronize if device == "cuda" else None
-    make = lambda name, **kw: Variant(name, model, optimizer, batch, dump_root, synchronize=sync, **kw)  # noqa: E731
+    folder = os.path.join(dump_root, key)  # one dump_path per model and variant: one run each
+    make = lambda name, **kw: Variant(name, model, optimizer, batch, folder, synchronize=sync, **kw)  # noqa: E731
     variants = [
         make("baseline"),
         make("stats api", config={"level": "api"}),

@@ -16,6 +16,8 @@ from probe.errors import (
     ProbeError,
     SeedError,
     NonfiniteError,
+    NothingRecordedError,
+    RunExistsError,
 )
 
 __all__ = [
@@ -37,6 +39,8 @@ __all__ = [
     "CaptureError",
     "CompareError",
     "NonfiniteError",
+    "NothingRecordedError",
+    "RunExistsError",
     "first_nonfinite",
 ]
 

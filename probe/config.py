@@ -114,6 +114,9 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("sketch_size", "int", 16, f"0 .. {SKETCH_SIZE_MAX}",
                 "numbers per tensor of the random-projection sketch that lets compare measure "
                 "errors from a statistics dump; 0 = no sketch"),
+        KeySpec("overwrite", "bool", False, "false | true",
+                "when dump_path already holds another run's step files: refuse at construction "
+                "(false), or remove those files first, whole (true)"),
     )
 }
 
@@ -148,6 +151,7 @@ class Config:
     on_write_error: str = "raise"
     writer: str = "auto"
     sketch_size: int = 16
+    overwrite: bool = False
     source: str = field(default="<defaults>", compare=False)
     _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -172,6 +176,7 @@ class Config:
                                       WRITE_ERROR_POLICIES),
             "writer": _choice(src, "writer", self.writer, WRITERS),
             "sketch_size": _bounded_int(src, "sketch_size", self.sketch_size, 0, SKETCH_SIZE_MAX),
+            "overwrite": self._flag(src, "overwrite", self.overwrite),
             "source": src,
         }
         for name, value in values.items():

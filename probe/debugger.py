@@ -53,6 +53,7 @@ from probe.capture.api_mode import ApiCaptureMode
 from probe.capture import wrappers
 from probe.capture.module_hooks import ModuleHooks
 from probe.capture.recorder import Recorder
+from probe.dump import run_folder
 from probe.dump.schema import COLUMN_NAMES
 from probe.errors import CaptureError, DumpError, ProbeError
 from probe.seed import seed_all
@@ -74,6 +75,8 @@ class PrecisionDebugger:
         self.config = _resolve_config(config)
         cfg = self.config
         config_module.check_dump_path(cfg)
+        # another run's step files in dump_path: refused, or removed with "overwrite": true
+        run_folder.claim(cfg.dump_path, _current_rank(), cfg.overwrite, cfg.source)
         #: written into every step file: a dump folder mixing two runs' steps is detectable
         self.run_id = secrets.token_hex(8)
         self._warned_selection = False

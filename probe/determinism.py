@@ -27,6 +27,8 @@ from probe.nonfinite import CALL_COLUMNS, INHERITED, INTRODUCED
 _COLUMNS = ("key", "seq", "kind", "module", "op", "index", "phase", "slot", "io", "dtype",
             "value", "checksum", "min", "max", "mean", "norm", "nan_count", "inf_count", "source")
 _STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count")
+#: how many differing slots of a call are described value by value
+_DESCRIBED = 3
 #: ops that draw random numbers: a difference they introduce is an unseeded generator
 RANDOM_OPS = ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial",
               "poisson", "rand_like", "randn_like", "randint_like", "normal_", "uniform_",
@@ -53,6 +55,8 @@ class DiffCall:
     differing_outputs: list[str] = field(default_factory=list)
     differing_inputs: list[str] = field(default_factory=list)
     first_key: str = ""
+    #: how its first differing slots differ: {"slot", "io", "a", "b"} (values as text)
+    differences: list[dict] = field(default_factory=list)
 
     @property
     def random(self) -> bool:
@@ -93,14 +97,22 @@ class RankReport:
     settings: dict = field(default_factory=dict)
     device: str = ""
     world_size: int = 1
+    #: PYTHONHASHSEED of each run ("" where the run's environment did not set it)
+    hash_seeds: tuple[str, str] = ("", "")
 
     @property
     def identical(self) -> bool:
         return not self.differing and not self.only_a and not self.only_b
 
+    @property
+    def recorded(self) -> bool:
+        """False when neither run recorded anything: identical then means nothing."""
+        return bool(self.records or self.only_b)
+
     def to_dict(self) -> dict:
         data = asdict(self)
         data["identical"] = self.identical
+        data["recorded"] = self.recorded
         return data
 
 
@@ -157,6 +169,8 @@ def compare_files(file_a, file_b, rank: int, step: int) -> tuple[list[DiffCall],
                 op=row["op"], index=int(row["index"]), phase=row["phase"], kind=row["kind"],
                 source=row["source"], origin=INTRODUCED)
         (diff.differing_outputs if row["io"] == "out" else diff.differing_inputs).append(row["slot"])
+        if len(diff.differences) < _DESCRIBED:
+            diff.differences.append(describe_difference(row, other))
         if row["io"] == "out" and not diff.first_key:
             diff.first_key = row["key"]
             diff.source = row["source"] or diff.source
@@ -173,6 +187,22 @@ def compare_files(file_a, file_b, rank: int, step: int) -> tuple[list[DiffCall],
             diff.first_key = f"{diff.module}/{diff.op}#{diff.index}/{diff.phase}/{diff.differing_inputs[0]}"
     ordered = sorted(calls.values(), key=lambda d: d.order)
     return ordered, only_a, only_b, len(rows_a)
+
+
+def describe_difference(a: dict, b: dict) -> dict:
+    """{"slot", "io", "a", "b"}: one differing record of two runs, as text a person can read."""
+    if not a["dtype"] or not b["dtype"]:
+        shown_a, shown_b = (a["value"] or a["dtype"]), (b["value"] or b["dtype"])
+    elif a["dtype"] != b["dtype"]:
+        shown_a, shown_b = a["dtype"], b["dtype"]
+    else:
+        names = [n for n in ("min", "max", "mean", "norm") if not _equal_number(a[n], b[n])]
+        if names:
+            shown_a, shown_b = (", ".join(f"{n} {row[n]:.9g}" for n in names) for row in (a, b))
+        else:  # same statistics, other bytes: values moved or changed in their last bits
+            shown_a, shown_b = (f"checksum {row['checksum'] or '?'} (same min, max, mean, norm)"
+                                for row in (a, b))
+    return {"slot": a["slot"], "io": a["io"], "a": shown_a, "b": shown_b}
 
 
 def _fed_inside(module: DiffCall, begin: int, calls: dict) -> bool:
@@ -224,6 +254,7 @@ def bit_compare(path_a, path_b, run_a: int = 1, run_b: int = 2) -> list[RankRepo
         steps_a = {s for s, r in dump_a.files if r == rank}
         steps_b = {s for s, r in dump_b.files if r == rank}
         report = RankReport(rank=rank, run_a=run_a, run_b=run_b, steps=sorted(steps_a | steps_b))
+        report.hash_seeds = (_hash_seed(dump_a, rank), _hash_seed(dump_b, rank))
         report.only_a += [f"step {s} (whole step file)" for s in sorted(steps_a - steps_b)]
         report.only_b += [f"step {s} (whole step file)" for s in sorted(steps_b - steps_a)]
         introduced, differing = [], []
@@ -244,6 +275,33 @@ def bit_compare(path_a, path_b, run_a: int = 1, run_b: int = 2) -> list[RankRepo
         report.ops = _rank_ops(introduced)
         reports.append(report)
     return reports
+
+
+def _hash_seed(dump, rank: int) -> str:
+    """The PYTHONHASHSEED a run's first step file of this rank recorded ("" if none)."""
+    steps = sorted(s for s, r in dump.files if r == rank)
+    if not steps:
+        return ""
+    with dump.open(steps[0], rank) as step_file:
+        state = step_file.attrs.get("determinism") or {}
+    if "hash_seed_at_start" in state:  # what hashed str in that interpreter
+        return str(state["hash_seed_at_start"] or "random")
+    return str((state.get("env") or {}).get("PYTHONHASHSEED", ""))  # older dumps: the closest record
+
+
+def hash_seed_line(report: RankReport) -> str:
+    """What the runs' hash seeds let this check see: identical str hashes hide hash-order
+    nondeterminism (iterating a set of str, dict order built from one, hash(name) sharding)."""
+    seed_a, seed_b = report.hash_seeds
+    if seed_a and seed_a == seed_b and seed_a != "random":
+        return (f"PYTHONHASHSEED {seed_a} in both runs: nondeterminism from str hash order (a set "
+                "of names iterated, hash(name) % n) cannot show here; `probe determinism "
+                "--hash-seed vary` gives each run its own")
+    if seed_a and seed_b:
+        return (f"PYTHONHASHSEED {seed_a} in run {report.run_a}, {seed_b} in run {report.run_b}: "
+                "differences from str hash order show too")
+    return ("PYTHONHASHSEED not recorded for both runs: each interpreter may have hashed str "
+            "differently (launch with `probe run` or `probe determinism` to fix it)")
 
 
 def _settings(attrs: dict) -> dict:
@@ -305,7 +363,10 @@ def format_report(report: RankReport, top: int = 10) -> list[str]:
     """Terminal lines for one rank."""
     pair = f"run {report.run_a} vs run {report.run_b}"
     head = f"rank {report.rank}, {pair}"
-    if report.identical:
+    if not report.recorded:
+        lines = [f"{head}: nothing was recorded (0 records over steps {_steps(report.steps)}): "
+                 "nothing was checked"]
+    elif report.identical:
         lines = [f"{head}: bit-identical ({report.records} records over steps {_steps(report.steps)})"]
     else:
         lines = [f"{head}: NOT bit-identical ({report.differing} of {report.records} records differ)"]
@@ -318,6 +379,10 @@ def format_report(report: RankReport, top: int = 10) -> list[str]:
             lines.append(f"    source: {first.source or 'unknown'}")
             if first.origin == INTRODUCED:
                 lines.append("    its inputs were bit-identical in both runs; its output was not")
+            for diff in sorted(first.differences, key=lambda d: d["io"] != "in"):
+                what = "input" if diff["io"] == "in" else "output"
+                lines.append(f"    {what} {diff['slot']} differs: {diff['a']} in run {report.run_a}, "
+                             f"{diff['b']} in run {report.run_b}")
         if report.only_a or report.only_b:
             shown = (report.only_a or report.only_b)[0]
             lines.append(f"  the runs took different paths: {len(report.only_a)} records only in run "
@@ -332,6 +397,7 @@ def format_report(report: RankReport, top: int = 10) -> list[str]:
                 lines.append(f"    ... and {len(report.ops) - top} more")
     lines.append("  determinism settings in force:")
     lines += [f"    {line}" for line in _settings_lines(report.settings)]
+    lines.append(f"    {hash_seed_line(report)}")
     tips = advice(report) if not report.identical else []
     if tips:
         lines.append("  what to change:")
@@ -363,5 +429,10 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
+def nothing_recorded(reports: list[RankReport]) -> bool:
+    """True when no run recorded a single record: a check that looked at nothing."""
+    return not any(report.recorded for report in reports)
+
+
 __all__ = ["bit_compare", "compare_files", "advice", "format_report", "RankReport", "DiffCall",
-           "RankedOp", "RANDOM_OPS"]
+           "RankedOp", "RANDOM_OPS", "nothing_recorded", "describe_difference", "hash_seed_line"]

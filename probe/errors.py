@@ -36,3 +36,11 @@ class CompareError(ProbeError):
 
 class NonfiniteError(ProbeError):
     """stop_on_nonfinite: a captured step held NaN/Inf; its file is on disk, training stops."""
+
+
+class NothingRecordedError(ProbeError):
+    """A check found nothing to look at (0 records): it must not pass."""
+
+
+class RunExistsError(DumpError):
+    """dump_path already holds another run's step files, and config "overwrite" is false."""

@@ -12,8 +12,11 @@ phase: inputs, parameters, outputs) decides the origin:
 * **inherited**: a NaN/Inf was already in the call's inputs (its data, a parameter, an
   incoming gradient): it was made before the capture began or by code probe did not record.
 
-A half-precision record (float16, bfloat16, float8) whose NaN/Inf was introduced by its call,
-or whose finite values sit at its dtype's largest magnitude, is reported as an overflow.
+An introduced NaN/Inf gets its cause (probe/nonfinite_cause.py): an overflow (a result beyond
+the dtype's largest value), a division by zero (a denominator that held 0, often one that
+underflowed in half precision) or an invalid operation (sqrt or log of a negative value, 0/0).
+A half-precision record whose finite values sit at its dtype's largest magnitude is reported as
+saturated.
 
 Ranks are independent runs of the same step: ``find_nonfinite`` returns the first finding of
 each rank, ``first_nonfinite`` the first of all (lowest step, then lowest rank).
@@ -27,24 +30,19 @@ import os
 import numpy as np
 from dataclasses import asdict, dataclass, field
 
-from probe.errors import DumpFormatError, NonfiniteError
+from probe import nonfinite_cause
+from probe.errors import DumpFormatError, NonfiniteError, NothingRecordedError
 
 INTRODUCED, INHERITED = "introduced", "inherited"
 
-#: largest finite magnitude of the dtypes that overflow in practice (torch.finfo(dtype).max)
-DTYPE_MAX = {
-    "float16": 65504.0,
-    "bfloat16": 3.3895313892515355e38,
-    "float8_e4m3fn": 448.0,
-    "float8_e4m3fnuz": 240.0,
-    "float8_e5m2": 57344.0,
-    "float8_e5m2fnuz": 57344.0,
-}
+#: largest finite magnitude of the half-precision dtypes (torch.finfo(dtype).max): values there
+#: are saturated
+DTYPE_MAX = {name: nonfinite_cause.DTYPE_MAX[name] for name in nonfinite_cause.HALF_DTYPES}
 #: the columns that name one call (its records may have several seq: a module's inputs are
 #: recorded when it starts, its outputs when it returns)
 CALL_COLUMNS = ("module", "op", "index", "phase")
 _ROW_COLUMNS = ("key", "seq", "kind", "module", "op", "index", "phase", "slot", "io", "dtype",
-                "shape", "min", "max", "nan_count", "inf_count", "numel", "source")
+                "shape", "value", "min", "max", "nan_count", "inf_count", "numel", "source")
 
 
 @dataclass(frozen=True)
@@ -90,6 +88,9 @@ class NonfiniteFinding:
     inputs: tuple[Slot, ...] = ()
     outputs: tuple[Slot, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    #: why an introduced NaN/Inf appeared: "overflow", "division by zero", "invalid operation",
+    #: or "" (inherited, or the records do not say)
+    cause: str = ""
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -105,6 +106,8 @@ class NonfiniteFinding:
         if self.origin == INTRODUCED:
             finite = ", ".join(s.slot for s in self.inputs) or "none recorded"
             origin = f"introduced here: its inputs were finite ({finite})"
+            if self.cause:
+                origin += f"; cause: {self.cause}"
         else:
             bad = ", ".join(f"{s.slot} ({s.nan_count} NaN, {s.inf_count} Inf)"
                             for s in self.inputs if not s.finite)
@@ -148,9 +151,10 @@ def _first_in_file(step_file) -> NonfiniteFinding | None:
     same_call = np.ones(len(records), dtype=bool)
     for name in CALL_COLUMNS:
         same_call &= records.column(name) == records.column(name)[at]
-    rows = [{name: _plain(records.column(name)[i]) for name in _ROW_COLUMNS}
-            for i in same_call.nonzero()[0]]
-    rows = [row for row in rows if row["dtype"]]  # tensors only: plain values hold no NaN count
+    present = [name for name in _ROW_COLUMNS if name in records.columns]
+    call_rows = [{name: _plain(records.column(name)[i]) for name in present}
+                 for i in same_call.nonzero()[0]]
+    rows = [row for row in call_rows if row["dtype"]]  # tensors only: plain values hold no NaN count
     first = next(row for row in rows if row["nan_count"] > 0 or row["inf_count"] > 0)
     inputs = tuple(_slot(row) for row in rows if row["io"] == "in")
     outputs = tuple(_slot(row) for row in rows if row["io"] == "out")
@@ -159,34 +163,32 @@ def _first_in_file(step_file) -> NonfiniteFinding | None:
         first = next(row for row in rows if row["io"] == "in"
                      and (row["nan_count"] > 0 or row["inf_count"] > 0))
     origin = INHERITED if inherited else INTRODUCED
-    overflow, notes = _overflow(first, origin, rows)
+    cause, notes = nonfinite_cause.classify(first, call_rows) if origin == INTRODUCED else ("", [])
+    saturated = _saturated(first, rows)
+    overflow = cause == nonfinite_cause.OVERFLOW or bool(saturated)
     return NonfiniteFinding(
         step=int(step_file.step), rank=int(step_file.rank), seq=first_seq, key=first["key"],
         kind=first["kind"], module=first["module"], op=first["op"], index=_int(first["index"]),
         phase=first["phase"], slot=first["slot"], dtype=first["dtype"], shape=first["shape"],
         nan_count=_int(first["nan_count"]), inf_count=_int(first["inf_count"]),
         numel=_int(first["numel"]), source=first["source"], origin=origin, overflow=overflow,
-        file=step_file.path, inputs=inputs, outputs=outputs, notes=tuple(notes),
+        file=step_file.path, inputs=inputs, outputs=outputs, notes=tuple(notes + saturated),
+        cause=cause,
     )
 
 
-def _overflow(first: dict, origin: str, rows: list[dict]) -> tuple[bool, list[str]]:
-    """Whether the NaN/Inf is a half-precision overflow, and the sentence that says so."""
+def _saturated(first: dict, rows: list[dict]) -> list[str]:
+    """The sentence naming the half-precision slots whose values sit at the dtype's largest
+    value (the true values were larger), or none."""
     limit = DTYPE_MAX.get(first["dtype"])
     if limit is None:
-        return False, []
-    notes = []
-    overflow = origin == INTRODUCED and first["inf_count"] > 0
-    if overflow:
-        notes.append(f"{first['dtype']} overflow: a result beyond {limit:g}, the largest "
-                     f"{first['dtype']} value, became Inf (compute this op in float32, or scale it down)")
+        return []
     saturated = [row["slot"] for row in rows if row["dtype"] == first["dtype"]
                  and any(math.isfinite(v) and abs(v) >= limit for v in (row["min"], row["max"]))]
-    if saturated:
-        overflow = True
-        notes.append(f"{', '.join(saturated)} reach {limit:g}, the largest {first['dtype']} value "
-                     "(saturated: the true values were larger)")
-    return overflow, notes
+    if not saturated:
+        return []
+    return [f"{', '.join(saturated)} reach {limit:g}, the largest {first['dtype']} value "
+            "(saturated: the true values were larger)"]
 
 
 def _plain(value):
@@ -206,13 +208,21 @@ def find_nonfinite(dump, *, rank: int | None = None) -> dict[int, NonfiniteFindi
     if rank is not None and rank not in loaded.ranks:
         raise DumpFormatError(f"{loaded.path} has no rank {rank} (ranks: {loaded.ranks})")
     found: dict[int, NonfiniteFinding] = {}
+    examined = 0
     for step, file_rank in sorted(loaded.files):
         if file_rank in found or (rank is not None and file_rank != rank):
             continue
         with loaded.open(step, file_rank) as step_file:
+            examined += len(step_file.records)
             finding = _first_in_file(step_file)
         if finding is not None:
             found[file_rank] = finding
+    if not examined:
+        # "every record is finite" would be true of nothing: a check that saw nothing fails
+        raise NothingRecordedError(
+            f"nothing was recorded: the step files of {loaded.path} hold 0 records "
+            f"({len(loaded.files)} file(s)); its config's scope or list selects no call, or "
+            "start() was not called around the steps")
     return dict(sorted(found.items()))
 
 

@@ -252,6 +252,9 @@ def determinism_state() -> dict[str, Any]:
         except (RuntimeError, AttributeError) as error:  # backends that refuse the legacy flag
             state[name] = f"unknown ({error})"
     state["env"] = {name: os.environ[name] for name in ENV_VARS if name in os.environ}
+    # env's PYTHONHASHSEED is what seed_all set for child processes; this is what hashed str in
+    # this interpreter (None: random)
+    state["hash_seed_at_start"] = _STARTUP_HASH_SEED
     return state
 
 

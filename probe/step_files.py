@@ -62,6 +62,7 @@ class StepFiles:
             "config": cfg.to_dict(),
             "seed_report": self._seed_report,
             "determinism": determinism_state(),
+            "autocast": [],  # filled in place by the recorder: which calls ran under autocast
         }
 
         def open_writer():
@@ -72,6 +73,7 @@ class StepFiles:
         recorder = Recorder(cfg, open_writer, capture_filter=self._filter,
                             locate=self._locate, host_batch=self._host_batch or False)
         recorder.step_attrs = attrs
+        recorder.autocast_runs = attrs["autocast"]
         return recorder
 
     @staticmethod

@@ -14,7 +14,7 @@ LAYERS = [
     {"compat", "config", "config_values"},
     {"seed", "data"},
     {"dump"},
-    {"capture", "nonfinite"},
+    {"capture", "nonfinite", "nonfinite_cause"},
     {"comparison", "determinism"},
     {"report", "replay"},
     {"compare_and_replay", "debugger", "step_files", "write_results"},
@@ -26,14 +26,14 @@ LAYERS = [
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
     ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
-                 "where", "result", "prefetch", "elementwise"}),
-    ("load", {"load"}),
+                 "where", "sizes", "result", "prefetch", "elementwise", "kinds", "optimizer_calls"}),
+    ("load", {"load", "model_overlap", "autocast_runs"}),
     ("normalize", {"foreach", "optimizer_targets", "normalize", "shards"}),
-    ("align", {"align", "foreach_pairing", "pairing"}),
+    ("align", {"align", "foreach_pairing", "pairing", "defaults"}),
     ("measure", {"provenance", "measure"}),
-    ("judge", {"verdict", "causes", "explain", "stale", "judge"}),
-    ("attribute", {"story", "attribute"}),
-    ("result", {"groups", "assemble"}),
+    ("judge", {"verdict", "causes", "explain", "stale", "judge", "kernels"}),
+    ("attribute", {"attribute"}),
+    ("result", {"story", "groups", "assemble", "precision", "drift", "entering"}),
     ("orchestration", {"engine", "sharded_steps", "api"}),
 ]
 

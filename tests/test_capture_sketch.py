@@ -64,11 +64,14 @@ def test_device_path_gives_the_host_sketch_in_the_same_single_copy():
     values, counts = stats.device_stats(x, 16)
     ((numbers, sketched),) = stats.resolve_device_stats([(values, counts, x.numel())])
     assert numbers == pytest.approx(stats.host_stats(x), rel=1e-6)
-    # numpy and torch sum in other orders: the difference stays under compare's rounding floor
+    # torch and numpy may sum in other orders (on some CPUs they happen to agree bit for bit):
+    # whatever the order, the two sketches agree to float32 rounding, under compare's floor
     norm = float(x.norm())
     host = np.array(sketch.unpack(sketch.host_sketch(x, 16)))
-    found = estimator.estimate(sketch.unpack(sketched), host, norm, norm, "float32", "float32")
-    assert 0 < found.raw_err < found.floor and found.err_l2 == 0
+    device = np.array(sketch.unpack(sketched))
+    assert np.abs(device - host).max() <= 1e-5 * norm
+    found = estimator.estimate(device, host, norm, norm, "float32", "float32")
+    assert found.raw_err <= found.floor and found.err_l2 == 0
 
 
 def test_sketching_moves_no_random_state_and_changes_no_value():

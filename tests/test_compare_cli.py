@@ -148,6 +148,19 @@ def test_folders_with_different_steps_fail_unless_allow_missing(dumps, capsys, t
     assert code == 0 and data["missing"] == ["step 1 rank 0 only in A"] and len(data["steps"]) == 1
 
 
+def test_a_partial_step_file_is_reported_as_incomplete_not_as_a_missing_step(dumps, capsys):
+    """The run died while writing B's step 1: its file is still rank0.<token>.h5.partial."""
+    a, b, _ = dumps
+    partial = b / "step1" / "rank0.1f2e.h5.partial"
+    os.rename(b / "step1" / "rank0.h5", partial)
+    code, out, err = _run(["compare", str(a), str(b)], capsys)
+    _one_line_error(code, out, err, f"step 1 rank 0 is incomplete in B: its run died while writing it ({partial})")
+    assert "only in A" not in err
+    code, out, _ = _run(["compare", str(a), str(b), "--allow-missing", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["missing"] == [f"step 1 rank 0 is incomplete in B: its run died while writing it ({partial})"]
+
+
 def test_folders_with_different_ranks_fail(dumps, capsys, tmp_path):
     a, _, _ = dumps
     ranks = tmp_path / "ranks"

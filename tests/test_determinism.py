@@ -188,3 +188,60 @@ def test_the_innermost_recorded_call_is_named_at_every_level(tmp_path, level, na
     (report,) = bit_compare(tmp_path / "run1", tmp_path / "run2")
     assert (report.first.module, report.first.op) == named and report.first.origin == "introduced"
     assert [(op.module, op.op) for op in report.ops] == [named]
+
+
+def test_a_scope_that_matches_nothing_exits_2_saying_nothing_was_recorded(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"scope": ["no_such_module"]}))
+    done = determinism("-c", config, "--", sys.executable, SCRIPT, "--steps", "1", timeout=180)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "bit-identical" not in done.stdout
+    assert "nothing was recorded" in done.stderr.strip().splitlines()[-1]
+
+
+def test_runs_sharing_one_hash_seed_are_told_hash_order_cannot_show():
+    from probe.determinism import RankReport
+
+    report = RankReport(rank=0, run_a=1, run_b=2, steps=[0], records=5, hash_seeds=("1234", "1234"))
+    text = "\n".join(format_report(report))
+    assert "PYTHONHASHSEED 1234 in both runs: nondeterminism from str hash order" in text
+    assert "`probe determinism --hash-seed vary` gives each run its own" in text
+    assert report.to_dict()["hash_seeds"] == ("1234", "1234") and report.to_dict()["recorded"]
+
+
+def test_hash_seed_vary_gives_each_run_its_own_and_shows_hash_order_nondeterminism(tmp_path):
+    """A set of str iterated: with --hash-seed vary its order differs between the runs, and the
+    report names the differing input with its values."""
+    vary = determinism("--hash-seed", "vary", "--", sys.executable, SCRIPT, "--steps", "1", "--hash-order",
+                       timeout=180)
+    assert vary.returncode == 1, vary.stderr
+    assert "PYTHONHASHSEED 1234 in run 1, 1235 in run 2" in vary.stdout
+    assert "first difference (inherited: its inputs already differed)" in vary.stdout
+    assert "input input.0 differs: min " in vary.stdout and " in run 1, min " in vary.stdout
+
+
+def test_a_command_that_is_not_found_is_named_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["determinism", "--", "pythonx-no-such-program"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1
+    assert "determinism: command not found: 'pythonx-no-such-program' is not on PATH" in err
+    assert "run:" not in err
+
+
+def test_an_inherited_first_difference_says_which_input_differed_and_its_values(tmp_path):
+    """An argument that differs between runs (gelu's approximate) and a tensor that does (the
+    data): the text names each slot with both runs' values, as the JSON does."""
+    for run, (approximate, shift) in enumerate((("none", 0.0), ("tanh", 0.5)), 1):
+        debugger = PrecisionDebugger(Config(task="checksum", level="api", dump_path=str(tmp_path / f"run{run}")))
+        x = torch.ones(2, 3) + shift  # made before the capture: not recorded
+        with debugger.capture():
+            torch.nn.functional.gelu(x, approximate=approximate)
+    (report,) = bit_compare(tmp_path / "run1", tmp_path / "run2")
+    assert report.first.origin == "inherited" and report.first.op == "functional.gelu"
+    text = "\n".join(format_report(report))
+    assert "input input.0 differs: min 1, max 1, mean 1, norm " in text
+    assert " in run 1, min 1.5, max 1.5, mean 1.5, norm " in text
+    assert "input kwarg.approximate differs: \"none\" in run 1, \"tanh\" in run 2" in text
+    slots = {d["slot"]: (d["a"], d["b"]) for d in report.to_dict()["first"]["differences"]}
+    assert slots["kwarg.approximate"] == ('"none"', '"tanh"')

@@ -147,7 +147,7 @@ def test_distributed_compares_each_rank_and_blames_rank_1(tmp_path):
     # sketches beyond tolerance, but nothing rank 0 computes from them leaves the tolerance
     assert re.search(r"^  rank 0: pass$", stdout, re.M), stdout
     assert re.search(r"^  rank 1: diverged; first divergence at step 0: "
-                     r"module\.blocks\.1\.act/functional\.gelu#0/forward/output\.0 \(introduced\)$",
+                     r"blocks\.1\.act/functional\.gelu#0/forward/output\.0 \(introduced\)$",
                      stdout, re.M), stdout
     assert "whole runs (all steps and ranks): verdict diverged" in stdout
-    assert "first divergence: step 0, rank 1, module.blocks.1.act/functional.gelu#0/forward/output.0 (introduced)" in stdout
+    assert "first divergence: step 0, rank 1, blocks.1.act/functional.gelu#0/forward/output.0 (introduced)" in stdout

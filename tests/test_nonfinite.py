@@ -102,7 +102,7 @@ def test_half_precision_overflow_is_reported_as_overflow(tmp_path, dtype):
     dump = run_steps(tmp_path, [torch.full((2, 3), big, dtype=dtype)], model=Scale())
     finding = probe.first_nonfinite(dump)
     assert finding.op == "torch.mul" and finding.origin == "introduced"
-    assert finding.inf_count == 6 and finding.overflow
+    assert finding.inf_count == 6 and finding.overflow and finding.cause == "overflow"
     assert f"{finding.dtype} overflow" in finding.describe()
 
 
@@ -113,6 +113,7 @@ def test_float32_inf_from_finite_inputs_is_not_called_a_half_overflow(tmp_path):
 
     finding = probe.first_nonfinite(run_steps(tmp_path, [torch.ones(3)], model=Divide()))
     assert finding.origin == "introduced" and finding.inf_count == 3 and not finding.overflow
+    assert finding.cause == "division by zero" and "its denominator input.1 (value 0.0) is 0" in finding.describe()
 
 
 def test_cli_prints_the_finding_and_exits_1(tmp_path, capsys):
@@ -200,3 +201,78 @@ def test_values_at_the_half_dtype_max_are_called_saturated(tmp_path):
     finding = probe.first_nonfinite(run_steps(tmp_path, [x], model=Scale()))
     assert finding.overflow and finding.inf_count == 1
     assert any(note.startswith("input.0 reach 65504") for note in finding.notes), finding.notes
+
+
+def test_a_dump_of_zero_records_is_nothing_recorded_and_exit_2_never_all_finite(tmp_path, capsys):
+    with pytest.warns(UserWarning, match="selects no module"):
+        dump = run_steps(tmp_path, [torch.ones(2, 4)], model=nn.Linear(4, 2), scope=["no_such_module"])
+    assert len(probe.load(dump).records(step=0)) == 0
+    code, out, err = run_cli(capsys, dump)
+    assert code == 2 and out == "" and "none found" not in err
+    assert err.startswith("probe: error: nothing was recorded: the step files of") and err.count("\n") == 1
+    with pytest.raises(probe.NothingRecordedError):
+        probe.first_nonfinite(dump)
+
+
+def test_adamw_eps_underflowing_in_float16_is_a_division_by_zero_not_an_overflow(tmp_path):
+    """AdamW's eps 1e-8 rounds to 0 in float16, and so does a tiny gradient's square: sqrt(v) +
+    eps is 0 and the update divides by it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).half()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-8, foreach=False)
+    debugger = PrecisionDebugger(Config(task="statistics", level="api", dump_path=str(tmp_path / "dump")))
+    with debugger.capture(model):
+        (model(torch.randn(3, 4).half()) * 1e-3).sum().backward()
+        optimizer.step()
+    finding = probe.first_nonfinite(str(tmp_path / "dump"))
+    assert finding.op == "Tensor.addcdiv_" and finding.origin == "introduced"
+    assert finding.cause == "division by zero" and not finding.overflow
+    text = finding.describe()
+    assert "overflow" not in text
+    assert "division by zero: its denominator input.2 (float16, min 0, max 0) holds 0" in text
+    assert "AdamW's eps 1e-8" in text and "5.96e-08" in text
+
+
+def test_sqrt_of_a_negative_value_is_an_invalid_operation(tmp_path):
+    class Root(nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x)
+
+    finding = probe.first_nonfinite(run_steps(tmp_path, [torch.tensor([4.0, -1.0])], model=Root()))
+    assert finding.cause == "invalid operation" and not finding.overflow
+    assert "invalid operation: sqrt of a value outside its domain >= 0: input.0 (float32, min -1, max 4)" \
+        in finding.describe()
+
+
+def test_a_result_beyond_the_dtype_max_is_an_overflow_in_float32_too(tmp_path):
+    class Exp(nn.Module):
+        def forward(self, x):
+            return torch.exp(x)
+
+    finding = probe.first_nonfinite(run_steps(tmp_path, [torch.tensor([1.0, 100.0])], model=Exp()))
+    assert finding.cause == "overflow" and finding.overflow
+    assert "float32 overflow: a result beyond 3.40282e+38" in finding.describe()
+
+
+class _Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+@pytest.mark.parametrize("values, cause, text", [
+    ([0.0, 1.0], "division by zero", "log of 0 is -Inf"),
+    ([-1.0, 1.0], "invalid operation", "invalid operation: log of a value outside its domain >= 0"),
+])
+def test_log_of_zero_is_a_division_by_zero_and_of_a_negative_value_invalid(tmp_path, values, cause, text):
+    finding = probe.first_nonfinite(run_steps(tmp_path, [torch.tensor(values)], model=_Log()))
+    assert finding.cause == cause and text in finding.describe()
+
+
+def test_zero_divided_by_zero_is_an_invalid_operation_naming_the_zero_denominator(tmp_path):
+    class Ratio(nn.Module):
+        def forward(self, x):
+            return torch.div(x, x)
+
+    finding = probe.first_nonfinite(run_steps(tmp_path, [torch.tensor([0.0, 2.0])], model=Ratio()))
+    assert finding.cause == "invalid operation" and finding.nan_count == 1
+    assert "invalid operation: 0/0: its denominator input.1 (float32, min 0, max 2) holds 0" in finding.describe()

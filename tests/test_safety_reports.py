@@ -121,6 +121,13 @@ def test_a_statistics_and_tensor_pair_is_not_labelled_tensor_evidence(tmp_path, 
 
 # ------------------------------------------------------------------ the runs differ in
 
+def test_the_hash_seed_compared_is_the_one_each_interpreter_started_with_not_the_one_seed_all_set(tmp_path, capsys):
+    _write(tmp_path / "a", determinism={"env": {"PYTHONHASHSEED": "1234"}, "hash_seed_at_start": "1234"})
+    _write(tmp_path / "b", determinism={"env": {"PYTHONHASHSEED": "1234"}, "hash_seed_at_start": None})
+    code, out, _ = _run(["compare", str(tmp_path / "a"), str(tmp_path / "b")], capsys)
+    assert code == 0 and "  PYTHONHASHSEED: 1234 in A, random in B\n" in out
+
+
 def test_compare_says_which_recorded_settings_differ_in_terminal_json_and_html(tmp_path, capsys):
     _write(tmp_path / "a", seed_report={"seed": 1, "mode": False},
            determinism={"num_threads": 1, "deterministic_algorithms": True})

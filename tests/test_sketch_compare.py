@@ -42,11 +42,19 @@ def _signature(row):
     return row.module, row.op, row.phase, row.slot
 
 
+def _first_measured(result):
+    """The first divergent output measured by its error (a precision finding, an op computed in
+    a lower dtype by the model's own cast, is named before it without a size of its own)."""
+    outputs = [row for row in result.divergences if row.divergence == "output"]
+    return min(outputs, key=lambda row: row.order)
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_statistics_and_tensor_dumps_name_the_same_op_with_errors_within_a_factor_of_two(dumps, scenario):
     exact = compare(dumps(scenario, "tensor", False), dumps(scenario, "tensor", True))
     sketched = compare(dumps(scenario, "statistics", False), dumps(scenario, "statistics", True))
-    first_t, first_s = exact.first_divergence, sketched.first_divergence
+    first_t, first_s = _first_measured(exact), _first_measured(sketched)
+    assert _signature(exact.first_divergence) == _signature(sketched.first_divergence)
     assert exact.verdict == sketched.verdict == "diverged"
     assert _signature(first_s) == _signature(first_t), (first_s.key, first_t.key)
     assert first_s.origin == first_t.origin == "introduced"
@@ -56,16 +64,20 @@ def test_statistics_and_tensor_dumps_name_the_same_op_with_errors_within_a_facto
 
 
 def test_without_sketches_the_bf16_rotary_fault_hides_under_the_lower_bounds(dumps):
-    """What the sketches fix: min/max/mean/norm of cos barely move, so the bound says PASS."""
+    """What the sketches fix: min/max/mean/norm of cos barely move, so the bound passes every
+    measured output; only the precision rule (torch.arange made in bfloat16) names the fault."""
     bounded = compare(dumps("rotary-in-bf16", "statistics", False, sketch_size=0),
                       dumps("rotary-in-bf16", "statistics", True, sketch_size=0))
-    assert bounded.verdict == "pass"
+    assert {row.divergence for row in bounded.divergences} == {"precision"}
+    assert bounded.first_divergence.op == "torch.arange"
     measured = compare(dumps("rotary-in-bf16", "statistics", False), dumps("rotary-in-bf16", "statistics", True))
-    first = measured.first_divergence
+    assert measured.first_divergence.divergence == "precision"
+    first = _first_measured(measured)
     assert (first.module, first.op) == ("layer.rotary_emb", "Tensor.cos") and first.tol_dtype == "bfloat16"
     assert "estimated (sketch, k=16, \u00b152%)" in metrics_line(first)
     assert any("estimated from each tensor's sketch" in note for note in measured.notes)
-    first_json = json.loads(json.dumps(measured.to_dict()))["first_divergence"]
+    first_json = [row for row in json.loads(json.dumps(measured.to_dict(rows=True)))["rows"]
+                  if row["key"] == first.key][0]["metrics"]
     assert first_json["sketch"]["k"] == 16 and first_json["sketch"]["text"] == "estimated (sketch, k=16, \u00b152%)"
     assert first_json["sketch"]["low"] < first_json["rel_l2"] * first.metrics.ref_norm < first_json["sketch"]["high"]
 
@@ -136,7 +148,11 @@ def test_rounding_level_differences_stay_within_tolerance_with_sketches(dumps, o
     result = compare(a, b)
     assert result.verdict == "pass", result.first_divergence and result.first_divergence.reasons
     measured = [r for r in result.rows if r.metrics is not None and r.metrics.sketch]
-    assert measured and any(r.metrics.sketch["raw_err"] > 0 for r in measured)  # rounding really differs
+    assert measured
+    if "threads" in options and not any(r.metrics.sketch["raw_err"] > 0 for r in measured):
+        pytest.skip("1 and 2 threads sum in the same order with this CPU's kernels: no rounding to judge")
+    # float32 against float64 always rounds differently
+    assert any(r.metrics.sketch["raw_err"] > 0 for r in measured)
 
 
 def test_schema_1_dumps_still_compare_with_their_lower_bounds():

@@ -127,7 +127,7 @@ def dump_value_net_step(side, dump_dir):
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     x, target = side.take(torch.randn(100, 10)), side.take(torch.randn(100, 1))
     debugger = PrecisionDebugger(Config(task="statistics", level="mix",
-                                                    dump_path=dump_dir, seed=SEED))
+                                                    dump_path=dump_dir, seed=SEED, overwrite=True))
     with side.applied():
         debugger.start(net)
         optimizer.zero_grad()

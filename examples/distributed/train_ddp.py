@@ -56,7 +56,7 @@ def main():
     data = torch.Generator().manual_seed(SEED + rank)  # each rank reads its own shard
 
     debugger = PrecisionDebugger(
-        Config(task="statistics", level="mix", dump_path=args.dump, seed=SEED))
+        Config(task="statistics", level="mix", dump_path=args.dump, seed=SEED, overwrite=True))
     for step in range(args.steps):
         x, y = make_batch("mlp", 16, generator=data, device=device, in_features=32, out_features=10)
         debugger.start(ddp_model)

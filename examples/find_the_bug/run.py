@@ -62,7 +62,7 @@ def dump_one_step(model, dump_dir, device, task):
     x, y = make_batch("deepmlp", 16, generator=torch.Generator().manual_seed(SEED),
                       device=device, in_features=SIZES["in_features"])
     debugger = PrecisionDebugger(
-        Config(task=task, level="mix", dump_path=dump_dir, seed=SEED))
+        Config(task=task, level="mix", dump_path=dump_dir, seed=SEED, overwrite=True))
     debugger.start(model)
     train_step(model, optimizer, x, y)
     debugger.stop()

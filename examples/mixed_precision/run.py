@@ -47,7 +47,7 @@ def train(initial, precision, steps, device, dump_dir):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.Generator().manual_seed(SEED)
     debugger = PrecisionDebugger(Config(
-        task="tensor", level="mix", dump_path=dump_dir, step=[0], seed=SEED))
+        task="tensor", level="mix", dump_path=dump_dir, step=[0], seed=SEED, overwrite=True))
     autocast = (torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
                 if precision == "bf16" else contextlib.nullcontext())
     losses = []

@@ -36,7 +36,7 @@ def train_and_dump(dump_dir, refactored, steps, device):
     # Building the debugger calls seed_all(config.seed): both runs start from the same
     # weights. level "mix" records module calls and torch API calls.
     debugger = PrecisionDebugger(
-        Config(task="statistics", level="mix", dump_path=dump_dir, seed=SEED))
+        Config(task="statistics", level="mix", dump_path=dump_dir, seed=SEED, overwrite=True))
     model = DeepMLP(in_features=32, width=64, depth=4, out_features=10)
     if refactored:
         model.blocks[2].act = nn.GELU(approximate="tanh")

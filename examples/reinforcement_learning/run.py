@@ -76,7 +76,7 @@ def dump_update(model, batch, settings, dump_dir, dtype, threads):
     model = copy.deepcopy(model).to(dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     debugger = PrecisionDebugger(
-        Config(task="statistics", level="mix", dump_path=dump_dir, seed=SEED))
+        Config(task="statistics", level="mix", dump_path=dump_dir, seed=SEED, overwrite=True))
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -37,7 +37,7 @@ def main():
     dump = os.path.join(args.out, f"dump_{args.dtype}")
 
     debugger = PrecisionDebugger(Config(task="statistics", level="mix", dump_path=dump,
-                                        stop_on_nonfinite=True, seed=1234))
+                                        stop_on_nonfinite=True, seed=1234, overwrite=True))
     model = MLP(in_features=16, hidden=32, out_features=1).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     fixed = torch.Generator().manual_seed(0)

@@ -60,7 +60,7 @@ def train(seeded, steps, device, dump_dir):
         # The seeded runs also dump their last step (checksums of every module's tensors) for
         # probe compare. Only they do: building a PrecisionDebugger calls seed_all itself.
         capture = PrecisionDebugger(Config(task="checksum", level="module", dump_path=dump_dir,
-                                           step=[steps - 1], seed=SEED))
+                                           step=[steps - 1], seed=SEED, overwrite=True))
     else:
         loader_kwargs = {}
     model = MLP(in_features=32, hidden=64, out_features=10, dropout=0.3).to(device)

@@ -48,6 +48,8 @@ from torch.overrides import TorchFunctionMode
 from probe import compat
 from probe.capture import naming
 from probe.capture.api_backward import hook_backward, hook_nodes
+from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
+from probe.capture.defaults import defaulted as _defaulted
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -149,6 +151,10 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
             f"{module}/{name}#{index}/forward/")
     rec.calls += 1
     add = rec.add
+    autocast = _autocast_dtype()
+    if autocast:  # a lower precision autocast chose is expected, one the model chose is not
+        _note_autocast(rec.autocast_runs, seq, autocast, rec.autocast_last)
+    rec.autocast_last[0] = seq
     if filt.forward_in:
         buffers = _output_buffers(func, name, args, kwargs)
         position = 0
@@ -169,6 +175,9 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                     add(call, "kwarg." + key, "in", arg)
                 else:
                     rec.add_tree(call, "kwarg." + key, "in", arg)
+        # the defaults that choose the function: F.gelu(x) against F.gelu(x, approximate="tanh")
+        for key, arg in _defaulted(func, args, kwargs):
+            add(call, "default." + key, "in", arg)
     track = filt.backward and _is_grad_enabled()
     edges = _grad_edges(args, kwargs) if track else None
     out = func(*args, **kwargs)

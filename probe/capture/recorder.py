@@ -108,6 +108,10 @@ class Recorder:
         self.active = False
         self.generation = 0
         self.calls = 0  # captured API and module calls (for the benchmark)
+        #: [first_seq, last_seq, dtype] runs of API calls made under autocast (capture/autocast.py);
+        #: the debugger points it at the step's root attribute "autocast"
+        self.autocast_runs: list = []
+        self.autocast_last = [-1]  # seq of the previous API call
         #: the first DumpError of this step's tensor writes; storing stops after it
         self.write_error: DumpError | None = None
         self._defer = defer_stats  # None: defer on non-CPU devices only

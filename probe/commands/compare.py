@@ -4,6 +4,7 @@ Imports only click at module level, so ``probe compare --help`` stays fast; nump
 and the compare engine load when a compare actually runs. torch is never imported.
 """
 
+import os
 import sys
 
 import click
@@ -19,7 +20,7 @@ Examples:
   probe compare fp32/ bf16/ --tol bfloat16=1e-2,1e-5 --top 20
   probe compare gpu/ npu/ --mapping map.yaml        # renamed modules / ops
   probe compare gpu/ cpu/ --replay                  # which side is right? (task "tensor" dumps)
-  probe compare gpu/ cpu/ --replay 50 --replay-budget 300
+  probe compare gpu/ cpu/ --replay --replay-top 50 --replay-budget 300
 
 \b
 A is the reference: relative errors are relative to A. A tensor fails when
@@ -29,7 +30,31 @@ Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or inp
 """
 
 
-@click.command("compare", epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+class _CompareCommand(click.Command):
+    """Reads the older ``--replay N`` / ``--replay=N`` as ``--replay --replay-top N``, where N is
+    a number and no path of that name exists; anything else after ``--replay`` is A or B."""
+
+    def parse_args(self, ctx, args):
+        rewritten, position = [], 0
+        while position < len(args):
+            arg = args[position]
+            if arg == "--":
+                rewritten += args[position:]
+                break
+            if arg.startswith("--replay="):
+                rewritten += ["--replay", "--replay-top", arg.split("=", 1)[1]]
+            elif (arg == "--replay" and position + 1 < len(args) and args[position + 1].isdigit()
+                  and not os.path.exists(args[position + 1])):
+                rewritten += ["--replay", "--replay-top", args[position + 1]]
+                position += 1
+            else:
+                rewritten.append(arg)
+            position += 1
+        return super().parse_args(ctx, rewritten)
+
+
+@click.command("compare", cls=_CompareCommand, epilog=_EPILOG,
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of the report.")
@@ -48,15 +73,17 @@ Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or inp
 @click.option("--rank", "ranks", multiple=True, type=int, metavar="N", help="Compare only this rank (repeatable).")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="How many top ops to list.")
 @click.option("--strict", is_flag=True, help="Records present on one side only count as a divergence.")
-@click.option("--replay", "replay", type=click.IntRange(min=0), is_flag=False, flag_value=20, default=None,
-              metavar="[N]",
-              help="Re-run the first divergence, the likely cause and the top N ops (default 20) in float64 "
+@click.option("--replay", "replay_on", is_flag=True,
+              help="Re-run the first divergence, the likely cause and the top ops (--replay-top) in float64 "
                    "from each side's dumped inputs (task 'tensor'): which side is right, and did the op "
-                   "introduce the error or only round and pass it on. Imports torch. Write it after A and B.")
+                   "introduce the error or only round and pass it on. Imports torch.")
+@click.option("--replay-top", "replay_top", type=click.IntRange(min=0), default=None, metavar="N",
+              help="With --replay: how many top ops to replay [default: 20]; implies --replay. "
+                   "(--replay N, the older form, still works.)")
 @click.option("--replay-budget", "replay_budget", type=click.FloatRange(min=0, min_open=True), default=60.0,
               show_default=True, metavar="SECONDS", help="Stop replaying after this long; a note lists what was left.")
 def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_file, mapping,
-            allow_missing, steps, ranks, top, strict, replay, replay_budget):
+            allow_missing, steps, ranks, top, strict, replay_on, replay_top, replay_budget):
     """Find where two dumps part: the first op beyond tolerance, introduced or inherited.
 
     A and B are dump folders (written by PrecisionDebugger) or single step files
@@ -65,6 +92,8 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     """
     from probe.compare_and_replay import compare as run_compare
     from probe.report import output, progress
+
+    replay = replay_top if replay_top is not None else (_REPLAY_TOP if replay_on else None)
 
     # fail on unwritable destinations before the (possibly long) compare
     # and on a report that would overwrite an input or another report: nothing is written
@@ -107,6 +136,10 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
 
         click.echo(terminal.render(result), nl=False)
     return EXIT_DIVERGED if result.diverged else EXIT_PASS
+
+
+#: how many top ops --replay replays without --replay-top
+_REPLAY_TOP = 20
 
 
 def _replay_progress(done, total, name, verdict):

@@ -18,10 +18,13 @@ import click
 
 from probe.commands.run import _check_executable, build_env, run_child
 from probe.config import Config, load
-from probe.determinism import bit_compare, format_report
-from probe.errors import DumpFormatError, ProbeError
+from probe.determinism import bit_compare, format_report, nothing_recorded
+from probe.errors import DumpFormatError, NothingRecordedError, ProbeError
 
-USAGE = "probe determinism [-c config.json] [--runs 2] [--dump DIR] -- python train.py [args...]"
+USAGE = ("probe determinism [-c config.json] [--runs 2] [--dump DIR] [--hash-seed same|vary] "
+         "-- python train.py [args...]")
+#: PYTHONHASHSEED takes 0 to 4294967295
+_HASH_SEEDS = 1 << 32
 
 
 @click.command(
@@ -37,9 +40,14 @@ USAGE = "probe determinism [-c config.json] [--runs 2] [--dump DIR] -- python tr
               help="Keep the dumps in DIR/run1, DIR/run2, ... (default: a temporary folder, removed).")
 @click.option("--top", type=click.IntRange(0), default=10, show_default=True,
               help="How many introducing ops to list per rank.")
+@click.option("--hash-seed", "hash_seed", type=click.Choice(["same", "vary"]), default="same",
+              show_default=True,
+              help="PYTHONHASHSEED of each run: 'same' (the config's seed in every run: str hash "
+                   "order cannot differ) or 'vary' (run N gets seed + N - 1: shows nondeterminism "
+                   "from hash order, a set of names iterated, hash(name) sharding).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def determinism(config_path, runs, dump_dir, top, as_json, command) -> int:
+def determinism(config_path, runs, dump_dir, top, hash_seed, as_json, command) -> int:
     """Run COMMAND several times with the same seed and report whether it repeats bit for bit.
 
     The script must create ``probe.PrecisionDebugger()`` (no argument: it reads the config
@@ -49,32 +57,44 @@ def determinism(config_path, runs, dump_dir, top, as_json, command) -> int:
     determinism settings in force and what to change. One report per rank under torchrun.
     The script's own stdout goes to stderr, so stdout holds only the report.
 
+    Every run gets the same PYTHONHASHSEED unless --hash-seed vary: then nondeterminism from
+    str hash order (iterating a set of names, hash(name) % n) can show too.
+
     \b
-    Exit codes: 0 bit-identical, 1 not, 2 trouble (no command, a run that fails on its own,
-    a script that writes no dump, a bad config).
+    Exit codes: 0 bit-identical, 1 not, 2 trouble (no command, a command not found, a run
+    that fails on its own, a script that writes no dump, nothing recorded, a bad config).
 
     \b
     Examples:
       probe determinism -- python train.py --steps 3
       probe determinism -c config.json --runs 3 --dump det_dumps -- python train.py
+      probe determinism --hash-seed vary -- python train.py
       probe determinism -- torchrun --nproc-per-node 2 train.py
     """
     if not command:
         raise ProbeError(f"determinism: no command given after --; usage: {USAGE}")
     base = load(config_path) if config_path is not None else Config()
+    _check_executable(command[0], dict(os.environ), "determinism")
     folder = os.path.abspath(dump_dir) if dump_dir else tempfile.mkdtemp(prefix="probe-determinism-")
     try:
-        dumps = [_run(command, base, folder, run, runs) for run in range(1, runs + 1)]
+        dumps = [_run(command, base, folder, run, runs, hash_seed) for run in range(1, runs + 1)]
         reports = [report for run in range(2, runs + 1)
                    for report in bit_compare(dumps[0], dumps[run - 1], 1, run)]
     finally:
         if not dump_dir:
             shutil.rmtree(folder, ignore_errors=True)
+    if nothing_recorded(reports):
+        raise NothingRecordedError(
+            f"determinism: nothing was recorded: the step files of all {runs} runs hold 0 records, "
+            f"so nothing was checked; the config's scope {list(base.scope)} and list "
+            f"{list(base.list)} select no call of the script's model (check them for typos), or "
+            "start() is not called around the steps")
     identical = all(report.identical for report in reports)
     if as_json:
         click.echo(json.dumps({
             "verdict": "identical" if identical else "nondeterministic",
             "runs": runs,
+            "hash_seed": hash_seed,
             "dumps": dumps if dump_dir else [],
             "reports": [report.to_dict() for report in reports],
         }, indent=2, default=str))
@@ -91,7 +111,7 @@ def determinism(config_path, runs, dump_dir, top, as_json, command) -> int:
     return 0 if identical else 1
 
 
-def _run(command, base: Config, folder: str, run: int, runs: int) -> str:
+def _run(command, base: Config, folder: str, run: int, runs: int, hash_seed: str = "same") -> str:
     """One run of the command into folder/run<N>; returns that dump folder."""
     dump = os.path.join(folder, f"run{run}")
     if os.path.isdir(dump) and os.listdir(dump):
@@ -102,7 +122,9 @@ def _run(command, base: Config, folder: str, run: int, runs: int) -> str:
     with open(config_file, "w", encoding="utf-8") as handle:
         json.dump(forced.to_dict(), handle, indent=2)
     env = build_env(load(config_file), None, dict(os.environ))
-    _check_executable(command[0], env)
+    if hash_seed == "vary":
+        env["PYTHONHASHSEED"] = str((forced.seed + run - 1) % _HASH_SEEDS)
+    _check_executable(command[0], env, "determinism")
     shown = " ".join(command)
     click.echo(f"probe determinism: run {run} of {runs}: {shown}", err=True)
     sys.stderr.flush()

@@ -20,6 +20,7 @@ import sys
 import click
 
 from probe.config import ENV_CONFIG, ENV_SEED, SEED_MAX, Config, check_dump_path, load
+from probe.dump import run_folder
 from probe.errors import ProbeError
 
 USAGE = "probe run [-c config.json] [--seed N] -- python train.py [args...]"
@@ -48,15 +49,16 @@ def _terminal_delivers_sigint() -> bool:
         return False
 
 
-def _check_executable(program: str, env: dict[str, str]) -> None:
-    """Fail with one line before anything is printed or started when ``program`` cannot run."""
+def _check_executable(program: str, env: dict[str, str], caller: str = "run") -> None:
+    """Fail with one line before anything is printed or started when ``program`` cannot run.
+    ``caller``: the probe command whose message it is ("run", "determinism")."""
     if os.sep in program or (os.altsep and os.altsep in program):
         if not os.path.exists(program):
-            raise ProbeError(f"run: command not found: {program!r}")
+            raise ProbeError(f"{caller}: command not found: {program!r} (no such file)")
         if os.path.isdir(program) or not os.access(program, os.X_OK):
-            raise ProbeError(f"run: {program!r} is not executable")
+            raise ProbeError(f"{caller}: {program!r} is not executable")
     elif shutil.which(program, path=env.get("PATH")) is None:
-        raise ProbeError(f"run: command not found: {program!r} (not on PATH)")
+        raise ProbeError(f"{caller}: command not found: {program!r} is not on PATH")
 
 
 #: signals passed on to the child (SIGINT only when the terminal did not deliver it already)
@@ -184,6 +186,8 @@ def run(config_path: str | None, seed: int | None, quiet: bool, command: tuple[s
     config = load(config_path) if config_path is not None else None
     if config is not None:
         check_dump_path(config)  # now, not at the first dumped step hours into training
+        # another run's step files: refused (or removed with "overwrite") before any rank starts
+        run_folder.claim(config.dump_path, 0, config.overwrite, config.source, started=float("inf"))
     env = build_env(config, seed, dict(os.environ))
     _check_executable(command[0], env)
     if not quiet:

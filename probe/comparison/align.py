@@ -27,25 +27,12 @@ from __future__ import annotations
 
 import difflib
 from collections import defaultdict
-from dataclasses import dataclass
 
-from probe.comparison.records import Call
+from probe.comparison.records import Call, CallPair
 from probe.dump import schema
 
 #: how a pair was made: see the module docstring
 SEQUENCE, NAME, KEY = "sequence", "name", "key"
-
-
-@dataclass
-class CallPair:
-    a: Call | None
-    b: Call | None
-    how: str = ""  # SEQUENCE | NAME | KEY; "" when one side is missing
-    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
-
-    @property
-    def phase(self) -> str:
-        return (self.a or self.b).phase
 
 
 def align_calls(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:

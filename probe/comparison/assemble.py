@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from probe.comparison import devices, groups
 from probe.comparison import result as R
-from probe.comparison.attribute import count_rows
+from probe.comparison.result import count_rows
 from probe.comparison.sketch import sketch_note
 from probe.comparison.story import story
-from probe.comparison.verdict import sci
+from probe.comparison.sizes import sci
 
 _EVIDENCE_ORDER = ("statistics", "checksum", "tensor")  # weakest first
 
@@ -31,6 +31,9 @@ def step_verdict(counts: dict, strict: bool) -> str:
 
 def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict,
               devices_ab=("", "")) -> R.CompareResult:
+    for info in steps_info:
+        if info.get("verdict") is None:
+            info["verdict"] = step_verdict(info["counts"], strict)
     rows = [row for outcome in outcomes for row in outcome.rows]
     counts = count_rows(rows)
     placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.provenance import (
+from probe.comparison.kinds import (
     CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED,
 )
-from probe.comparison.verdict import rel_error, sci
+from probe.comparison.sizes import rel_error, sci
 
 
 def amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:

@@ -14,13 +14,14 @@ from __future__ import annotations
 from typing import Callable
 
 from probe.comparison import normalize
-from probe.comparison.attribute import StepOutcome, attribute
+from probe.comparison.attribute import attribute
 from probe.comparison.foreach_pairing import pair_foreach
 from probe.comparison.judge import judge
 from probe.comparison.mapping import NameMapping
 from probe.comparison.measure import Fetch, measure
 from probe.comparison.pairing import align
 from probe.comparison.records import Records
+from probe.comparison.result import StepOutcome
 from probe.comparison.tolerances import Tolerances
 
 #: the normalize steps, in the order they run on both sides' records and calls
@@ -47,6 +48,7 @@ def compare_step(
     progress: Callable[[int, int, int], None] | None = None,
     previous: set | None = None,
     previous_explained: dict | None = None,
+    autocast: tuple | None = None,
 ) -> StepOutcome:
     """Normalize, align, measure, judge and attribute one pair of step files.
 
@@ -56,9 +58,10 @@ def compare_step(
     previous_explained: StepOutcome.explained of that step file: a record holding the same
     values as an accepted difference there (a parameter AdamW updated from rounding noise)
     carries that accepted difference.
+    autocast: (A's first seq under autocast, its dtype) when both runs ran under autocast in it.
     """
     normalized = normalize.normalize(records_a, records_b, mapping, NORMALIZE)
     aligned = align(normalized, ALIGN_REFINERS, step, rank)
-    measured = measure(aligned, fetch_a, fetch_b, tolerances, previous, progress)
+    measured = measure(aligned, fetch_a, fetch_b, tolerances, previous, progress, autocast)
     judged = judge(measured, previous_explained)
     return attribute(judged)

@@ -27,24 +27,16 @@ import math
 
 from probe.comparison import result as R
 from probe.comparison.causes import amplified_cause, cause_text, inherited_cause, input_summary
-from probe.comparison.provenance import (
+from probe.comparison.kinds import (
     CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
+    forward_carriers, is_carrier,
 )
 from probe.comparison.records import is_param_slot
-from probe.comparison.verdict import is_dtype_limit_pair, rel_error, sci
+from probe.comparison.sizes import rel_error, sci
+from probe.comparison.verdict import is_dtype_limit_pair
 
 #: an output whose rel L2 error is this many times its inputs' is called introduced
 AMPLIFICATION = 10.0
-
-
-def is_carrier(kind: str, status: str) -> bool:
-    return kind in CARRIERS or status != R.DIVERGED
-
-
-def forward_carriers(forward: list[R.RecordRow]) -> list[R.RecordRow]:
-    """The tensor records of a call's forward that its backward computes from: paired,
-    measured as tensors (not plain values)."""
-    return [r for r in forward if r.status in R.PAIRED and r.metrics is not None and r.metrics.evidence != "value"]
 
 
 def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] = ()) -> None:

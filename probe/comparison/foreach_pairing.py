@@ -16,11 +16,10 @@ import difflib
 import math
 from collections import defaultdict
 
-from probe.comparison.align import CallPair
-from probe.comparison.foreach import (
+from probe.comparison.optimizer_calls import (
     FOREACH, FUSED, FUSED_PREFIX, base_op, parameter_blocks, parameter_major, tensor_print,
 )
-from probe.comparison.records import Call, Records
+from probe.comparison.records import Call, CallPair, Records
 
 
 def _token(call: Call, records: Records) -> tuple:

@@ -14,15 +14,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from probe.comparison.kernels import explain_different_kernels
 from probe.comparison import elementwise, verdict
 from probe.comparison import result as R
-from probe.comparison.explain import explain, explain_module_by_its_calls, is_accepted_carry, judge_call, unexplain
-from probe.comparison.foreach import base_op
+from probe.comparison.explain import (
+    accepted_difference, explain, explain_module_by_its_calls, is_accepted_carry, judge_call, unexplain,
+)
+from probe.comparison.optimizer_calls import base_op
 from probe.comparison.measure import ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement
-from probe.comparison.provenance import Provenance, content_key
-from probe.comparison.records import is_param_slot
+from probe.comparison.provenance import Provenance
+from probe.comparison.records import content_key, is_param_slot
 from probe.comparison.stale import StaleRecords
-from probe.comparison.verdict import sci
+from probe.comparison.sizes import rel_error, sci
 
 
 @dataclass
@@ -31,6 +34,10 @@ class JudgedStep:
     rows: list[R.RecordRow]  # every row of the step file pair, in execution order
     #: (rows, forward rows) of each paired call, in the order they were judged
     calls: list[tuple[list[R.RecordRow], list[R.RecordRow]]]
+    #: content_key -> key of A's records whose difference was accepted, and ("param", name) ->
+    #: the accepted gradient the optimizer updated that parameter from: what the next step
+    #: file of the rank accepts again (StepOutcome.explained)
+    explained: dict
 
 
 def judge(measured: MeasuredStep, previous_explained: dict | None = None) -> JudgedStep:
@@ -62,12 +69,35 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None) -> Jud
 
             forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
             judge_call([row for row, _, _ in call_rows], input_kind, forward)
+            explain_different_kernels([row for row, _, _ in call_rows])
             explain_module_by_its_calls([row for row, _, _ in call_rows], rows)
             _check_amplified(call_rows, measured)
             calls.append(([row for row, _, _ in call_rows], forward))
         rows.extend(row for row, _, _ in call_rows)
     rows.sort(key=lambda row: row.order)
-    return JudgedStep(measured, rows, calls)
+    return JudgedStep(measured, rows, calls, _explained(aligned, rows))
+
+
+def _explained(aligned, rows: list[R.RecordRow]) -> dict:
+    """content_key -> key of A's records whose difference was accepted, and ("param", name)
+    -> the accepted gradient the optimizer updated that parameter from."""
+    cols_a = aligned.records_a.columns
+    explained: dict = {}
+    diverged_params = {param_name(cols_a, row, None, {}) for row in rows
+                       if row.slot.startswith("param.") and row.status == R.DIVERGED}
+    updated = {row.target for row in rows if row.target}  # parameters a recorded optimizer call updates
+    for row, row_a, _ in (item for call_rows in aligned.per_pair for item in call_rows):
+        if row.io == "out" and row_a is not None and accepted_difference(row):
+            key = content_key(cols_a, row_a)
+            if key is not None:
+                explained[key] = (row.key, row.metrics.rel_l2 if row.metrics is not None else None)
+            if row.slot.startswith("param_grad."):
+                name = f"{row.module}.{row.slot[len('param_grad.'):]}" if row.module else row.slot[len("param_grad."):]
+                if name not in diverged_params and name not in updated:
+                    # the next step's parameter was updated from it by an optimizer probe did not
+                    # record (a recorded update is judged itself, and its result carried by value)
+                    explained[("param", name)] = f"{row.key}, rel L2 {sci(row.metrics.rel_l2)}"
+    return explained
 
 
 def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> tuple[dict, StaleRecords]:
@@ -114,10 +144,31 @@ def judge_record(item: Measurement, cols_b: dict) -> None:
         verdict.judge_tensor(row, item.metrics, item.tol)
 
 
+#: a record that holds the values accepted in the previous step differs by the same amount
+#: (the same tensors on both sides), up to this factor (sketch estimates of the same values)
+SAME_CARRY = 2.0
+
+
+def carries_the_same(row, earlier) -> bool:
+    """Whether row differs by about what the previous step accepted for the same values of A
+    (earlier: (key, rel L2) of that accepted record). Growth is carried; a jump is a change."""
+    _, accepted_rel = earlier
+    rel = rel_error(row)
+    if accepted_rel is None or not isinstance(accepted_rel, (int, float)):
+        return True
+    return rel <= SAME_CARRY * accepted_rel + 1e-300
+
+
 def _carry_accepted(row, ra, cols_a, previous_explained, origins) -> None:
     """A record holding the values of a difference accepted in the previous step file
     carries that acceptance (a parameter the optimizer updated from rounding noise)."""
     earlier = previous_explained.get(content_key(cols_a, ra)) if previous_explained else None
+    if earlier is not None and not carries_the_same(row, earlier):
+        # A's values are what was accepted last step, B's moved since: a change (a weight
+        # edited between steps), not the accepted difference carried over
+        earlier = None
+    elif earlier is not None:
+        earlier = earlier[0]
     if earlier is not None and row.status == R.DIVERGED and is_accepted_carry(row):
         explain(row, f"carries the accepted difference of {earlier} from the previous step")
     elif earlier is not None and row.status in R.WITHIN:

@@ -84,8 +84,7 @@ def pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
         empty = path_a if not keys_a else path_b
         raise CompareError(f"{empty} has no step file for the selected steps {sorted(keep_steps or [])} and ranks {sorted(keep_ranks or [])}")
     only_a, only_b = sorted(keys_a - keys_b), sorted(keys_b - keys_a)
-    missing = [f"step {s} rank {r} only in A" for s, r in only_a]
-    missing += [f"step {s} rank {r} only in B" for s, r in only_b]
+    missing = [_only_in(key, "A", dump_b) for key in only_a] + [_only_in(key, "B", dump_a) for key in only_b]
     common = sorted(keys_a & keys_b)
     if missing and not common:
         # --allow-missing would fail too: nothing in common. Two files compare whatever their steps.
@@ -97,8 +96,9 @@ def pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
         )
     if missing and not allow_missing:
         raise CompareError(
-            f"the dumps hold different steps or ranks ({_describe(only_a, 'A')}{'; ' if only_a and only_b else ''}"
-            f"{_describe(only_b, 'B')}); pass --allow-missing to compare the {len(common)} common ones"
+            f"the dumps hold different steps or ranks ({'; '.join(missing[:3])}"
+            f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}); "
+            f"pass --allow-missing to compare the {len(common)} common ones"
         )
     if not common:
         raise CompareError(
@@ -106,6 +106,17 @@ def pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
             f"ranks {dump_b.ranks}) have no step and rank in common"
         )
     return [(key, key) for key in common], missing
+
+
+def _only_in(key, side: str, other) -> str:
+    """'step 1 rank 0 only in A', or, when the other dump holds that step's .h5.partial, that
+    its file there is incomplete: the other run died while writing it, it is not a missing step."""
+    partial = other.incomplete_at(*key)
+    if partial is None:
+        return f"step {key[0]} rank {key[1]} only in {side}"
+    other_side = "B" if side == "A" else "A"
+    return (f"step {key[0]} rank {key[1]} is incomplete in {other_side}: its run died while writing "
+            f"it ({partial})")
 
 
 def _describe(keys, side) -> str:

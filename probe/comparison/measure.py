@@ -20,7 +20,8 @@ from probe.comparison import result as R
 from probe.comparison.metrics import Metrics, limit_masked, statistics_metrics, tensor_metrics, value_metrics
 from probe.comparison.pairing import AlignedStep
 from probe.comparison.prefetch import Prefetcher
-from probe.comparison.provenance import STAT_COLUMNS, PRODUCED, Provenance
+from probe.comparison.kinds import PRODUCED
+from probe.comparison.provenance import STAT_COLUMNS, Provenance
 from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.tolerances import Tolerance, Tolerances, tolerance_dtype
 
@@ -67,11 +68,14 @@ class MeasuredStep:
 
 
 def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, tolerances: Tolerances,
-            previous: set | None = None, progress=None) -> MeasuredStep:
+            previous: set | None = None, progress=None, autocast: tuple | None = None) -> MeasuredStep:
     """Measure every paired record of one step file pair, carrying the precision floors.
 
     previous: content keys of A's previous step file of the same rank (provenance "carried").
-    progress(done, total, tensor_bytes_read) is called every 64 records and at the end."""
+    progress(done, total, tensor_bytes_read) is called every 64 records and at the end.
+    autocast: (A's first seq under autocast, its dtype) when both runs computed under autocast in
+    that dtype (autocast_runs.shared_autocast): every record from there on, the backward included,
+    carries that dtype's rounding and is judged at its tolerance at least."""
     records_a = aligned.records_a
     provenance = Provenance(records_a, aligned.calls_a, previous)
     measurer = Measurer(records_a, aligned.records_b, fetch_a, fetch_b, tolerances)
@@ -90,6 +94,8 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
             if row.io == "in":
                 origins[row_a] = (kind, producer)
             upstream = mixed
+            if autocast is not None and order[0] >= autocast[0]:
+                upstream = lower_precision(upstream, autocast[1])
             if kind == PRODUCED and producer in effective:
                 upstream = lower_precision(upstream, effective[producer])
             if row.io == "out" and number in call_floor:

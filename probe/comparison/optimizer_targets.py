@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from probe.comparison.foreach import base_op, tensor_print
+from probe.comparison.optimizer_calls import base_op, tensor_print
 from probe.comparison.records import Call, Records, is_param_slot
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from probe.comparison.defaults import pair_defaults
 from probe.comparison import result as R
-from probe.comparison.align import CallPair, align_calls
+from probe.comparison.align import align_calls
 from probe.comparison.normalize import NormalizedStep
-from probe.comparison.records import Call, Records
+from probe.comparison.records import Call, CallPair, Records
 
 #: (RecordRow, A's row or None, B's row or None) of one slot of a call pair
 SlotRow = tuple
@@ -57,6 +58,7 @@ def _pair_rows(pair: CallPair, records_a: Records, records_b: Records, step: int
     a, b = pair.a, pair.b
     slots_a = a.slots if a else {}
     slots_b = b.slots if b else {}
+    slots_a, slots_b = pair_defaults(slots_a, slots_b)
     ordered = sorted(slots_a, key=slots_a.get) + sorted((s for s in slots_b if s not in slots_a), key=slots_b.get)
     if a is not None and b is not None:
         # a foreach call's argument shared by all its elements, without a partner: once, with element 0

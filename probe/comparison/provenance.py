@@ -10,42 +10,9 @@ from __future__ import annotations
 
 import math
 
-from probe.comparison.records import Call, Records, is_param_slot
+from probe.comparison.records import Call, Records, content_key, is_param_slot
 
-#: input kinds (Provenance.kind, explain.judge_call): where the tensor an input slot holds came from
-PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
-    "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
-#: a produced input whose producing call has no partner in the other run
-UNPAIRED = "unpaired"
-#: a tensor record of the forward of the call whose backward is judged: the values the
-#: backward computes from (saved activations, the weight the forward read)
-FORWARD = "forward"
-#: inputs that pass on an error made upstream, divergent or not; parameters and external
-#: inputs carry their error too while within tolerance, and are sources once beyond it
-CARRIERS = (PRODUCED, PARAM_UPDATE, CARRIED, UNRECORDED, FORWARD)
 STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "dtype")
-
-
-def content_key(cols: dict, row: int) -> int | None:
-    """A tensor's values, comparable across step files: its checksum when recorded, else its
-    statistics (None when neither is known)."""
-    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
-    if cols["checksum"][row]:
-        return hash(head + (cols["checksum"][row],))
-    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
-    if all(math.isnan(value) for value in numbers):
-        return None
-    # NaN hashes by identity: spell it out so equal statistics give equal keys
-    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
-    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
-
-
-def content_keys(records: Records) -> set:
-    """content_key of every tensor record of a step file (what the next step may carry over)."""
-    cols = records.columns
-    keys = {content_key(cols, row) for row in range(len(records)) if cols["dtype"][row] != ""}
-    keys.discard(None)
-    return keys
 
 
 class Provenance:

@@ -126,13 +126,13 @@ class Call:
     name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
     shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
     values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
-    #: a foreach call's i-th tensor seen as its own call (optimizer.py): i, else -1
+    #: a foreach call's i-th tensor seen as its own call (foreach.py): i, else -1
     element: int = -1
-    #: the parameter group (foreach block, optimizer.py) a foreach element belongs to, else -1
+    #: the parameter group (foreach block, foreach.py) a foreach element belongs to, else -1
     block: int = -1
     #: slots of a foreach element that every element of the call shares (a scalar argument)
     shared: frozenset = frozenset()
-    #: the parameter an optimizer call updates ("fc1.weight"; optimizer.py), "" when not known
+    #: the parameter an optimizer call updates ("fc1.weight"; optimizer_targets.py), "" when not known
     target: str = ""
 
     @property
@@ -142,6 +142,20 @@ class Call:
 
     def order(self) -> tuple[int, int]:
         return (self.seq, self.first_row)
+
+
+@dataclass
+class CallPair:
+    """One call of A and its partner in B (either may be None: no partner)."""
+
+    a: Call | None
+    b: Call | None
+    how: str = ""  # align.SEQUENCE | NAME | KEY, foreach FOREACH | FUSED; "" when one side is missing
+    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
+
+    @property
+    def phase(self) -> str:
+        return (self.a or self.b).phase
 
 
 def build_calls(records: Records, rename=None) -> list[Call]:
@@ -178,3 +192,25 @@ def build_calls(records: Records, rename=None) -> list[Call]:
         )
     result.sort(key=Call.order)
     return result
+
+
+def content_key(cols: dict, row: int) -> int | None:
+    """A tensor's values, comparable across step files: its checksum when recorded, else its
+    statistics (None when neither is known)."""
+    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
+    if cols["checksum"][row]:
+        return hash(head + (cols["checksum"][row],))
+    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
+    if all(math.isnan(value) for value in numbers):
+        return None
+    # NaN hashes by identity: spell it out so equal statistics give equal keys
+    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
+    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
+
+
+def content_keys(records: Records) -> set:
+    """content_key of every tensor record of a step file (what the next step may carry over)."""
+    cols = records.columns
+    keys = {content_key(cols, row) for row in range(len(records)) if cols["dtype"][row] != ""}
+    keys.discard(None)
+    return keys

@@ -34,6 +34,8 @@ PLACEMENT_NOTE = "placement argument"
 INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
 # what kind of divergence a row is
 OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
+#: an op one run computes in a lower dtype by the model's own casts (comparison/precision.py)
+PRECISION = "precision"
 
 
 @dataclass
@@ -59,7 +61,7 @@ class RecordRow:
     shape_a: str = ""
     shape_b: str = ""
     source: str = ""
-    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, optimizer.FOREACH)
+    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, foreach.FOREACH)
     target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
     stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (stale.py)
     #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
@@ -190,6 +192,8 @@ class CompareResult:
     replay: object = None
     #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/run_info.py)
     run_differences: list[dict] = field(default_factory=list)
+    #: {step, rank, text} when the runs part through accumulated rounding (comparison/drift.py)
+    drift: dict | None = None
 
     @property
     def diverged(self) -> bool:
@@ -217,6 +221,7 @@ class CompareResult:
             "missing": list(self.missing),
             "notes": list(self.notes),
             "run_differences": list(self.run_differences),
+            "drift": self.drift,
         }
         if rows:
             data["rows"] = [row.to_dict() for row in self.rows]
@@ -272,3 +277,42 @@ def json_safe(value):
     if isinstance(value, (list, tuple)):
         return [json_safe(item) for item in value]
     return value
+
+
+@dataclass
+class StepOutcome:
+    """What one pair of step files gave (engine.compare_step): its rows and call summaries;
+    assemble.py puts the outcomes of every pair together into a CompareResult."""
+
+    step: int
+    rank: int
+    rows: list[RecordRow]
+    summaries: list[OpSummary]
+    evidence: set = field(default_factory=set)
+    tensor_bytes: int = 0
+    #: (device in A, device in B) -> records of paired tensors that live on different devices
+    devices: dict = field(default_factory=dict)
+    #: content_key -> key of A's records whose difference was accepted (EXPLAINED outputs):
+    #: the next step reads them again (a parameter the optimizer updated) and accepts them too
+    explained: dict = field(default_factory=dict)
+
+    @property
+    def diverged(self) -> bool:
+        return any(row.status == DIVERGED for row in self.rows)
+
+    def counts(self) -> dict:
+        return count_rows(self.rows)
+
+
+def count_rows(rows) -> dict:
+    """matched: paired records; diverged: those beyond tolerance; changed: those within
+    tolerance whose checksums differ (size unknown); only_a/only_b: without partner."""
+    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
+    for row in rows:
+        if row.status in PAIRED:
+            counts["matched"] += 1
+            if row.status != MATCH:
+                counts[row.status] += 1
+        else:
+            counts[row.status] += 1
+    return counts

@@ -35,10 +35,19 @@ _FACTS = (
     ("TF32 matmul", lambda a: _get(a, "determinism", "cuda.matmul.allow_tf32")),
     ("TF32 cuDNN", lambda a: _get(a, "determinism", "cudnn.allow_tf32")),
     ("dropout removed", lambda a: _get(a, "determinism", "dropout_removed")),
-    ("PYTHONHASHSEED", lambda a: _get(a, "determinism", "env", "PYTHONHASHSEED")),
+    ("PYTHONHASHSEED", lambda a: _hash_seed(a)),
     ("OMP_NUM_THREADS", lambda a: _get(a, "determinism", "env", "OMP_NUM_THREADS")),
     ("CUBLAS_WORKSPACE_CONFIG", lambda a: _get(a, "determinism", "env", "CUBLAS_WORKSPACE_CONFIG")),
 )
+
+
+def _hash_seed(attrs: dict) -> Any:
+    """The hash seed the run's interpreter had; env's PYTHONHASHSEED is what seed_all set for
+    child processes (the config's seed in every run), so it is only the fallback for older dumps."""
+    state = attrs.get("determinism")
+    if isinstance(state, dict) and "hash_seed_at_start" in state:
+        return state["hash_seed_at_start"] or "random"
+    return _get(attrs, "determinism", "env", "PYTHONHASHSEED")
 
 
 def _get(attrs: dict, *path: str) -> Any:

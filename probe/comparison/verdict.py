@@ -24,17 +24,13 @@ import math
 from probe.comparison import devices
 from probe.comparison import result as R
 from probe.comparison.metrics import Metrics, parse_value, same_extremes
+from probe.comparison.sizes import sci
 from probe.comparison.tolerances import MANTISSA_BITS, Tolerance
 
 _DTYPE_WORDS = set(MANTISSA_BITS) | {
     "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "half",
     "float", "double", "long", "int", "short",
 }
-
-
-def sci(value: float) -> str:
-    """An error in scientific notation, as every report writes them: 1.15e-04 (0 stays 0)."""
-    return "0" if value == 0 else f"{value:.2e}"
 
 
 def is_dtype_value(text: str) -> bool:
@@ -158,14 +154,3 @@ def judge_value(row: R.RecordRow, metrics: Metrics) -> None:
     else:
         row.status = R.DIVERGED
         row.reasons.append(f"value {metrics.value_a} in A, {metrics.value_b} in B")
-
-
-def rel_error(row: R.RecordRow) -> float:
-    """The rel L2 error of a row; inf when it diverged without one (NaN/Inf on one side,
-    shapes differ, a tensor against a plain value, changed bytes of unknown size)."""
-    m = row.metrics
-    if row.stale:
-        return 0.0  # not compared: its record holds values from before an in-place write (stale.py)
-    if m is None or m.nan_mismatch or m.inf_mismatch or (row.status == R.DIVERGED and row.size_unknown):
-        return math.inf if row.status == R.DIVERGED else 0.0
-    return m.rel_l2

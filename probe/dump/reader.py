@@ -446,6 +446,14 @@ class Dump:
     def incomplete_messages(self) -> list[str]:
         return [describe_incomplete(path) for path in self.incomplete]
 
+    def incomplete_at(self, step: int, rank: int) -> str | None:
+        """The .h5.partial file left for this step and rank (the run died while writing it)."""
+        for path in self.incomplete:
+            if (schema.parse_partial_file(os.path.basename(path)) == rank
+                    and schema.parse_step_dir(os.path.basename(os.path.dirname(path))) == step):
+                return path
+        return None
+
     def open(self, step: int, rank: int = 0) -> StepDump:
         if (step, rank) not in self.files:
             raise DumpFormatError(

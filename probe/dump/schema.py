@@ -197,10 +197,13 @@ ROOT_ATTRS = {
     "tensor_count": "int: number of datasets under /tensors",
     "run_id": "str (schema 2, optional on read): random id of the PrecisionDebugger that wrote "
     "the file; step files of one dump folder with different run ids come from different runs",
+    "autocast": "JSON (optional on read): [[first_seq, last_seq, dtype], ...], the runs of API calls made "
+    "while autocast was on (dtype: the one autocast computes in); [] = autocast was off for every "
+    "call; absent in older files (unknown)",
 }
 #: root attributes a reader must not require: absent in files of older schema versions.
-OPTIONAL_ATTRS = ("run_id",)
-JSON_ATTRS = ("config", "seed_report", "determinism")
+OPTIONAL_ATTRS = ("run_id", "autocast")
+JSON_ATTRS = ("config", "seed_report", "determinism", "autocast")
 
 #: How tensor dtypes without a numpy equivalent are stored bit-exact: same-width unsigned
 #: integers holding the raw bits; the "dtype" attribute says how to read them.

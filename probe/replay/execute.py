@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from probe.capture.defaults import bound_values
 from probe.replay import ops
 from probe.replay.calls import Call, StepSource, epsilon, is_checked, is_float, rebuild_arguments, to_float64_dtype
 from probe.replay.ops import NotReplayable
@@ -48,6 +49,7 @@ class SideResult:
     slot: str  # the worst output's slot
     outputs: dict = field(default_factory=dict)  # slot -> recorded output (float64), to compare A with B
     inputs: dict = field(default_factory=dict)  # slot -> recorded float input (float64)
+    arguments: dict | None = None  # name -> value of the call's non-tensor arguments, defaults bound
     bytes_read: int = 0
 
 
@@ -85,7 +87,16 @@ def _forward_call(source: StepSource, call: Call, op: str) -> SideResult:
         with torch.no_grad():
             return _output_slots(_run(function, op, args, _for_replay(kwargs)))
 
-    return _measure(source, call, "output", truth, inputs)
+    result = _measure(source, call, "output", truth, inputs)
+    result.arguments = _arguments(function, call, load)
+    return result
+
+
+def _arguments(function, call: Call, load) -> dict | None:
+    """The call's non-tensor arguments by name, its signature's defaults filled in (None
+    when the signature is unknown): what the two sides computed with."""
+    args, kwargs = rebuild_arguments(call, load)
+    return bound_values(function, args, kwargs)
 
 
 def _run(function, op, args, kwargs):
@@ -228,7 +239,9 @@ def _backward_call(source: StepSource, forward: Call, backward: Call, op: str) -
     # whatever dtype the gradients it sends back are cast to
     ran_in = [record.dtype for slot, record in forward.records.items()
               if slot.startswith("output") and record.io == "out" and is_float(record.dtype)]
-    return _measure(source, backward, "grad_input", truth, inputs, ran_in)
+    result = _measure(source, backward, "grad_input", truth, inputs, ran_in)
+    result.arguments = _arguments(function, forward, load)
+    return result
 
 
 # ---------------------------------------------------------------------------- module level

@@ -12,7 +12,10 @@
                       INHERITED_MAX times larger, "amplified" (with the factor) when it grows it
                       (Adam's division by sqrt(v), a cancelling subtraction), "own" when the
                       inputs agree and both sides simply round differently (thread count,
-                      summation order).
+                      summation order), "enters" when the inputs that differ most are not
+                      made by recorded ops (a parameter, a buffer, the data, or a tensor made
+                      by a call the other run does not have): both sides compute faithfully,
+                      and this op is where the difference enters the computation.
     not replayable    with the reason.
 
 An op whose two sides are both far off the truth by a similar amount (an ill-conditioned
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from probe.replay.arguments import arguments_text, differing_arguments
 from probe.replay.calls import epsilon
 from probe.replay.execute import SideResult, rel_error
 
@@ -37,7 +41,12 @@ INHERITED_MAX = 2.0
 TIE = 2.0
 
 INTRODUCED_A, INTRODUCED_B = "introduced by A", "introduced by B"
+#: the rounding kind of an op whose differing inputs come from outside the recorded ops
+ENTERS = "enters"
+_SOURCE_WORDS = {"param": "parameter", "external": "input", "changed": "input", "unpaired": "input"}
 ROUNDING, PRECISION, NOT_REPLAYABLE = "rounding", "precision", "not replayable"
+#: the two calls' non-tensor arguments differ: each side computed its own function
+ARGUMENTS = "arguments differ"
 
 
 def not_replayable(reason: str) -> dict:
@@ -45,9 +54,16 @@ def not_replayable(reason: str) -> dict:
             "closer": None, "reason": reason, "summary": f"not replayable: {reason}"}
 
 
-def judge(a: SideResult, b: SideResult) -> dict:
-    """The verdict dict reports carry (see the module docstring)."""
+def judge(a: SideResult, b: SideResult, sources: dict | None = None) -> dict:
+    """The verdict dict reports carry (see the module docstring).
+
+    sources: input slot -> where it came from ("param", "external", ...), for the inputs
+    compare found were not made by a recorded op of this step: a difference they carry
+    enters here, it is not inherited."""
+    sources = sources or {}
     input_rel = _max_difference(a.inputs, b.inputs)
+    carried_rel = _max_difference(a.inputs, b.inputs, skip=sources)
+    entering = _largest_source(a.inputs, b.inputs, sources)
     output_rel = _max_difference(a.outputs, b.outputs)
     closer = _closer(a.error, b.error)
     data = {
@@ -60,11 +76,19 @@ def judge(a: SideResult, b: SideResult) -> dict:
         data["verdict"] = INTRODUCED_B
     elif a.excess > ROUNDING_EXCESS and a.error > FAR * b.error:
         data["verdict"] = INTRODUCED_A
+    elif differing_arguments(a.arguments, b.arguments):
+        # each side replayed with its own arguments: two functions, not one rounded twice
+        data["verdict"] = ARGUMENTS
+        data["arguments"] = differing_arguments(a.arguments, b.arguments)
     else:
         low = _lower_precision(a, b)
         if low is not None and output_rel is not None and low.error >= 0.5 * output_rel:
             data["verdict"] = PRECISION
             data["lower"] = "B" if low is b else "A"
+        elif entering is not None and entering[1] > 0 and entering[1] >= (carried_rel or 0.0):
+            slot, rel = entering
+            data["rounding"], data["amplification"] = ENTERS, (output_rel / rel if output_rel is not None else None)
+            data["enters_through"] = {"slot": slot, "source": sources[slot], "rel": rel}
         else:
             data["rounding"], data["amplification"] = _rounding_kind(input_rel, output_rel)
     data["summary"] = summary(data)
@@ -80,6 +104,8 @@ def summary(data: dict) -> str:
     closer = {"A": "A is closer to the truth", "B": "B is closer to the truth", "tie": "both equally close"}[data["closer"]]
     if verdict in (INTRODUCED_A, INTRODUCED_B):
         return f"{verdict}: {sides}; {closer}"
+    if verdict == ARGUMENTS:
+        return f"{arguments_text(data['arguments'])} (each side replayed with its own): {sides}"
     if verdict == PRECISION:
         low = data["lower"]
         dtype = data[f"dtype_{low.lower()}"]
@@ -87,6 +113,11 @@ def summary(data: dict) -> str:
     kind = data["rounding"]
     if kind == "amplified":
         how = f"amplified x{data['amplification']:.3g} (inputs differ by {data['input_rel']:.1e}, outputs by {data['output_rel']:.1e})"
+    elif kind == ENTERS:
+        entry = data["enters_through"]
+        what = _SOURCE_WORDS.get(entry["source"], entry["source"])
+        how = (f"the difference enters here through {what} {entry['slot']} (differs by {entry['rel']:.1e}, "
+               f"outputs by {data['output_rel']:.1e}); both sides compute faithfully")
     elif kind == "inherited":
         how = f"inherited x{data['amplification']:.3g} (inputs differ by {data['input_rel']:.1e}, outputs by {data['output_rel']:.1e})"
     else:
@@ -134,10 +165,22 @@ def _rounding_kind(input_rel, output_rel) -> tuple[str, float | None]:
     return ("amplified" if factor > INHERITED_MAX else "inherited"), factor
 
 
-def _max_difference(side_a: dict, side_b: dict) -> float | None:
+def _largest_source(side_a: dict, side_b: dict, sources: dict) -> tuple | None:
+    """(slot, rel L2) of the source input that differs most, or None."""
+    found = None
+    for slot in sources:
+        rel = _max_difference({slot: side_a[slot]}, side_b) if slot in side_a else None
+        if rel is not None and (found is None or rel > found[1]):
+            found = (slot, rel)
+    return found
+
+
+def _max_difference(side_a: dict, side_b: dict, skip=()) -> float | None:
     """Largest rel L2 of B against A over the slots both sides hold (same shape), or None."""
     worst = None
     for slot, tensor_a in side_a.items():
+        if slot in skip:
+            continue
         tensor_b = side_b.get(slot)
         if tensor_b is None or tensor_b.shape != tensor_a.shape:
             continue

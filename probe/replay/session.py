@@ -39,6 +39,8 @@ class Target:
     prefix_a: str
     prefix_b: str
     roles: list = field(default_factory=list)
+    #: input slot -> where compare found it came from, for inputs no recorded op made
+    sources: dict = field(default_factory=dict)
 
     @property
     def call_key(self) -> tuple:
@@ -159,7 +161,7 @@ def _replay_target(target: Target, files: dict, sources: dict, report: ReplayRep
         return J.not_replayable(f"replay ran out of resources: {type(error).__name__}")
     except Exception as error:  # noqa: BLE001 - any op may fail in its own way; one call must not end the compare
         return J.not_replayable(f"replay failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
-    return J.judge(side_a, side_b)
+    return J.judge(side_a, side_b, target.sources)
 
 
 def _source(sources: dict, path: str) -> StepSource:
@@ -183,6 +185,7 @@ def _targets(result, count: int, calls=()) -> list[Target]:
         if prefix_a and prefix_b:
             by_a.setdefault((row.step, row.rank, prefix_a), (row, prefix_b))
     targets: dict = {}
+    sources = _source_inputs(result.rows)
 
     def add(step, rank, prefix_a, role):
         entry = by_a.get((step, rank, prefix_a))
@@ -193,7 +196,8 @@ def _targets(result, count: int, calls=()) -> list[Target]:
         if target is None:
             kind = "api" if row.kind == "api" else ("param" if row.kind == "param" else "module")
             target = targets[(step, rank, prefix_a)] = Target(
-                step, rank, kind, row.module, row.op, row.index, row.phase, prefix_a, prefix_b)
+                step, rank, kind, row.module, row.op, row.index, row.phase, prefix_a, prefix_b,
+                sources=sources.get((step, rank, prefix_a), {}))
         target.roles.append(role)
 
     for row, role in ((result.first_divergence, "first divergence"), (result.likely_cause, "likely cause")):
@@ -220,6 +224,26 @@ def _targets(result, count: int, calls=()) -> list[Target]:
     return list(targets.values())
 
 
+#: input kinds (compare's provenance) that no recorded op of the step made: a difference
+#: they carry enters the computation at the call that reads them
+SOURCE_KINDS = ("param", "external", "changed", "unpaired")
+
+
+def _source_inputs(rows) -> dict:
+    """(step, rank, A's call prefix) -> {input slot: kind} of the inputs compare classified
+    as sources (a parameter, a buffer or the data, a tensor made by an unpartnered call)."""
+    found: dict = {}
+    for row in rows:
+        if row.io != "out" or not row.input_errors:
+            continue
+        prefix = _call_prefix(row.key_a, row.slot)
+        if prefix is None or (row.step, row.rank, prefix) in found:
+            continue
+        found[(row.step, row.rank, prefix)] = {item["slot"]: item["source"] for item in row.input_errors
+                                               if item.get("source") in SOURCE_KINDS}
+    return found
+
+
 def _ranked(result, count: int) -> list:
     if count <= len(result.top_ops):
         return list(result.top_ops[:count])
@@ -233,7 +257,8 @@ def _ranked(result, count: int) -> list:
 
 # ---------------------------------------------------------------------------- origins
 
-_ORIGIN = {J.INTRODUCED_A: "introduced", J.INTRODUCED_B: "introduced", J.PRECISION: "introduced"}
+_ORIGIN = {J.INTRODUCED_A: "introduced", J.INTRODUCED_B: "introduced", J.PRECISION: "introduced",
+           J.ARGUMENTS: "introduced"}
 
 
 def replay_origin(verdict: dict) -> str | None:
@@ -242,6 +267,8 @@ def replay_origin(verdict: dict) -> str | None:
         return _ORIGIN[verdict["verdict"]]
     if verdict["verdict"] == J.ROUNDING and verdict.get("rounding") in ("inherited", "amplified"):
         return verdict["rounding"]
+    if verdict["verdict"] == J.ROUNDING and verdict.get("rounding") == J.ENTERS:
+        return "introduced"  # faithful kernels, but the difference enters at this call
     return None
 
 

@@ -43,7 +43,12 @@ def short(verdict: dict) -> str:
         kind = verdict.get("rounding")
         factor = verdict.get("amplification")
         how = f"{kind} x{factor:.3g}" if factor is not None and kind in ("inherited", "amplified") else (kind or "")
+        if kind == "enters":
+            entry = verdict.get("enters_through") or {}
+            how = f"the difference enters here through {entry.get('slot', 'an input')} ({entry.get('source', '')})"
         return f"rounding, {how} ({ulps})"
+    if name == "arguments differ":
+        return verdict.get("summary", name).split(" (each side")[0] + f" ({ulps})"
     if name == "precision":
         low = verdict.get("lower") or "B"
         return f"precision: {low} rounds to {verdict.get('dtype_' + low.lower())} ({ulps}; {closer})"

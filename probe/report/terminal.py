@@ -44,6 +44,8 @@ def verdict_line(result: R.CompareResult) -> str:
     if first is None:
         return "DIVERGED"
     origin = f" -- {first.origin}" if first.origin else f" -- {first.status}"
+    if getattr(result, "drift", None):  # no op at fault: the runs part through accumulated rounding
+        origin = " -- drift (accumulated rounding; no op introduced an error)"
     module = first.module or "<root>"
     line = (f"DIVERGED at step {first.step} rank {first.rank}: {module} {first.op}{updates(first.target)} "
             f"({first.phase}, {first.slot}){origin}")

@@ -1,10 +1,12 @@
 """A tiny training loop for tests/test_determinism.py, run by `probe determinism`.
 
-    python tests/scripts/determinism_train.py [--steps 2] [--unseeded-noise] [--fail CODE]
-                                              [--no-debugger]
+    python tests/scripts/determinism_train.py [--steps 2] [--unseeded-noise] [--hash-order]
+                                              [--fail CODE] [--no-debugger]
 
 --unseeded-noise adds noise from a torch.Generator seeded from os.urandom in block 1's
 forward: a draw no seed reaches, so every run differs there, and from there on.
+--hash-order shifts the input by where a str falls when a set of str is iterated: the same in
+runs with the same PYTHONHASHSEED, different between PYTHONHASHSEED 1234 and 1235.
 --fail CODE exits with CODE at once (a script that fails on its own).
 --no-debugger stands for a script that does not use probe: it exits 0 and dumps nothing.
 Both exit before importing torch, to keep the tests quick.
@@ -39,6 +41,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--unseeded-noise", action="store_true")
+    parser.add_argument("--hash-order", action="store_true")
     parser.add_argument("--fail", type=int, default=0)
     parser.add_argument("--no-debugger", action="store_true")
     args = parser.parse_args()
@@ -57,6 +60,9 @@ def main():
     model = make_model(args.unseeded_noise)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.linspace(-1, 1, 32).reshape(4, 8)
+    if args.hash_order:
+        names = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+        x = x + 0.125 * list({*names}).index("alpha")  # where "alpha" falls in a set: hash order
     for _ in range(args.steps):
         debugger.start(model)
         optimizer.zero_grad()
