@@ -31,7 +31,7 @@ OTHERS = [
     ("tp-none", "tp-api.tensor"),
 ]
 #: dumps only the compare tests read
-COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1"]
+COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1"]
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +199,11 @@ def test_tensor_dumps_of_shards_are_reassembled_and_compared_as_tensors(job, one
     assert result.evidence == "tensor"
     weights = [row for row in result.rows if row.key_b == "0/functional.linear#0/forward/input.1"]
     assert weights and weights[0].shape_b == "[16, 8]" and weights[0].status == "match"
+
+
+def test_a_replicated_tensor_whose_copies_differ_is_named_with_its_rank(job, one_device):
+    from probe import compare
+
+    result = compare(one_device, job / "tp-mix.statistics-replica1")
+    assert "B: replicated tensor 2/Linear#0/forward/param.bias differs on rank 1 from the first copy" \
+        in result.notes, result.notes

@@ -11,7 +11,8 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
     capture  none, or <level>.<task> (mix.statistics, api.tensor, ...)
     variant  keep (reshard_after_forward False), bf16 (MixedPrecisionPolicy param_dtype
              bfloat16), tanh1 (rank 1 alone uses the tanh GELU), scale1 (rank 1's shard of
-             the first Linear's weight times 1.001), data (per-rank batches for tp/one:
+             the first Linear's weight times 1.001), replica1 (rank 1's copy of the second
+             Linear's replicated bias times 1.001), data (per-rank batches for tp/one:
              the batch of rank 0; default for ddp and fsdp: each rank its own)
 
 The rank process ends with os._exit(0) once its output is flushed (see test_distributed.py).
@@ -103,6 +104,9 @@ def parallel_model(stack, variants, rank):
         if "scale1" in variants and rank == 1:
             with torch.no_grad():
                 model[0].weight._local_tensor.mul_(1.001)
+        if "replica1" in variants and rank == 1:  # the replicated bias, on one rank only
+            with torch.no_grad():
+                model[2].bias._local_tensor.mul_(1.001)
     return model
 
 
