@@ -117,3 +117,12 @@ def test_dumped_shards_are_reassembled_into_the_logical_tensor():
     fetch = merged.fetch({rank: stored[rank].__getitem__ for rank in stored}, stored[1].__getitem__)
     assert fetch(row["tensor_id"]).tolist() == [[1.0, 2.0], [3.0, 4.0]]
     assert fetch(9).tolist() == [[3.0, 4.0]]  # the rank's own tensors read as before
+
+
+def test_a_placement_compare_cannot_read_leaves_the_record_rank_local():
+    merged = merge_ranks({
+        0: Records.from_dicts([_shard([1.0], 0, '{"placements": ["S(0)"], "shape": "bad"}')]),
+        1: Records.from_dicts([_shard([2.0], 1, "not json")]),
+    })
+    assert merged.logical == set()
+    assert _rows_by_key(merged.views[0])["fc/functional.linear#0/forward/input.1"]["numel"] == 1

@@ -207,3 +207,18 @@ def test_a_replicated_tensor_whose_copies_differ_is_named_with_its_rank(job, one
     result = compare(one_device, job / "tp-mix.statistics-replica1")
     assert "B: replicated tensor 2/Linear#0/forward/param.bias differs on rank 1 from the first copy" \
         in result.notes, result.notes
+
+
+def test_a_step_one_sharded_run_lacks_is_an_error_unless_allowed(job, one_device, tmp_path):
+    import shutil
+
+    from probe import compare
+    from probe.errors import CompareError
+
+    shorter = tmp_path / "tp"
+    shutil.copytree(job / "tp-mix.statistics", shorter)
+    shutil.rmtree(shorter / "step2")
+    with pytest.raises(CompareError, match="step 2 only in A"):
+        compare(one_device, shorter)
+    result = compare(one_device, shorter, allow_missing=True)
+    assert result.verdict == "pass" and result.missing == ["step 2 only in A"]

@@ -60,12 +60,12 @@ def compare(
     sharded = None
     if os.path.isdir(path_a) and os.path.isdir(path_b):
         sharded = sharded_steps.plan(dump_a, dump_b, None if steps is None else set(steps),
-                                     None if ranks is None else set(ranks))
+                                     None if ranks is None else set(ranks), allow_missing)
     if sharded is None:
         pairs, missing = L.pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
         opened = L.open_step_files(dump_a, dump_b, pairs)
     else:  # DTensor records, or different world sizes: logical tensors (shards.py)
-        pairs, missing, opened = sharded.pairs, [], sharded.step_files()
+        pairs, missing, opened = sharded.pairs, sharded.missing, sharded.step_files()
 
     notes = L.dump_notes(dump_a, dump_b)
     differences: list[dict] = []

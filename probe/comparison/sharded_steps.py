@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from probe.comparison import shards
 from probe.comparison.load import StepFiles
 from probe.comparison.records import Records
+from probe.errors import CompareError
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ShardedPlan:
     ranks_a: list
     ranks_b: list
     pairs: list  # ((step, rank), (step, rank)) in the order step_files() yields them
+    missing: list  # steps one side lacks (compared without them: allow_missing)
     notes: list = field(default_factory=list)  # filled while step_files() runs
 
     def step_files(self):
@@ -71,15 +73,16 @@ def _files(step, rank_a, rank_b, records_a, records_b, fetch_a, fetch_b, file_a,
                      file_a.attrs, file_b.attrs)
 
 
-def plan(dump_a, dump_b, steps=None, ranks=None) -> ShardedPlan | None:
+def plan(dump_a, dump_b, steps=None, ranks=None, allow_missing=False) -> ShardedPlan | None:
     """A ShardedPlan when either dump holds DTensor records or the world sizes differ, and
     each dump holds every rank of its world; None for a plain compare. Steps and ranks
     filter as in load.pair_step_files."""
     keys_a, keys_b = set(dump_a.files), set(dump_b.files)
     ranks_a = sorted({rank for _, rank in keys_a if ranks is None or rank in ranks})
     ranks_b = sorted({rank for _, rank in keys_b if ranks is None or rank in ranks})
-    common = sorted({step for step, _ in keys_a} & {step for step, _ in keys_b})
-    common = [step for step in common if steps is None or step in steps]
+    steps_a = {step for step, _ in keys_a if steps is None or step in steps}
+    steps_b = {step for step, _ in keys_b if steps is None or step in steps}
+    common = sorted(steps_a & steps_b)
     if not ranks_a or not ranks_b or not common:
         return None
     complete = all((step, rank) in keys_a for step in common for rank in ranks_a) and \
@@ -92,11 +95,17 @@ def plan(dump_a, dump_b, steps=None, ranks=None) -> ShardedPlan | None:
         return None  # not every rank of a run is here (a rank filter): compare rank by rank
     if world_a == world_b and (ranks_a != ranks_b or not (sharded_a or sharded_b)):
         return None
+    missing = [f"step {step} only in A" for step in sorted(steps_a - steps_b)]
+    missing += [f"step {step} only in B" for step in sorted(steps_b - steps_a)]
+    if missing and not allow_missing:
+        raise CompareError(f"the dumps hold different steps ({'; '.join(missing[:3])}"
+                           f"{' and more' if len(missing) > 3 else ''}); pass --allow-missing "
+                           f"to compare the {len(common)} common ones")
     if ranks_a == ranks_b:
         pairs = [((step, rank), (step, rank)) for step in common for rank in ranks_a]
     else:
         pairs = [((step, ranks_a[0]), (step, ranks_b[0])) for step in common]
-    return ShardedPlan(dump_a, dump_b, common, ranks_a, ranks_b, pairs)
+    return ShardedPlan(dump_a, dump_b, common, ranks_a, ranks_b, pairs, missing)
 
 
 def _inspect(dump, step, rank) -> tuple[int, bool]:

@@ -71,9 +71,10 @@ def _placement(text):
     if not text:
         return None
     try:
-        return json.loads(text)
+        found = json.loads(text)
     except ValueError:
         return None
+    return found if isinstance(found, dict) and isinstance(found.get("placements"), list) else None
 
 
 def merge_ranks(by_rank: dict) -> MergedStep:
@@ -91,7 +92,10 @@ def merge_ranks(by_rank: dict) -> MergedStep:
                 rows_of.setdefault(keys[row], []).append((rank, row, place))
     logical_rows: dict = {}  # key -> the logical record's values {column: value}
     for key, copies in rows_of.items():
-        values = _logical(key, copies, by_rank, merged)
+        try:
+            values = _logical(key, copies, by_rank, merged)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            values = None  # a placement this reader cannot follow: the record stays rank-local
         if values is not None:
             logical_rows[key] = values
     for rank, records in by_rank.items():
