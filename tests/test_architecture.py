@@ -28,13 +28,13 @@ COMPARE_STAGES = [
     ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
                  "where", "sizes", "result", "prefetch", "elementwise", "kinds", "optimizer_calls"}),
     ("load", {"load", "model_overlap", "autocast_runs"}),
-    ("normalize", {"foreach", "optimizer_targets", "normalize"}),
+    ("normalize", {"foreach", "optimizer_targets", "normalize", "shards"}),
     ("align", {"align", "foreach_pairing", "pairing", "defaults"}),
     ("measure", {"provenance", "measure"}),
     ("judge", {"verdict", "causes", "explain", "stale", "judge", "kernels"}),
     ("attribute", {"attribute"}),
     ("result", {"story", "groups", "assemble", "precision", "drift", "entering"}),
-    ("orchestration", {"engine", "api"}),
+    ("orchestration", {"engine", "sharded_steps", "api"}),
 ]
 
 

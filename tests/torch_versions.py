@@ -48,3 +48,25 @@ def transformers_or_skip():
                     f"{torch.__version__} (it disabled its torch backend)",
                     allow_module_level=True)
     return transformers
+
+
+def sharding_or_skip():
+    """Skip (with the reason) where this torch cannot run the sharded tests: no
+    torch.distributed, no FSDP2 fully_shard (torch.distributed.fsdp from 2.6,
+    torch.distributed._composable.fsdp before), or no tensor-parallel API."""
+    import pytest
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip(f"torch {torch.__version__} was built without torch.distributed")
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            pytest.skip(f"torch {torch.__version__} has no FSDP2 fully_shard")
+    try:
+        from torch.distributed.tensor.parallel import parallelize_module  # noqa: F401
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.tensor.parallel")

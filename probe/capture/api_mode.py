@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -115,7 +117,25 @@ class ApiCaptureMode(TorchFunctionMode):
             decision = rec.filter.call(module, name)
         if not decision:
             return func(*args, **kwargs)
+        if _from_framework(_getframe(1).f_code) and not name.startswith("distributed."):
+            return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
+
+
+#: code called from these folders is a sharding framework's own plumbing, not the user's
+#: computation: FSDP2 allocates, views and copies its all-gather buffers (whose memory is
+#: unset until the collective) on every unshard. Its collectives are still recorded.
+_FRAMEWORK_PATHS = ("torch/distributed/fsdp/", "torch/distributed/_composable/fsdp/")
+_framework_code: dict = {}  # code object -> called from a framework folder?
+_getframe = sys._getframe
+
+
+def _from_framework(code) -> bool:
+    found = _framework_code.get(code)
+    if found is None:
+        path = code.co_filename.replace(os.sep, "/")
+        found = _framework_code[code] = any(part in path for part in _FRAMEWORK_PATHS)
+    return found
 
 
 def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs):
@@ -136,16 +156,21 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
         _note_autocast(rec.autocast_runs, seq, autocast, rec.autocast_last)
     rec.autocast_last[0] = seq
     if filt.forward_in:
+        buffers = _output_buffers(func, name, args, kwargs)
         position = 0
         for arg in args:
             slot = _INPUT_SLOTS[position] if position < 64 else f"input.{position}"
             position += 1
+            if buffers and id(arg) in buffers:
+                continue
             if isinstance(arg, Tensor) or type(arg) in _PLAIN:
                 add(call, slot, "in", arg)
             else:
                 rec.add_tree(call, slot, "in", arg)
         if kwargs:
             for key, arg in kwargs.items():
+                if buffers and id(arg) in buffers:
+                    continue
                 if isinstance(arg, Tensor) or type(arg) in _PLAIN:
                     add(call, "kwarg." + key, "in", arg)
                 else:
@@ -160,6 +185,14 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     written = out is None or name.startswith("distributed.")
     if written:
         produced = _written_argument(func, name, args, kwargs, out)
+    if kwargs and kwargs.get("out") is not None:
+        # an out= buffer: a custom op (FSDP2's split_with_sizes_copy) may write it without a
+        # version bump, and an alias of it read later must not hit the stale cache entry
+        produced, written = kwargs["out"], True
+    if name.startswith(_ASYNC_COLLECTIVES) and not name.startswith(_WAIT):
+        # a functional collective (tensor parallel's all_reduce) returns before its result is
+        # there: its values are recorded where they are waited for (_wrap_tensor_autograd)
+        produced = None
     if filt.forward_out and produced is not None:
         if isinstance(produced, Tensor) and not written:
             add(call, "output.0", "out", produced)
@@ -206,6 +239,34 @@ def _written_argument(func, name, args, kwargs, out):
     except (TypeError, ValueError):
         return None
     return bound.arguments.get(parameter)
+
+
+def _output_buffers(func, name, args, kwargs) -> set | None:
+    """ids of the arguments a call only writes: an ``out=`` buffer, a collective's separate
+    output (all_gather's output_tensor, ...). Their values before the call are whatever the
+    memory held (FSDP2 allocates its all-gather buffers every step), not an input: they are
+    recorded as the call's outputs only."""
+    found = None
+    if kwargs and kwargs.get("out") is not None:
+        found = {id(kwargs["out"])}
+    if name.startswith("distributed."):
+        parameter = _DIST_OUTPUT.get(name[len("distributed."):])
+        if parameter not in _SEPARATE_OUTPUTS:
+            return found
+        try:
+            buffer = _signature(func).bind(*args, **kwargs).arguments.get(parameter)
+        except (TypeError, ValueError):
+            return found
+        if buffer is not None:
+            found = (found or set()) | {id(buffer)}
+    return found
+
+
+_ASYNC_COLLECTIVES = "ops._c10d_functional."
+_WAIT = ("ops._c10d_functional.wait_tensor", "ops._c10d_functional._wrap_tensor_autograd")
+#: collective parameters that hold only the result (all_reduce's ``tensor`` is also its input)
+_SEPARATE_OUTPUTS = frozenset({"output_tensor", "output", "tensor_list", "output_tensor_list",
+                               "output_tensor_lists", "gather_list"})
 
 
 @functools.lru_cache(maxsize=None)

@@ -68,6 +68,10 @@ class ModuleHooks:
         self.gate = gate or compiled_regions.Gate()
         self._handles: list = []
         self._open_calls: dict[str, list] = {}
+        self._hooked_params: set[int] = set()
+        #: modules whose registered parameters change during a step (FSDP2 swaps in the
+        #: unsharded parameters before forward): their new parameters are hooked there
+        self._swapping: set[int] = set()
 
     # ------------------------------------------------------------------ install / remove
 
@@ -82,10 +86,12 @@ class ModuleHooks:
                 else:
                     self._install_tracking()
                 return
-            seen_params: set[int] = set()
+            seen_params = self._hooked_params
             for position, target in enumerate(targets):
                 path, module = target.path, target.module
                 kind = wrappers.user_kind(module)
+                if wrappers.is_fsdp2(module):
+                    self._swapping.add(id(module))
                 if target.hook_on is not None or target.compiled_call:
                     pre = functools.partial(self._pre_record, path, kind, module)
                     if target.region and self.region_params:
@@ -96,9 +102,7 @@ class ModuleHooks:
                 for name, param in module.named_parameters(recurse=False):
                     if id(param) in seen_params or not param.requires_grad:
                         continue
-                    seen_params.add(id(param))
-                    hook = functools.partial(self._param_grad, path, kind, name)
-                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
+                    self._hook_param(path, kind, name, param)
         except BaseException:
             self.remove()
             raise
@@ -165,6 +169,15 @@ class ModuleHooks:
             self._hook_forward(target, lambda module, args, kwargs, pre=pre: pre(module, args),
                                functools.partial(pop, target.path))
 
+    def _hook_param(self, path, kind, name, param) -> None:
+        """param_grad.<name> when the gradient lands in param.grad. An FSDP2 module's
+        unsharded parameter gets it too: the gradient this rank computed, before the
+        reduce-scatter (what DDP's parameters show at the same moment); FSDP2 then calls the
+        sharded parameter's hook with the reduced shard."""
+        self._hooked_params.add(id(param))
+        hook = functools.partial(self._param_grad, path, kind, name)
+        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
     def _install_tracking(self) -> None:
         """API level only needs the module path: two global hooks instead of two per module.
 
@@ -194,6 +207,8 @@ class ModuleHooks:
             handle.remove()
         self.gate.release()
         self._open_calls.clear()
+        self._hooked_params.clear()
+        self._swapping.clear()
         self.recorder.locate.forget()
 
     def enter_running_call(self, module, args, kwargs):
@@ -211,6 +226,10 @@ class ModuleHooks:
     def _pre_record(self, path, kind, user_module, module, args, kwargs):
         rec = self.recorder
         rec.module_stack.append(path)
+        if self._swapping and id(user_module) in self._swapping:
+            for name, param in user_module.named_parameters(recurse=False):
+                if id(param) not in self._hooked_params and param.requires_grad:
+                    self._hook_param(path, kind, name, param)
         decision = rec.filter.call(path, kind)
         if not decision:
             self._open_calls.setdefault(path, []).append(None)

@@ -62,6 +62,13 @@ IGNORED_OPS = frozenset(
         "Tensor.__repr__", "Tensor.__str__", "Tensor.__format__", "Tensor.__reduce_ex__",
         "Tensor.__deepcopy__", "Tensor.__setstate__", "Tensor.__getstate__",
         "Tensor.share_memory_", "Tensor.pin_memory",
+        # allocations without values: their memory is whatever was there (FSDP2 allocates its
+        # all-gather buffers so on every step); what is written into them later is recorded
+        "torch.empty", "torch.empty_like", "torch.empty_strided", "Tensor.new_empty",
+        "Tensor.new_empty_strided",
+        # FSDP2's copy of the local shards into its all-gather buffer: the all-gather that
+        # follows records the same values, and the buffer's other ranks' parts are unset
+        "ops.fsdp.all_gather_copy_in",
     }
 )
 

@@ -6,9 +6,10 @@ statistics computation (and, for task "tensor", one stored copy) per step howeve
 records reference it (an op's output is the next op's input).
 
 Cache key: the hash of (data_ptr, dtype, shape, stride, _version). data_ptr includes the
-storage offset, _version changes on every in-place write, and a weak reference to the
-storage of the tensor the entry was made from must still be alive for a hit: freed memory
-may be reused by a new tensor with the same layout, and that one must miss. The storage,
+storage offset, _version changes on every in-place write, and for a hit the storage of the
+tensor the entry was made from (held by a weak reference) must be alive and be the looked-up
+tensor's storage: freed memory may be reused by a new tensor with the same layout, and that
+one must miss (FSDP2 frees memory by resizing a storage that lives on). The storage,
 not the tensor object, because a tensor's Python object can die while its memory lives on
 in an alias that shares its version counter: autograd hands a hook the gradient, then
 stores ``grad.detach()`` as ``param.grad``, a new object over the same bytes (torch keeps a
@@ -17,7 +18,7 @@ storage's Python object alive exactly as long as the storage; measured: 232 of D
 64-bit hash rather than the tuple because every object the cache keeps alive is work for
 Python's garbage collector during the step (measured: docs/performance.md).
 
-Rows are tuples in schema.RECORD_COLUMNS order followed by the record's sketch (a tuple of
+Rows are tuples in schema.ALL_COLUMNS order followed by the record's sketch (a tuple of
 config.sketch_size floats, or None; schema.ROW_WIDTH). On CPU the statistics and the sketch
 are computed at once; on other devices they stay on the device (stats.device_stats) and are
 filled in by ``resolve()`` with one host copy per batch.
@@ -31,19 +32,25 @@ import torch
 
 from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
+from probe.capture.host_view import host_array
+from probe.capture.placement import dtensor_class, local_and_placement
 from probe.capture.host_batch import SMALL_MAX, HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, describe_value, flatten
 from probe.config import Config
-from probe.dump.schema import COLUMN_NAMES
+from probe.dump.schema import COLUMN_NAMES, OPTIONAL_COLUMN_NAMES
 from probe.errors import DumpError, ProbeError
 
 Tensor = torch.Tensor
 NAN = float("nan")
 _STATS_AT = COLUMN_NAMES.index("min")  # min max mean norm nan_count inf_count
 _STATS_END = _STATS_AT + 6
+#: a DTensor's placement (JSON); a shard ("S(d)" in it) gets no sketch: the sketch projects
+#: with the entries of the values' positions, and a shard's positions in the logical tensor
+#: are not its own
+_PLACEMENT_AT = len(COLUMN_NAMES) + OPTIONAL_COLUMN_NAMES.index("placement")
 #: payload of a meta tensor's statistics: unknown (counts -1)
 _UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
 #: resolve pending device statistics after this many records (bounds device memory)
@@ -113,6 +120,8 @@ class Recorder:
         self._bucket: list[tuple[Tensor, list]] = []  # (frozen copy, its pending slot)
         self._bucket_bytes = 0
         self._cache: dict = {}
+        #: DTensor's class once torch.distributed.tensor is imported (None matches no type)
+        self._dtensor = dtensor_class()
         self._want_checksum = config.task == "checksum" or config.task == "tensor"
         self._want_tensor = config.task == "tensor"
         self._plain = not (self._want_checksum or self._want_tensor)
@@ -151,18 +160,30 @@ class Recorder:
         if decision == BY_KEY and not self.filter.key_wanted(op, prefix + slot):
             return
         if isinstance(value, Tensor):
+            placed = ""
             try:
+                version = value._version
+                if type(value) is self._dtensor:  # a shard: its local values and placement
+                    # DTensor's in-place ops bump the wrapper's version, not the local one's
+                    value, placed = local_and_placement(value)
+                    version = (version, value._version)
                 cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
-                                  value._version))
+                                  version))
             except (RuntimeError, NotImplementedError, AttributeError):
                 entry = self._describe(value, None)  # sparse, nested, inference: not cached
             else:
+                if fresh:
+                    self._forget_storage(value)
                 entry = self._cache.get(cache_key)
-                if entry is None or fresh or entry[0]() is None:
+                # a hit must be over the same storage, not only the same address: FSDP2
+                # frees its unsharded parameters by resizing their storage to 0, and the
+                # address comes back for a gradient while that storage object lives on
+                if entry is None or fresh or entry[0]() is not _lifetime(value):
                     entry = self._describe(value, cache_key)
             rows = self.rows
             rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
-                         source, "", entry[3]))  # value_type "" for tensors, then the sketch
+                         source, "", placed,  # value_type "" for tensors, then the sketch
+                         None if "S(" in placed else entry[3]))
             if entry[2] is not None:
                 self._pending.append((len(rows) - 1, entry[2]))
                 if len(self._pending) >= PENDING_LIMIT:
@@ -172,7 +193,19 @@ class Recorder:
         if described is not None:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
-                              described[1], None))
+                              described[1], "", None))
+
+    def _forget_storage(self, tensor: Tensor) -> None:
+        """Drop the cache entries of every tensor over tensor's storage: it was written
+        without a version bump (FSDP2 copies the all-gathered values into the unsharded
+        parameters through views of one buffer), so other views of it are stale too."""
+        try:
+            storage = _lifetime(tensor)
+        except Exception:
+            return
+        stale = [key for key, entry in self._cache.items() if entry[0]() is storage]
+        for key in stale:
+            del self._cache[key]
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
         """Records for every leaf of a nested structure under prefix (see values.flatten)."""
@@ -260,7 +293,7 @@ class Recorder:
         if batch is None or numel > SMALL_MAX or values.dtype not in _BATCHED_DTYPES:
             return None
         try:
-            array = (values.detach() if values.requires_grad else values).numpy()
+            array = host_array(values)
         except (RuntimeError, TypeError):  # conj/neg bits, subclasses without numpy()
             return None
         return batch.add(array)
@@ -324,6 +357,8 @@ class Recorder:
         for position, item in pending:
             row = rows[position]
             resolved, sketched = results[id(item)]
+            if "S(" in row[_PLACEMENT_AT]:
+                sketched = None  # a shard's sketch would use the wrong projection entries
             rows[position] = row[:_STATS_AT] + resolved + row[_STATS_END:-1] + (sketched,)
         # cache entries keep the resolved numbers so later hits need no more work
         for key, (ref, payload, item, _) in list(self._cache.items()):

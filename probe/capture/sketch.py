@@ -48,6 +48,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from probe.capture.host_view import host_array
+
 #: columns of the (rows, BLOCK) view: the inner products that run in the accumulation dtype
 BLOCK = 251
 #: rows per super-row: the fold keeps GROUPS x BLOCK numbers, whatever the tensor's size
@@ -238,7 +240,7 @@ def _host_sketch(tensor: torch.Tensor, k: int) -> bytes:
         flat = tensor.detach().reshape(-1)  # the common case, without sketch_values' dispatches
     else:
         flat = sketch_values(tensor)
-    return array_sketch(flat.numpy(), k)
+    return array_sketch(host_array(flat), k)
 
 
 def array_sketch(values: np.ndarray, k: int) -> bytes:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from probe.capture import sketch
+from probe.capture.host_view import host_array
 
 NAN = float("nan")
 EMPTY_STATS = (NAN, NAN, NAN, NAN, 0, 0)
@@ -110,7 +111,7 @@ def host_stats(tensor: torch.Tensor) -> tuple:
         x = _as_real(x)
         if x.dtype not in _NUMPY_FLOATS:  # a real float type numpy lacks (float8, ...)
             return _torch_stats(x, numel, torch.float32)
-    array = x.numpy()
+    array = host_array(x)
     if _shared_view[0]:
         _shared_view[1] = (tensor, array)
     low = float(_minimum(array, axis=None))
@@ -196,7 +197,7 @@ def _host_sketch(tensor: torch.Tensor, array, k: int) -> bytes | None:
         # are its sketch's values (sketch.sketch_values): no second conversion
     try:
         if array is None:  # host_stats took another path, or another thread's view was left
-            array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
+            array = host_array(tensor)
         return sketch.array_sketch(array, k)
     except (RuntimeError, TypeError, ValueError):  # as host_sketch: the statistics stay
         return None
@@ -279,7 +280,7 @@ def checksum(tensor: torch.Tensor) -> str:
     if x.dtype == torch.bool:
         x = x.view(torch.uint8)
     try:
-        raw = x.view(torch.uint8).numpy()
+        raw = host_array(x.view(torch.uint8))
     except (RuntimeError, TypeError):  # a dtype without a byte view: conj/neg bits, quantized
         return ""
     return format(zlib.crc32(raw), "08x")

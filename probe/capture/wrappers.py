@@ -72,6 +72,11 @@ def user_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return listed
 
 
+def is_fsdp2(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to this module (its class is ``FSDP<Class>``)."""
+    return any(base.__name__ == _FSDP2_BASE for base in type(module).__bases__)
+
+
 def user_kind(module: torch.nn.Module) -> str:
     """The class name the user wrote: FSDP2's ``FSDPLinear(FSDPModule, Linear)`` is ``Linear``."""
     cls = type(module)

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from probe.comparison import load as L
 from probe.comparison import result as R
 from probe.comparison import model_overlap, run_info
+from probe.comparison import sharded_steps
 from probe.comparison.assemble import assemble
 from probe.comparison.drift import apply_drift
 from probe.comparison.engine import compare_step
@@ -56,7 +57,15 @@ def compare(
     names = _mapping(mapping)
     path_a, path_b = os.fspath(a), os.fspath(b)
     dump_a, dump_b = L.load_dumps(path_a, path_b)
-    pairs, missing = L.pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
+    sharded = None
+    if os.path.isdir(path_a) and os.path.isdir(path_b):
+        sharded = sharded_steps.plan(dump_a, dump_b, None if steps is None else set(steps),
+                                     None if ranks is None else set(ranks), allow_missing)
+    if sharded is None:
+        pairs, missing = L.pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
+        opened = L.open_step_files(dump_a, dump_b, pairs)
+    else:  # DTensor records, or different world sizes: logical tensors (shards.py)
+        pairs, missing, opened = sharded.pairs, sharded.missing, sharded.step_files()
 
     notes = L.dump_notes(dump_a, dump_b)
     differences: list[dict] = []
@@ -68,7 +77,7 @@ def compare(
     explained: dict[int, dict] = {}  # rank -> accepted differences of A's last compared step file
     same_model = None
     autocast_runs: list = []  # (A's, B's) root attribute autocast, per step file pair
-    with contextlib.closing(L.open_step_files(dump_a, dump_b, pairs)) as step_files:
+    with contextlib.closing(opened) as step_files:
         for position, files in enumerate(step_files):
             def report(done, total, read, _position=position):
                 if progress is not None:
@@ -113,6 +122,8 @@ def compare(
                 "verdict": None,  # assemble.py decides, with strict
                 "counts": counts,
             })
+    if sharded is not None:
+        notes += sharded.notes
     precision = PrecisionTally()  # lower dtypes on one side (comparison/precision.py)
     for outcome, (runs_a, runs_b), info in zip(outcomes, autocast_runs, steps_info):
         judge_precision(outcome.rows, runs_a, runs_b, precision)

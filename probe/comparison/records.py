@@ -16,6 +16,7 @@ from probe.dump import schema
 
 _NUMERIC = {name for name, kind in schema.RECORD_COLUMNS if kind != "str"}
 _IN_PREFIXES = ("input", "kwarg", "param.", "grad_output")
+_PLACEMENT = "placement"  # optional column (schema.OPTIONAL_COLUMNS)
 
 
 def slot_io(slot: str) -> str:
@@ -58,6 +59,8 @@ class Records:
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
         columns = {name: table.column(name).tolist() for name in schema.COLUMN_NAMES}
+        if _PLACEMENT in getattr(table, "columns", ()):  # a DTensor's place (shards.py)
+            columns[_PLACEMENT] = table.column(_PLACEMENT).tolist()
         sketches = table.sketches() if hasattr(table, "sketches") else None  # schema 2
         if sketches is not None:
             columns[schema.SKETCH] = list(sketches)
@@ -68,6 +71,8 @@ class Records:
         """From record dicts; missing columns get the schema's 'not recorded' values."""
         filled = [_fill(row) for row in rows]
         columns = {name: [row[name] for row in filled] for name in schema.COLUMN_NAMES}
+        if any(_PLACEMENT in row for row in rows):
+            columns[_PLACEMENT] = [row.get(_PLACEMENT, "") for row in rows]
         if any(schema.SKETCH in row for row in rows):  # optional sketches
             columns[schema.SKETCH] = [row.get(schema.SKETCH) for row in rows]
         return cls(columns, source)

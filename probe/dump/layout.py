@@ -22,6 +22,9 @@ from probe.errors import DumpError
 # with an older one on another machine.
 _LIBVER = ("earliest", "v110")
 _NUMERIC_DTYPES = {"int64": np.int64, "float64": np.float64}
+#: optional columns written only when some record of the file has a value: files of runs
+#: without DTensors keep the layout older readers know
+_ONLY_WHEN_SET = frozenset({"placement"})
 
 
 def partial_path_for(final_path: str, token: str | None = None) -> str:
@@ -174,7 +177,7 @@ def create_partial(final: str) -> tuple[str, int, SpaceReservation, h5py.File]:
 
 
 def record_arrays(rows: list[tuple], path: str) -> tuple[list[np.ndarray], np.ndarray | None, np.ndarray, np.ndarray]:
-    """The record rows as the arrays of the step file: (one array per record column, the sketch
+    """The record rows as the arrays of the step file: ((column name, array) per column, the sketch
     table or None, the string table's UTF-8 bytes, its end offsets).
 
     Text columns are dictionary-encoded (see schema.py): one int32 code per record and one
@@ -182,10 +185,13 @@ def record_arrays(rows: list[tuple], path: str) -> tuple[list[np.ndarray], np.nd
     variable-length strings cost ~5 us per value; this costs ~0.1 us per value."""
     count = len(rows)
     columns = list(zip(*rows)) if rows else [()] * len(schema.ALL_COLUMNS)
+    columns_of_rows, sketched = schema.row_layout(len(columns)) or (schema.ALL_COLUMNS, False)
     vocabulary: dict[str, int] = {}
     arrays = []
     # rows without the optional columns leave them out of the file (zip stops early)
-    for (name, kind), values in zip(schema.ALL_COLUMNS, columns):
+    for (name, kind), values in zip(columns_of_rows, columns):
+        if name in _ONLY_WHEN_SET and not any(values):
+            continue  # a column no record of this file uses: the layout older readers know
         try:
             if kind == "str":
                 if set(map(type, values)) - {str}:  # map(type) runs in C: 10x an isinstance loop
@@ -193,13 +199,13 @@ def record_arrays(rows: list[tuple], path: str) -> tuple[list[np.ndarray], np.nd
                     raise TypeError(f"holds {bad!r}, expected str")
                 new = [text for text in dict.fromkeys(values) if text not in vocabulary]
                 vocabulary.update(zip(new, range(len(vocabulary), len(vocabulary) + len(new))))
-                arrays.append(np.fromiter(map(vocabulary.__getitem__, values), dtype=schema.TEXT_CODE_DTYPE, count=count))
+                arrays.append((name, np.fromiter(map(vocabulary.__getitem__, values), dtype=schema.TEXT_CODE_DTYPE, count=count)))
             else:
-                arrays.append(np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1))
+                arrays.append((name, np.array(values, dtype=_NUMERIC_DTYPES[kind]).reshape(-1)))
         except (TypeError, ValueError, OverflowError) as error:
             raise DumpError(f"cannot write {path}: record column {name!r} {error}") from error
     sketches = None
-    if len(columns) == schema.ROW_WIDTH:
-        sketches = sketch_table(columns[len(schema.ALL_COLUMNS)], path)
+    if sketched:
+        sketches = sketch_table(columns[len(columns_of_rows)], path)
     blob, ends = encode_texts(list(vocabulary))
     return arrays, sketches, blob, ends

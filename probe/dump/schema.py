@@ -71,6 +71,15 @@ gives them their "absent" value for files without them, and the writer accepts r
                (complex as (real, imag) pairs, ints and bool as their values). Compare
                estimates ||a - b|| from y_a - y_b (probe/comparison/sketch.py).
 
+    placement  (optional, written only when a record has one) a DTensor's place, JSON text:
+               {"mesh": [2], "dims": ["tp"], "placements": ["S(0)"], "coord": [1],
+               "shape": [16, 8], "offset": [8, 0]}: the device mesh's shape and dimension
+               names, torch's placement per mesh dimension ("S(d)" sharded on dim d, "R"
+               replicated, "P(sum)" partial), this rank's mesh coordinate, the logical tensor's
+               shape and the first index of this rank's shard in it. The record's statistics,
+               shape and numel are the local shard's; a shard ("S(d)") has no sketch.
+               "" for every other record (probe/capture/placement.py).
+
 Schema history: 1 = the first release; 2 adds /records/sketch, the optional column value_type,
 the root attribute run_id and unique partial names; all of them are optional on read, so a
 schema-1 file still opens and compares, with the statistics' lower bounds as evidence.
@@ -135,6 +144,7 @@ COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in RECORD_COLUMNS)
 #: (older writers, tests) are accepted and the column is then absent from the file.
 OPTIONAL_COLUMNS: tuple[tuple[str, str, object], ...] = (
     ("value_type", "str", ""),  # schema 2: see the module docstring (replay)
+    ("placement", "str", ""),  # schema 2, optional: a DTensor shard's place (docstring)
 )
 OPTIONAL_COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _, _ in OPTIONAL_COLUMNS)
 #: every column a row may hold, in row order
@@ -145,9 +155,23 @@ SKETCH = "sketch"
 SKETCH_DTYPE = "float64"
 #: a record row as the capture side hands it to the writer: the ALL_COLUMNS values, then the
 #: sketch: its k float64 numbers as bytes in the machine's order (probe/capture/sketch.py,
-#: pack), a sequence of k floats, or None. Rows of len(RECORD_COLUMNS) or len(ALL_COLUMNS)
-#: have no sketch.
+#: pack), a sequence of k floats, or None. Narrower rows are accepted too (row_layout).
 ROW_WIDTH = len(ALL_COLUMNS) + 1
+
+
+def row_layout(width: int) -> tuple[tuple[tuple[str, str], ...], bool] | None:
+    """(the columns a row of this width holds, in order; whether a sketch follows them), or
+    None for a width no writer makes: the record columns alone; with value_type; with
+    value_type and the sketch (the rows of writers before the placement column); every
+    column and the sketch (ROW_WIDTH)."""
+    base = len(RECORD_COLUMNS)
+    value_type = RECORD_COLUMNS + (ALL_COLUMNS[base],)
+    return {
+        base: (RECORD_COLUMNS, False),
+        base + 1: (value_type, False),
+        base + 2: (value_type, True),
+        ROW_WIDTH: (ALL_COLUMNS, True),
+    }.get(width)
 
 KINDS = ("api", "module", "param")
 PHASES = ("forward", "backward")

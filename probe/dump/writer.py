@@ -173,13 +173,14 @@ class StepWriter:
         by the record's sketch (schema.ROW_WIDTH values). Rows of schema.RECORD_COLUMNS width
         (no optional columns, no sketch) are accepted too; all rows of one file have one width."""
         self._require_open("add_rows")
-        widths = (schema.ROW_WIDTH, len(schema.ALL_COLUMNS), len(schema.RECORD_COLUMNS))
-        width = len(self._rows[0]) if self._rows else (len(rows[0]) if rows else widths[0])
+        width = len(self._rows[0]) if self._rows else (len(rows[0]) if rows else schema.ROW_WIDTH)
         for row in rows:
-            if len(row) != width or width not in widths:
+            if len(row) != width or schema.row_layout(width) is None:
+                base = len(schema.RECORD_COLUMNS)
                 raise ValueError(
-                    f"a record row has {len(row)} values, expected {widths[2]} (the record columns), "
-                    f"{widths[1]} (with the optional columns) or {widths[0]} (and the sketch), "
+                    f"a record row has {len(row)} values, expected {base} (the record columns), "
+                    f"{base + 1} (with value_type), {base + 2} (and the sketch) or "
+                    f"{schema.ROW_WIDTH} (every column and the sketch), "
                     f"the same for every row of the file: {row!r}")
         self._rows.extend(rows)
 
@@ -360,12 +361,12 @@ class StepWriter:
         # known and reserved first (space.py).
         arrays, sketches, blob, ends = layout.record_arrays(self._rows, self.path)
         attr_bytes = sum(len(v) if isinstance(v, str) else 8 for v in attrs.values())
-        self._reserve(sum(a.nbytes for a in arrays) + blob.nbytes + ends.nbytes
+        self._reserve(sum(array.nbytes for _, array in arrays) + blob.nbytes + ends.nbytes
                       + (0 if sketches is None else sketches.nbytes + DATASET_OVERHEAD)
                       + (len(arrays) + 3) * DATASET_OVERHEAD
                       + 2 * attr_bytes + len(attrs) * ATTR_OVERHEAD)
         group = self._file.require_group(schema.RECORDS_GROUP)
-        for (name, _), array in zip(schema.ALL_COLUMNS, arrays):
+        for name, array in arrays:
             layout.create_array(group, name, array)
         if sketches is not None:
             layout.create_array(group, schema.SKETCH, sketches)

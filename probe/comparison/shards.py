@@ -1,0 +1,242 @@
+"""Normalize stage: the records of every rank of one step -> records of logical tensors.
+
+FSDP2 and tensor parallel record each DTensor as the rank's local shard plus its placement
+(the ``placement`` column, probe/capture/placement.py). A shard pairs with nothing in a run
+sharded differently, or not at all: what pairs is the logical tensor. ``merge_ranks`` takes
+the records of all ranks of one step file set and gives each rank a view in which every
+sharded record stands for its logical tensor:
+
+* shards (``S(d)``, possibly replicated on other mesh dimensions): one copy per distinct
+  offset; min and max of the copies' extremes, the sum from each shard's mean and numel,
+  the norm from the shards' squared norms, NaN and Inf counts added; shape and numel are
+  the logical tensor's. A shard has no sketch (capture records none), nor a checksum; where
+  the shards' tensors were dumped (task tensor), the logical tensor is reassembled from them
+  when compare reads it (``MergedStep.fetch``).
+* ``R`` (replicated everywhere): one copy; the copies must agree (statistics and checksum),
+  and a copy that differs is a finding named with its rank (``MergedStep.replicas``).
+* ``P(...)`` (partial): the logical tensor is a reduction of the copies whose statistics
+  cannot be combined; such records stay rank-local.
+
+Records without a placement are rank-local (the activations of a data-parallel rank), except
+where every rank recorded the same values under the same key (a loss, a replicated output
+of a tensor-parallel block): ``logical_view`` counts those as the logical tensor.
+
+Pairing (``plan_views``, used by api.compare): with equal world sizes every rank's view is
+compared with the other run's view of the same rank; with different world sizes one view
+per side, holding the logical records alone, and the rank-local records are counted, not
+compared. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from probe.comparison.records import Records
+
+PLACEMENT = "placement"
+#: tensor ids of reassembled logical tensors start here (a step file's own ids are far below)
+LOGICAL_IDS = 1 << 48
+_STATISTICS = ("min", "max", "mean", "norm", "nan_count", "inf_count")
+#: what two copies of one replicated tensor must share
+_SAME = ("dtype", "shape", "min", "max", "mean", "norm", "nan_count", "inf_count", "checksum")
+
+
+@dataclass
+class MergedStep:
+    """Per-rank views of one step, and what the merge did."""
+
+    views: dict  # rank -> Records, sharded records standing for their logical tensors
+    logical: set = field(default_factory=set)  # keys of the merged (logical) records
+    shards: dict = field(default_factory=dict)  # key -> number of shards merged
+    partial: set = field(default_factory=set)  # keys left rank-local: partial placements
+    replicas: list = field(default_factory=list)  # (key, rank) of copies that disagree
+    #: tensor_id of a logical record (LOGICAL_IDS + n) -> (shape, [(rank, tensor_id, offset)])
+    assembled: dict = field(default_factory=dict)
+
+    def fetch(self, fetch_by_rank: dict, own_fetch):
+        """A tensor fetch for a view: logical tensors are reassembled from their shards
+        (each rank's own fetch), every other id is read through own_fetch."""
+        def fetch(tensor_id):
+            found = self.assembled.get(tensor_id)
+            if found is None:
+                return own_fetch(tensor_id)
+            shape, parts = found
+            return assemble(shape, [(fetch_by_rank[rank](part), offset) for rank, part, offset in parts])
+        return fetch
+
+
+def _placement(text):
+    if not text:
+        return None
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) and isinstance(found.get("placements"), list) else None
+
+
+def merge_ranks(by_rank: dict) -> MergedStep:
+    """{rank: Records} of one step -> MergedStep (each rank's view, the merge's summary)."""
+    merged = MergedStep(views={})
+    rows_of: dict = {}  # key -> [(rank, row, placement)]
+    for rank, records in sorted(by_rank.items()):
+        placements = records.columns.get(PLACEMENT)
+        if not placements:
+            continue
+        keys = records.columns["key"]
+        for row, text in enumerate(placements):
+            place = _placement(text)
+            if place is not None:
+                rows_of.setdefault(keys[row], []).append((rank, row, place))
+    logical_rows: dict = {}  # key -> the logical record's values {column: value}
+    for key, copies in rows_of.items():
+        try:
+            values = _logical(key, copies, by_rank, merged)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            values = None  # a placement this reader cannot follow: the record stays rank-local
+        if values is not None:
+            logical_rows[key] = values
+    for rank, records in by_rank.items():
+        merged.views[rank] = _view(records, logical_rows)
+    merged.logical = set(logical_rows)
+    return merged
+
+
+def _logical(key, copies, by_rank, merged: MergedStep):
+    placements = copies[0][2]["placements"]
+    if any(name.startswith("P(") for name in placements):
+        merged.partial.add(key)
+        return None
+    if not all(name == "R" or (name.startswith("S(") and name.endswith(")"))
+               for name in placements):
+        return None  # a placement compare does not know (strided shards): rank-local
+    by_offset: dict = {}
+    for rank, row, place in copies:
+        record = by_rank[rank].row(row)
+        offset = tuple(place.get("offset") or ())
+        first = by_offset.get(offset)
+        if first is None:
+            by_offset[offset] = (rank, record)
+        elif any(not _equal(first[1][name], record[name]) for name in _SAME):
+            merged.replicas.append((key, rank))
+    shards = [record for _, record in by_offset.values()]
+    shape = copies[0][2].get("shape") or []
+    numel = math.prod(shape)
+    if sum(int(record["numel"]) for record in shards) != numel:
+        return None  # not every shard was recorded (a rank filter): stays rank-local
+    base = dict(shards[0])
+    base["shape"] = "[" + ", ".join(str(int(size)) for size in shape) + "]"
+    base["numel"] = numel
+    if len(shards) > 1:
+        base.update(_combined(shards, numel))
+        base["checksum"] = ""
+        base["tensor_id"] = -1
+    merged.shards[key] = len(shards)
+    if len(shards) > 1 and all(int(record["tensor_id"]) >= 0 for _, record in by_offset.values()):
+        base["tensor_id"] = LOGICAL_IDS + len(merged.assembled)
+        merged.assembled[base["tensor_id"]] = (shape, [
+            (rank, int(record["tensor_id"]), offset) for offset, (rank, record) in by_offset.items()])
+    return base
+
+
+def assemble(shape, parts):
+    """The logical tensor from its shards: [(array, offset)] placed into one array."""
+    import numpy as np
+
+    out = np.zeros(shape, dtype=np.result_type(*[array for array, _ in parts]))
+    for array, offset in parts:
+        out[tuple(slice(start, start + size) for start, size in zip(offset, array.shape))] = array
+    return out
+
+
+def _combined(shards, numel) -> dict:
+    finite = [record for record in shards if int(record["numel"]) > 0]
+    total = sum(record["mean"] * int(record["numel"]) for record in finite)
+    return {
+        "min": min((record["min"] for record in finite), default=math.nan, key=_nan_first),
+        "max": max((record["max"] for record in finite), default=math.nan, key=_nan_last),
+        "mean": total / numel if numel else math.nan,
+        "norm": math.sqrt(sum(record["norm"] ** 2 for record in finite)),
+        "nan_count": sum(int(record["nan_count"]) for record in shards),
+        "inf_count": sum(int(record["inf_count"]) for record in shards),
+    }
+
+
+def _nan_first(value):
+    """min() with NaN winning, as torch.aminmax propagates it."""
+    return (0, 0.0) if value != value else (1, value)
+
+
+def _nan_last(value):
+    return (1, 0.0) if value != value else (0, value)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b
+
+
+def _view(records: Records, logical_rows: dict) -> Records:
+    """records with each sharded record's values replaced by its logical record's."""
+    columns = {name: list(values) for name, values in records.columns.items()}
+    keys = columns["key"]
+    replaced = [name for name in columns if name not in ("seq", "source", PLACEMENT)]
+    for row, key in enumerate(keys):
+        values = logical_rows.get(key)
+        if values is None:
+            continue
+        for name in replaced:
+            if name in values:
+                columns[name][row] = values[name]
+        if "sketch" in columns and "sketch" not in values:
+            columns["sketch"][row] = None
+    return Records(columns, records.source)
+
+
+def logical_view(merged: MergedStep) -> tuple[Records, int]:
+    """One view for a compare across world sizes: the lowest rank's view with only the
+    logical records: merged DTensors, and plain records every rank holds with the same
+    values. Returns (records, number of rank-local records left out)."""
+    ranks = sorted(merged.views)
+    first = merged.views[ranks[0]]
+    others = [merged.views[rank] for rank in ranks[1:]]
+    index = [dict(zip(view.columns["key"], range(len(view)))) for view in others]
+    keys = first.columns["key"]
+    keep = []
+    for row, key in enumerate(keys):
+        if key in merged.logical:
+            keep.append(row)
+            continue
+        if key in merged.partial:
+            continue
+        record = first.row(row)
+        if all(key in found and all(_equal(record[name], view.get(name, found[key]))
+                                    for name in _SAME)
+               for view, found in zip(others, index)):
+            keep.append(row)
+    columns = {name: [values[row] for row in keep] for name, values in first.columns.items()}
+    return Records(columns, first.source), len(first) - len(keep)
+
+
+def has_placements(records: Records) -> bool:
+    placements = records.columns.get(PLACEMENT)
+    return bool(placements) and any(placements)
+
+
+def summary(side: str, merged: MergedStep, world_size: int) -> list[str]:
+    """Notes for the report: what was merged, from how many shards, and replicas that differ."""
+    notes = []
+    if merged.shards:
+        counts = sorted(set(merged.shards.values()))
+        notes.append(f"{side}: merged {len(merged.shards)} DTensor records of {world_size} ranks "
+                     f"into logical tensors (from {'/'.join(map(str, counts))} shards each)")
+    if merged.partial:
+        notes.append(f"{side}: {len(merged.partial)} partial (P) DTensor records left rank-local")
+    for key, rank in merged.replicas[:5]:
+        notes.append(f"{side}: replicated tensor {key} differs on rank {rank} from the first copy")
+    if len(merged.replicas) > 5:
+        notes.append(f"{side}: {len(merged.replicas) - 5} more replicas differ")
+    return notes

@@ -1,0 +1,161 @@
+"""Tiny sharded training runs for the sharded-capture tests: FSDP2, DDP, tensor parallel.
+
+Run under ``python -m torch.distributed.run --standalone --nproc_per_node 2`` with
+``OUT_DIR SCENARIO...``: each scenario trains a fresh copy of the same model (same initial
+weights on every rank) for STEPS steps, and writes ``OUT_DIR/<scenario>.rank<R>.json``
+(the losses, as float.hex) and, when it captures, a dump under ``OUT_DIR/<scenario>``.
+A scenario name is ``<stack>-<capture>[-<variant>...]``:
+
+    stack    fsdp (fully_shard on each Linear and on the root), ddp, tp (ColwiseParallel on
+             the first Linear, RowwiseParallel on the second), one (no parallelism)
+    capture  none, or <level>.<task> (mix.statistics, api.tensor, ...)
+    variant  keep (reshard_after_forward False), bf16 (MixedPrecisionPolicy param_dtype
+             bfloat16), tanh1 (rank 1 alone uses the tanh GELU), scale1 (rank 1's shard of
+             the first Linear's weight times 1.001), replica1 (rank 1's copy of the second
+             Linear's replicated bias times 1.001), data (per-rank batches for tp/one:
+             the batch of rank 0; default for ddp and fsdp: each rank its own)
+
+The rank process ends with os._exit(0) once its output is flushed (see test_distributed.py).
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+STEPS = 3
+IN, HIDDEN, OUT = 8, 16, 4
+
+
+def build(approximate="none"):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(approximate=approximate),
+                         nn.Linear(HIDDEN, OUT))
+
+
+def fully_shard_api():
+    """(fully_shard, MixedPrecisionPolicy): public from torch 2.6, _composable before."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+def batches(seed):
+    data = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, IN, generator=data) for _ in range(STEPS)]
+
+
+def train(model, xs, debugger=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in xs:
+        if debugger is not None:
+            debugger.start(model)
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        if debugger is not None:
+            debugger.stop()
+            debugger.step()
+        losses.append(float(loss.detach()).hex())
+    if debugger is not None:
+        debugger.close()
+    return losses
+
+
+def debugger_for(capture, dump_path):
+    if capture == "none":
+        return None
+    import probe
+
+    level, task = capture.split(".")
+    return probe.PrecisionDebugger(probe.Config(
+        dump_path=dump_path, level=level, task=task, step=[], rank=[]))
+
+
+def parallel_model(stack, variants, rank):
+    approximate = "tanh" if "tanh1" in variants and rank == 1 else "none"
+    model = build(approximate)
+    if stack == "fsdp":
+        fully_shard, policy_class = fully_shard_api()
+        options = {"reshard_after_forward": "keep" not in variants}
+        if "bf16" in variants:
+            options["mp_policy"] = policy_class(param_dtype=torch.bfloat16)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, **options)
+        fully_shard(model, **options)
+    elif stack == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    elif stack == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if "scale1" in variants and rank == 1:
+            with torch.no_grad():
+                model[0].weight._local_tensor.mul_(1.001)
+        if "replica1" in variants and rank == 1:  # the replicated bias, on one rank only
+            with torch.no_grad():
+                model[2].bias._local_tensor.mul_(1.001)
+    return model
+
+
+def run_scenario(out_dir, scenario, rank):
+    stack, capture, *variants = scenario.split("-")
+    model = parallel_model(stack, variants, rank)
+    same_batch = stack in ("tp", "one") or "data" in variants
+    xs = batches(100 if same_batch else 100 + rank)
+    debugger = debugger_for(capture, os.path.join(out_dir, scenario))
+    losses = train(model, xs, debugger)
+    with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json"), "w") as out:
+        json.dump(losses, out)
+
+
+def main(out_dir, scenarios):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for scenario in scenarios:
+        run_scenario(out_dir, scenario, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def launch(out_dir, scenarios, timeout=300):
+    """Run the scenarios in one 2-rank torchrun job; raise with its output when it fails."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", os.path.abspath(__file__), str(out_dir), *scenarios]
+    done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    return done
+
+
+def losses(out_dir, scenario, rank):
+    with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json")) as found:
+        return json.load(found)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
