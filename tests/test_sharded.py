@@ -31,7 +31,8 @@ OTHERS = [
     ("tp-none", "tp-api.tensor"),
 ]
 #: dumps only the compare tests read
-COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1"]
+COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1",
+            "coll-api.statistics", "coll-api.statistics-fault1"]
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +223,19 @@ def test_a_step_one_sharded_run_lacks_is_an_error_unless_allowed(job, one_device
         compare(one_device, shorter)
     result = compare(one_device, shorter, allow_missing=True)
     assert result.verdict == "pass" and result.missing == ["step 2 only in A"]
+
+
+def test_a_collective_whose_inputs_agree_but_whose_output_differs_introduced_the_error(job):
+    """Rank 1's all-reduce result is scaled inside the collective (a stand-in for a faulty
+    reduction): the first divergence is that collective on rank 1, named introduced."""
+    from probe import compare
+    from probe.compat import uncaptured_collectives
+
+    if "all_reduce" in uncaptured_collectives():
+        pytest.skip("this torch runs dist.all_reduce without asking a TorchFunctionMode")
+    assert compare(job / "coll-api.statistics", job / "coll-api.statistics").verdict == "pass"
+    result = compare(job / "coll-api.statistics", job / "coll-api.statistics-fault1")
+    first = result.first_divergence
+    assert result.verdict == "diverged"
+    assert (first.step, first.rank, first.op, first.origin) == (0, 1, "distributed.all_reduce", "introduced")
+    assert first.key_a == "/distributed.all_reduce#0/forward/output.0"

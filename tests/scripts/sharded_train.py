@@ -7,11 +7,13 @@ weights on every rank) for STEPS steps, and writes ``OUT_DIR/<scenario>.rank<R>.
 A scenario name is ``<stack>-<capture>[-<variant>...]``:
 
     stack    fsdp (fully_shard on each Linear and on the root), ddp, tp (ColwiseParallel on
-             the first Linear, RowwiseParallel on the second), one (no parallelism)
+             the first Linear, RowwiseParallel on the second), one (no parallelism),
+             coll (no training: a Linear's output all-reduced with dist.all_reduce, then tanh)
     capture  none, or <level>.<task> (mix.statistics, api.tensor, ...)
     variant  keep (reshard_after_forward False), bf16 (MixedPrecisionPolicy param_dtype
              bfloat16), tanh1 (rank 1 alone uses the tanh GELU), scale1 (rank 1's shard of
-             the first Linear's weight times 1.001), replica1 (rank 1's copy of the second
+             the first Linear's weight times 1.001), fault1 (coll: rank 1's all-reduce
+             result times 1.001, as a faulty collective would give it), replica1 (rank 1's copy of the second
              Linear's replicated bias times 1.001), data (per-rank batches for tp/one:
              the batch of rank 0; default for ddp and fsdp: each rank its own)
 
@@ -110,13 +112,58 @@ def parallel_model(stack, variants, rank):
     return model
 
 
+class FaultyGroup:
+    """A process group whose all-reduce result is scaled on this rank: a stand-in for a
+    faulty collective (a bad link, a buggy reduction kernel). The scaling runs inside the
+    collective, so capture sees the same inputs and a different output."""
+
+    def __init__(self, group, factor):
+        self.group, self.factor = group, factor
+
+    def allreduce(self, tensors, options):
+        work = self.group.allreduce(tensors, options)
+        if self.factor != 1.0:
+            work.wait()
+            for tensor in tensors:
+                tensor.mul_(self.factor)
+        return work
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    def __repr__(self):
+        return "FaultyGroup"
+
+
+def collective_losses(variants, rank, debugger):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    layer = nn.Linear(IN, HIDDEN)
+    group = FaultyGroup(dist.group.WORLD, 1.001 if "fault1" in variants and rank == 1 else 1.0)
+    losses = []
+    for x in batches(100 + rank):
+        debugger.start(layer)
+        with torch.no_grad():
+            hidden = layer(x)
+            dist.all_reduce(hidden, group=group)
+            loss = hidden.tanh().mean()
+        debugger.stop()
+        debugger.step()
+        losses.append(float(loss).hex())
+    debugger.close()
+    return losses
+
+
 def run_scenario(out_dir, scenario, rank):
     stack, capture, *variants = scenario.split("-")
-    model = parallel_model(stack, variants, rank)
-    same_batch = stack in ("tp", "one") or "data" in variants
-    xs = batches(100 if same_batch else 100 + rank)
     debugger = debugger_for(capture, os.path.join(out_dir, scenario))
-    losses = train(model, xs, debugger)
+    if stack == "coll":
+        losses = collective_losses(variants, rank, debugger)
+    else:
+        model = parallel_model(stack, variants, rank)
+        same_batch = stack in ("tp", "one") or "data" in variants
+        losses = train(model, batches(100 if same_batch else 100 + rank), debugger)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json"), "w") as out:
         json.dump(losses, out)
 
