@@ -34,23 +34,21 @@ from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
 from probe.capture.host_view import host_array
 from probe.capture.placement import dtensor_class, local_and_placement
+from probe.capture.shard_sketch import flat_offset, shard_sketch
+from probe.capture.sketch import pack as pack_sketch
 from probe.capture.host_batch import SMALL_MAX, HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
 from probe.capture.filters import BY_KEY, CaptureFilter
 from probe.capture.naming import Namer
 from probe.capture.values import SourceLocator, describe_value, flatten
 from probe.config import Config
-from probe.dump.schema import COLUMN_NAMES, OPTIONAL_COLUMN_NAMES
+from probe.dump.schema import COLUMN_NAMES
 from probe.errors import DumpError, ProbeError
 
 Tensor = torch.Tensor
 NAN = float("nan")
 _STATS_AT = COLUMN_NAMES.index("min")  # min max mean norm nan_count inf_count
 _STATS_END = _STATS_AT + 6
-#: a DTensor's placement (JSON); a shard ("S(d)" in it) gets no sketch: the sketch projects
-#: with the entries of the values' positions, and a shard's positions in the logical tensor
-#: are not its own
-_PLACEMENT_AT = len(COLUMN_NAMES) + OPTIONAL_COLUMN_NAMES.index("placement")
 #: payload of a meta tensor's statistics: unknown (counts -1)
 _UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
 #: resolve pending device statistics after this many records (bounds device memory)
@@ -102,6 +100,9 @@ class Recorder:
         self.locate = locate or SourceLocator()
         self.module_stack: list[str] = []
         self.rows: list[tuple] = []
+        #: row position -> sketch of a shard row whose sketch is not its own values' (bytes,
+        #: None, or a device tensor resolved with the deferred statistics)
+        self._shard_sketches: dict = {}
         self.device: str | None = None
         #: hooks registered on activations check this: records of a finished step or of a
         #: stopped capture are dropped.
@@ -181,9 +182,12 @@ class Recorder:
                 if entry is None or fresh or entry[0]() is not _lifetime(value):
                     entry = self._describe(value, cache_key)
             rows = self.rows
+            sketched = entry[3]
+            if placed and "S(" in placed:
+                sketched = self._sketch_of_shard(value, placed, sketched, len(rows))
             rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
                          source, "", placed,  # value_type "" for tensors, then the sketch
-                         None if "S(" in placed else entry[3]))
+                         sketched))
             if entry[2] is not None:
                 self._pending.append((len(rows) - 1, entry[2]))
                 if len(self._pending) >= PENDING_LIMIT:
@@ -194,6 +198,16 @@ class Recorder:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
                               described[1], "", None))
+
+    def _sketch_of_shard(self, local: Tensor, placed: str, own, position: int):
+        """A shard row's sketch: its own where the shard starts the logical tensor's flat
+        index, else taken at its offset (None where the shard is not one run of it)."""
+        offset = flat_offset(placed, local.shape)
+        if offset == 0:
+            return own
+        found = None if offset is None else shard_sketch(local, offset, self._sketch_size)
+        self._shard_sketches[position] = found
+        return found if type(found) is bytes else None
 
     def _forget_storage(self, tensor: Tensor) -> None:
         """Drop the cache entries of every tensor over tensor's storage: it was written
@@ -341,6 +355,7 @@ class Recorder:
         if self._host_batch is not None:
             self._host_batch.compute()
         if not self._pending:
+            self._resolve_shard_sketches()
             return
         pending, self._pending = self._pending, []
         # one entry per distinct device-stats tuple: a cached tensor shares its tuple
@@ -357,8 +372,8 @@ class Recorder:
         for position, item in pending:
             row = rows[position]
             resolved, sketched = results[id(item)]
-            if "S(" in row[_PLACEMENT_AT]:
-                sketched = None  # a shard's sketch would use the wrong projection entries
+            if position in self._shard_sketches:
+                sketched = row[-1]  # taken at the shard's logical positions, not its own
             rows[position] = row[:_STATS_AT] + resolved + row[_STATS_END:-1] + (sketched,)
         # cache entries keep the resolved numbers so later hits need no more work
         for key, (ref, payload, item, _) in list(self._cache.items()):
@@ -366,6 +381,20 @@ class Recorder:
                 found, sketched = results[id(item)]
                 payload = payload[:4] + found + payload[10:]
                 self._cache[key] = (ref, payload, None, sketched)
+        self._resolve_shard_sketches()
+
+    def _resolve_shard_sketches(self) -> None:
+        """Copy the shard sketches still on a device to their rows (one copy per device)."""
+        shards, self._shard_sketches = self._shard_sketches, {}
+        waiting = [(position, found) for position, found in shards.items() if isinstance(found, Tensor)]
+        by_device: dict = {}
+        for position, found in waiting:
+            by_device.setdefault(found.device, []).append((position, found))
+        rows = self.rows
+        for items in by_device.values():
+            values = torch.stack([found for _, found in items]).cpu().numpy()
+            for (position, _), numbers in zip(items, values):
+                rows[position] = rows[position][:-1] + (pack_sketch(numbers),)
 
     def resolve(self) -> None:
         """Fill in the statistics still on a device (one host copy per device)."""

@@ -9,7 +9,10 @@ sharded record stands for its logical tensor:
 * shards (``S(d)``, possibly replicated on other mesh dimensions): one copy per distinct
   offset; min and max of the copies' extremes, the sum from each shard's mean and numel,
   the norm from the shards' squared norms, NaN and Inf counts added; shape and numel are
-  the logical tensor's. A shard has no sketch (capture records none), nor a checksum; where
+  the logical tensor's. The sketch is the sum of the shards' sketches: capture takes each
+  with the projection entries of the shard's logical positions (capture/shard_sketch.py),
+  so the sum is the logical tensor's sketch; where a shard has none (a column block), the
+  logical record has none. There is no checksum of the logical tensor; where
   the shards' tensors were dumped (task tensor), the logical tensor is reassembled from them
   when compare reads it (``MergedStep.fetch``).
 * ``R`` (replicated everywhere): one copy; the copies must agree (statistics and checksum),
@@ -131,6 +134,8 @@ def _logical(key, copies, by_rank, merged: MergedStep):
     base["numel"] = numel
     if len(shards) > 1:
         base.update(_combined(shards, numel))
+        if "sketch" in base:
+            base["sketch"] = _summed_sketch([record["sketch"] for record in shards])
         base["checksum"] = ""
         base["tensor_id"] = -1
     merged.shards[key] = len(shards)
@@ -162,6 +167,18 @@ def _combined(shards, numel) -> dict:
         "nan_count": sum(int(record["nan_count"]) for record in shards),
         "inf_count": sum(int(record["inf_count"]) for record in shards),
     }
+
+
+def _summed_sketch(sketches):
+    """The sum of the shards' sketches, or None when a shard has none (a NaN row in the file)."""
+    import numpy as np
+
+    if any(found is None for found in sketches):
+        return None
+    if len({len(found) for found in sketches}) != 1:
+        return None
+    total = np.sum([np.asarray(found, dtype=np.float64) for found in sketches], axis=0)
+    return total if np.isfinite(total).all() else None
 
 
 def _nan_first(value):
