@@ -33,6 +33,9 @@ OTHERS = [
 #: dumps only the compare tests read
 COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1",
             "coll-api.statistics", "coll-api.statistics-fault1", "fsdp-mix.tensor-bf16"]
+#: examples/distributed/train_fsdp2.py and train_tp.py, one step each
+EXAMPLES = ["example-fsdp2-ddp", "example-fsdp2", "example-fsdp2-bug1", "example-tp",
+            "example-tp-bug1"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def job(tmp_path_factory):
     sharding_or_skip()
     out = tmp_path_factory.mktemp("sharded")
     scenarios = ["fsdp-none"] + [f"fsdp-{capture}" for capture in CAPTURES]
-    scenarios += sorted({name for pair in OTHERS for name in pair}) + COMPARED
+    scenarios += sorted({name for pair in OTHERS for name in pair}) + COMPARED + EXAMPLES
     sharded_train.launch(out, scenarios)
     return out
 
@@ -271,3 +274,31 @@ def test_row_shards_of_a_tensor_parallel_weight_merge_into_the_one_device_sketch
     expected = np.asarray(weight_sketch(step_records(one_device, 0)))
     assert np.allclose(weight_sketch(merged.views[1]), expected, rtol=1e-5,
                        atol=1e-5 * np.abs(expected).max())
+
+
+def test_the_fsdp2_example_passes_against_ddp_and_names_the_bug_rank(job):
+    from probe import compare
+
+    against_ddp = compare(job / "example-fsdp2-ddp", job / "example-fsdp2")
+    assert against_ddp.verdict == "pass", against_ddp.first_divergence
+    assert any("merged" in note and "2 shards" in note for note in against_ddp.notes)
+    bug = compare(job / "example-fsdp2", job / "example-fsdp2-bug1")
+    first = bug.first_divergence
+    assert (bug.verdict, first.rank, first.module, first.op, first.origin) == (
+        "diverged", 1, "1", "functional.gelu", "introduced")
+
+
+def test_the_tensor_parallel_example_passes_against_one_device_and_finds_the_scaled_shard(
+        job, tmp_path):
+    from examples.distributed import train_tp
+    from probe import compare
+
+    one = tmp_path / "one"
+    train_tp.run(train_tp.parse(["--one-device", "--dump", str(one), "--steps", "1"]))
+    clean = compare(one, job / "example-tp")
+    assert clean.verdict == "pass", clean.first_divergence
+    bug = compare(one, job / "example-tp-bug1")
+    first = bug.first_divergence
+    assert (bug.verdict, first.module, first.op, first.origin) == (
+        "diverged", "0", "functional.linear", "introduced")
+    assert "parameter 0.weight differs" in first.cause

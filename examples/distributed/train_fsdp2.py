@@ -45,23 +45,31 @@ def shard(model, bf16):
     return fully_shard(model, mp_policy=policy)
 
 
-def main():
+def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of FSDP2")
     parser.add_argument("--bf16", action="store_true", help="FSDP2 parameters in bfloat16")
     parser.add_argument("--bug-rank", type=int, default=-1)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    return parser.parse_args(argv)
+
+
+def run(args, rank):
+    """Build, wrap and train the model on this rank of a started process group."""
     model = build("tanh" if rank == args.bug_rank else "none")
     if args.ddp:
         model = nn.parallel.DistributedDataParallel(model)
     else:
         model = shard(model, args.bf16)
     train(model, args.dump, args.steps, rank, data_seed=100 + rank)  # each rank its own batches
+
+
+def main():
+    args = parse()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    run(args, dist.get_rank())
     leave_job()
 
 

@@ -24,32 +24,44 @@ import torch.nn as nn
 from examples.distributed.sharded_loop import leave_job, train
 
 
-def main():
+def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--one-device", action="store_true", help="no parallelism, one process")
     parser.add_argument("--bug-rank", type=int, default=-1)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    return parser.parse_args(argv)
+
+
+def run(args, rank=0):
+    """Build the model, parallelize it over every rank of a started process group (unless
+    --one-device) and train it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-    rank = 0
     if not args.one_device:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         if rank == args.bug_rank:
             with torch.no_grad():
                 model[0].weight.to_local().mul_(1.001)
     train(model, args.dump, args.steps, rank, data_seed=100)  # the same global batch on every rank
-    if not args.one_device:
-        leave_job()
+
+
+def main():
+    args = parse()
+    torch.set_num_threads(1)
+    if args.one_device:
+        run(args)
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    run(args, dist.get_rank())
+    leave_job()
 
 
 if __name__ == "__main__":

@@ -13,9 +13,12 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
     variant  keep (reshard_after_forward False), bf16 (MixedPrecisionPolicy param_dtype
              bfloat16), tanh1 (rank 1 alone uses the tanh GELU), scale1 (rank 1's shard of
              the first Linear's weight times 1.001), fault1 (coll: rank 1's all-reduce
-             result times 1.001, as a faulty collective would give it), replica1 (rank 1's copy of the second
-             Linear's replicated bias times 1.001), data (per-rank batches for tp/one:
+             result times 1.001, as a faulty collective would give it), replica1 (rank 1's
+             copy of the second Linear's replicated bias times 1.001), data (per-rank batches for tp/one:
              the batch of rank 0; default for ddp and fsdp: each rank its own)
+
+An ``example-<script>[-<option>...]`` scenario runs examples/distributed/train_<script>.py
+for one step, dumped under OUT_DIR/<scenario>, with --<option> (bugR: --bug-rank R).
 
 The rank process ends with os._exit(0) once its output is flushed (see test_distributed.py).
 """
@@ -155,8 +158,24 @@ def collective_losses(variants, rank, debugger):
     return losses
 
 
+def run_example(out_dir, scenario, variants, rank):
+    """examples/distributed/train_fsdp2.py or train_tp.py for one step, as its main() runs
+    it on a rank (the job's process group stands for the one main() starts)."""
+    from examples.distributed import train_fsdp2, train_tp
+
+    script, *options = variants
+    argv = ["--dump", os.path.join(out_dir, scenario), "--steps", "1"]
+    for option in options:
+        argv += ["--bug-rank", option[len("bug"):]] if option.startswith("bug") else [f"--{option}"]
+    example = train_fsdp2 if script == "fsdp2" else train_tp
+    example.run(example.parse(argv), rank)
+
+
 def run_scenario(out_dir, scenario, rank):
     stack, capture, *variants = scenario.split("-")
+    if stack == "example":
+        run_example(out_dir, scenario, [capture, *variants], rank)
+        return
     debugger = debugger_for(capture, os.path.join(out_dir, scenario))
     if stack == "coll":
         losses = collective_losses(variants, rank, debugger)
