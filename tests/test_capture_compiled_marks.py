@@ -132,3 +132,12 @@ def test_marks_leave_no_trace_in_the_compiled_graph_nor_in_eager_calls(tmp_path)
     expected = model(x, positions)  # eager: the marks do nothing
     assert torch.equal(tapped(x, positions), expected)
     assert seen and not any("probe_graph" in target for graph in seen for target in graph)
+
+
+def test_probe_compile_itself_warns_nothing():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe.compile(Model(), backend="aot_eager")
+    assert [str(w.message) for w in caught] == []

@@ -18,6 +18,8 @@ a module's hooks, so adding them later would recompile.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _NAMESPACE = "probe_graph"
@@ -118,8 +120,11 @@ def _traces_module_hooks() -> bool:
         import torch._dynamo.config as config
     except ImportError:
         return False
-    return bool(getattr(config, "inline_inbuilt_nn_modules", False)) \
-        and hasattr(getattr(torch, "compiler", None), "is_compiling")
+    with warnings.catch_warnings():
+        # newer torch: always on, and reading the flag warns that it is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        inlines = bool(getattr(config, "inline_inbuilt_nn_modules", False))
+    return inlines and hasattr(getattr(torch, "compiler", None), "is_compiling")
 
 
 def read(node):
