@@ -137,17 +137,23 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
                 if index is not None and len(slots) == 1:
                     grads.append((_grad_slot(slots[0]), index, "out"))
         elif event[0] == open_kind:
+            # a submodule call: the gradient through its uses of each input it names, and
+            # the gradient of each output it names (capture/graph_marks.py)
             members, grads = event[5], event[6]
-            if len(event[3]) == 1:
-                source = node_at.get(event[3][0][1][1])
+            for slot, ref in event[3]:
+                if ref[0] != "env":
+                    continue
+                source = node_at.get(ref[1])
                 found = [use_zero[(call, source)] for call in members
                          if (call, source) in use_zero]
                 if found:
-                    grads.append(("grad_input.0", found, "out"))
-            if len(event[4]) == 1:
-                made = node_at.get(event[4][0][1][1])
+                    grads.append((_grad_slot(slot), found, "out"))
+            for slot, ref in event[4]:
+                if ref[0] != "env":
+                    continue
+                made = node_at.get(ref[1])
                 if made in output_zero:
-                    grads.append(("grad_output.0", [output_zero[made]], "in"))
+                    grads.append(("grad_" + slot, [output_zero[made]], "in"))
     return zeros, added
 
 

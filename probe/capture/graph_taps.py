@@ -33,7 +33,7 @@ import torch
 
 from probe import compat
 from probe.errors import ProbeError
-from probe.capture import compiled_regions, grad_taps, graph_names, wrappers
+from probe.capture import compiled_regions, grad_taps, graph_marks, graph_names, wrappers
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
@@ -88,11 +88,13 @@ def compile(model, *, backend="inductor", mode=None, options=None, **kwargs):
             raise ProbeError(f"probe.compile(mode=..., options=...) needs backend='inductor', "
                              f"got backend={backend!r}")
         inner = torch._TorchCompileInductorWrapper(mode, options, kwargs.get("dynamic"))
+        graph_marks.install(model)
         return torch.compile(model, backend=TapBackend(inner), **kwargs)
     key = backend if isinstance(backend, str) else id(backend)
     tap = _backends.get(key)
     if tap is None or tap.backend is not backend:
         tap = _backends[key] = TapBackend(backend)
+    graph_marks.install(model)
     return torch.compile(model, backend=tap, **kwargs)
 
 
@@ -161,7 +163,10 @@ def _instrument(gm, example_inputs):
     params = {node for node, value in zip(placeholders, example_inputs)
               if isinstance(value, torch.nn.Parameter)}
     mutated = _mutated_later(nodes)
-    calls = [node for node in nodes if node.op in ("call_function", "call_method")]
+    marks = {node: graph_marks.read(node) for node in nodes}
+    marks = {node: mark for node, mark in marks.items() if mark is not None}
+    ordered = [node for node in nodes if node.op in ("call_function", "call_method")]
+    calls = [node for node in ordered if node not in marks]
     extra = []
     for node in calls:
         if isinstance(graph_names.example(node), Tensor):
@@ -169,7 +174,9 @@ def _instrument(gm, example_inputs):
             extra.append(_tap(graph, node, node in mutated))
     taps = {tap for tap in graph.nodes if tap not in where and tap.op != "output"
             and tap not in calls}
-    plan.events = _events(calls, where, params, output, taps)
+    plan.events = _events(ordered, marks, where, params, taps)
+    for node in marks:
+        graph.erase_node(node)
     if torch.is_grad_enabled() and any(getattr(value, "requires_grad", False)
                                        for value in example_inputs):
         plan.zeros, _ = grad_taps.add(graph, plan.events, where, _OP, _OPEN, taps)
@@ -218,24 +225,52 @@ def _tap(graph, node, copy: bool):
     return tapped
 
 
-def _events(calls, where, params, output, taps) -> list:
+def _events(ordered, marks, where, params, taps) -> list:
+    """The plan's events in graph order. A submodule call opens where the graph enters it and
+    closes where it leaves; where probe.compile marked the calls (capture/graph_marks.py), a
+    mark opens and closes the call, and names its inputs and outputs."""
     events = []
-    opened: list = []  # module chain entries currently open
+    opened: list = []  # (module chain entry, event index) of the calls currently open
     runs: dict = {}  # open event index -> set of nodes
-    for node in calls:
-        chain = graph_names.module_chain(node)
+    named: dict = {}  # open event index -> [inputs, outputs] named by marks
+
+    def close_to(depth):
+        while len(opened) > depth:
+            _, start = opened.pop()
+            events[start].append(len(events))
+            events.append([_CLOSE, start])
+
+    def enter(chain, node):
         keep = 0
         while keep < min(len(opened), len(chain)) and opened[keep][0] == chain[keep]:
             keep += 1
-        while len(opened) > keep:
-            entry, start = opened.pop()
-            events[start].append(len(events))
-            events.append([_CLOSE, start])
+        close_to(keep)
         for entry in chain[keep:]:
             start = len(events)
             events.append([_OPEN, entry, graph_names.source(node, 1), [], [], set(), []])
             runs[start] = set()
             opened.append((entry, start))
+
+    for node in ordered:
+        chain = graph_names.module_chain(node)
+        mark = marks.get(node)
+        if mark is not None:
+            io, slots = mark
+            if not chain:
+                continue
+            if io == "in":
+                # a new call of the marked module begins, even right after one that ended
+                enter(chain[:-1], node)
+                enter(chain, _first_call_after(ordered, node, marks) or node)
+                named[opened[-1][1]] = [_refs(slots, where), None]
+            else:
+                enter(chain, node)
+                start = opened[-1][1]
+                if start in named:
+                    named[start][1] = _refs(slots, where)
+                close_to(len(chain) - 1)
+            continue
+        enter(chain, node)
         for _, start in opened:
             runs[start].add(node)
         op, args = graph_names.as_eager_sees_it(node, where)
@@ -243,15 +278,33 @@ def _events(calls, where, params, output, taps) -> list:
             outs = _outputs(node, where)
             if outs:
                 events.append([_OP, op, chain, graph_names.source(node), args, outs, node, []])
-    while opened:
-        entry, start = opened.pop()
-        events[start].append(len(events))
-        events.append([_CLOSE, start])
+    close_to(0)
     for start, members in runs.items():
-        events[start][3] = _run_inputs(members, where, params)
-        events[start][4] = _run_outputs(members, where, taps)
+        inputs, outputs = named.get(start, (None, None))
+        events[start][3] = _run_inputs(members, where, params) if inputs is None else inputs
+        events[start][4] = _run_outputs(members, where, taps) if outputs is None else outputs
         events[start][5] = members
     return events
+
+
+def _first_call_after(ordered, mark, marks):
+    """The first node after ``mark`` that is not a mark (the source line of the call)."""
+    for node in ordered[ordered.index(mark) + 1:]:
+        if node not in marks:
+            return node
+    return None
+
+
+def _refs(slots, where) -> list:
+    """[(slot, ref)] of a mark's plain values and of the tensors the plan can read at run
+    time."""
+    refs = []
+    for slot, found in slots:
+        if isinstance(found, tuple):
+            refs.append((slot, found))
+        elif found in where:
+            refs.append((slot, ("env", where[found])))
+    return refs
 
 
 def _outputs(node, where) -> list:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 
 from probe import compat
-from probe.capture import compiled_regions, wrappers
+from probe.capture import compiled_functions, compiled_regions, wrappers
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -72,11 +72,14 @@ class ModuleHooks:
         #: modules whose registered parameters change during a step (FSDP2 swaps in the
         #: unsharded parameters before forward): their new parameters are hooked there
         self._swapping: set[int] = set()
+        #: the gate around the @torch.compile functions the model's code reaches
+        self._function_gates = compiled_functions.FunctionGates(self.gate)
 
     # ------------------------------------------------------------------ install / remove
 
     def install(self) -> None:
         try:
+            self._function_gates.install(self.model)
             targets = compiled_regions.targets(self.model)
             if any(target.region for target in targets):
                 compat.warn_compiled_capture_gap()
@@ -205,6 +208,7 @@ class ModuleHooks:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        self._function_gates.remove()
         self.gate.release()
         self._open_calls.clear()
         self._hooked_params.clear()

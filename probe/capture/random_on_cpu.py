@@ -44,6 +44,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
+#: True while dynamo traces (torch >= 2.3; before that there is nothing to tell it by)
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
 Tensor = torch.Tensor
 _CPU = torch.device("cpu")
 #: draws aimed at these stay where they are: the CPU itself, and "meta" (shapes only: a CPU run
@@ -154,6 +157,10 @@ class RandomOnCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_compiling():
+            # dynamo traces this mode into a compiled region: draws there are the compiled
+            # code's own, and the region stays one graph
+            return func(*args, **kwargs)
         kind = RandomOnCpu._table.get(func)
         if kind is None or "out" in kwargs or not _cpu_generator(kwargs):
             return func(*args, **kwargs)
