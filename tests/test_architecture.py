@@ -28,7 +28,7 @@ COMPARE_STAGES = [
     ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
                  "where", "sizes", "result", "prefetch", "elementwise", "kinds", "optimizer_calls"}),
     ("load", {"load", "model_overlap", "autocast_runs"}),
-    ("normalize", {"foreach", "optimizer_targets", "normalize", "shards"}),
+    ("normalize", {"foreach", "optimizer_targets", "normalize", "shards", "reduced_grads"}),
     ("align", {"align", "foreach_pairing", "pairing", "defaults"}),
     ("measure", {"provenance", "measure"}),
     ("judge", {"verdict", "causes", "explain", "stale", "judge", "kernels"}),

@@ -126,3 +126,43 @@ def test_a_placement_compare_cannot_read_leaves_the_record_rank_local():
     })
     assert merged.logical == set()
     assert _rows_by_key(merged.views[0])["fc/functional.linear#0/forward/input.1"]["numel"] == 1
+
+
+#: a rank's gradient of fc.weight (param_grad call 0) and the shard FSDP2's reduce-scatter,
+#: which capture does not see, made from every rank's (call 1, a DTensor)
+_GRAD = [1.0, -2.0, 3.0, 0.5]
+
+
+def _gradients(local_scale, reduced_scale):
+    def grad(index, seq, scale, placement=""):
+        values = [v * scale for v in _GRAD]
+        return {"module": "fc", "op": "Linear", "index": index, "phase": "backward", "kind": "param",
+                "slot": "param_grad.weight", "io": "out", "seq": seq, "shape": "[4]",
+                "min": min(values), "max": max(values), "mean": sum(values) / 4,
+                "norm": math.sqrt(sum(v * v for v in values)), "placement": placement}
+    return Records.from_dicts([grad(0, 1, local_scale), grad(1, 2, reduced_scale, _place(["S(0)"], [4], [0], [0]))])
+
+
+def _reduced_row(local_scale, reduced_scale):
+    from probe.comparison.engine import compare_step
+    from probe.comparison.tolerances import Tolerances
+
+    outcome = compare_step(_gradients(1.0, 1.0), _gradients(local_scale, reduced_scale), None, None, Tolerances())
+    (row,) = [row for row in outcome.rows if row.key == "fc/Linear#1/backward/param_grad.weight"]
+    linked = [row.key for row in outcome.rows if "local_grad" in row.slot]
+    return row, linked
+
+
+def test_a_reduced_gradient_is_explained_by_the_local_gradients_it_was_made_from():
+    # the local gradient differs within float32's tolerance, the reduced one 3x beyond it
+    row, linked = _reduced_row(1 + 1e-5, 1 + 6e-5)
+    assert linked == ["fc/Linear#1/backward/local_grad.weight"]
+    assert (row.status, row.origin) == ("explained", "amplified"), (row.status, row.cause)
+    assert "unrecorded reduce-scatter from rank-local gradients that differ by rel L2 1.00e-05" in row.cause
+
+
+def test_a_reduced_gradient_whose_local_gradients_agree_but_which_differs_is_introduced():
+    row, linked = _reduced_row(1.0, 1 + 6e-5)
+    assert linked == ["fc/Linear#1/backward/local_grad.weight"]
+    assert (row.status, row.origin) == ("diverged", "introduced"), (row.status, row.cause)
+    assert "its inputs agree within tolerance (largest input rel L2 0" in row.cause

@@ -173,19 +173,16 @@ def test_a_changed_shard_of_a_tensor_parallel_weight_is_found_at_its_linear(job,
 
 
 def test_fsdp2_in_bfloat16_raises_no_false_alarm_against_float32(job):
-    """With full tensors the bfloat16 run passes under the bfloat16 tolerance. With
-    statistics, sketches estimate each error (k=16: +-52%); the only records that may land
-    beyond the tolerance are FSDP2's reduced gradient shards (param_grad call 1, and the
-    optimizer's use of them, inherited): their reduce-scatter runs in backward, unrecorded,
-    so no recorded input explains their error, which sits near the tolerance (0.9x measured
-    with tensors)."""
+    """FSDP2 with bfloat16 parameters passes against float32 under the bfloat16 tolerance,
+    with full tensors and with statistics (sketches estimate each error, k=16: +-52%). The
+    reduced gradient shards, made by a reduce-scatter capture does not see, are judged from
+    the rank-local gradients they were made from (comparison/reduced_grads.py)."""
     from probe import compare
 
-    exact = compare(job / "fsdp-mix.tensor", job / "fsdp-mix.tensor-bf16")
-    assert exact.verdict == "pass", exact.first_divergence
-    estimated = compare(job / "fsdp-mix.statistics", job / "fsdp-mix.statistics-bf16")
-    introduced = [row.key_a for row in estimated.divergences if row.origin == "introduced"]
-    assert all("/Linear#1/backward/param_grad." in key for key in introduced), introduced
+    for task in ("tensor", "statistics"):
+        result = compare(job / f"fsdp-mix.{task}", job / f"fsdp-mix.{task}-bf16")
+        assert result.verdict == "pass", (task, result.first_divergence)
+        assert not [row.key for row in result.rows if row.status == "diverged"], task
 
 
 def test_a_functional_collective_is_recorded_with_its_waited_result_not_its_buffer(job):

@@ -8,11 +8,16 @@ from probe.comparison import result as R
 from probe.comparison.kinds import (
     CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED,
 )
+from probe.comparison.records import LOCAL_GRAD
 from probe.comparison.sizes import rel_error, sci
 
 
 def amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
     worst = max(carriers, key=rel_error)
+    if within_ratio and all(r.slot.startswith(LOCAL_GRAD) for r in carriers):
+        return (f"made by an unrecorded reduce-scatter from rank-local gradients that differ by rel L2 "
+                f"{sci(carried_rel)} (largest {worst.slot}; output {sci(out_rel)}): the reduction carries "
+                "their accepted differences")
     if within_ratio:
         how = f"{out_rel / carried_rel:.3g}x" if carried_rel > 0 else "no more"
         return (f"amplified: its inputs' accepted differences explain it (largest {worst.slot}, rel L2 "

@@ -21,11 +21,13 @@ from probe.comparison.mapping import NameMapping
 from probe.comparison.measure import Fetch, measure
 from probe.comparison.pairing import align
 from probe.comparison.records import Records
+from probe.comparison.reduced_grads import link_reduced_gradients
 from probe.comparison.result import StepOutcome
 from probe.comparison.tolerances import Tolerances
 
 #: the normalize steps, in the order they run on both sides' records and calls
 NORMALIZE = (
+    link_reduced_gradients,
     normalize.build_call_lists,
     normalize.split_foreach_calls,
     normalize.name_optimizer_targets,

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from probe.dump import schema
 
 _NUMERIC = {name for name, kind in schema.RECORD_COLUMNS if kind != "str"}
-_IN_PREFIXES = ("input", "kwarg", "param.", "grad_output")
+#: the slot prefix of a rank-local gradient linked as an input of the gradient an unrecorded
+#: collective reduced from it (reduced_grads.py)
+LOCAL_GRAD = "local_grad."
+_IN_PREFIXES = ("input", "kwarg", "param.", "grad_output", LOCAL_GRAD)
 _PLACEMENT = "placement"  # optional column (schema.OPTIONAL_COLUMNS)
 
 
