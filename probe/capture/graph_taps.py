@@ -116,6 +116,11 @@ class TapBackend:
         try:
             # dynamo reads its graph again after the backend returns: instrument a copy
             work = copy.deepcopy(gm)
+            # what dynamo set on its graph module that deepcopy drops: AOTAutograd reads
+            # _param_name_to_source where dynamo does not lift parameters to inputs (2.4)
+            for name, value in vars(gm).items():
+                if name not in vars(work):
+                    setattr(work, name, value)
             for mine, theirs in zip(work.graph.find_nodes(op="placeholder"),
                                     gm.graph.find_nodes(op="placeholder")):
                 if hasattr(theirs, "_dynamo_source"):
