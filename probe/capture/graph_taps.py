@@ -93,7 +93,29 @@ def compile(model, *, backend="inductor", mode=None, options=None, **kwargs):
     tap = _backends.get(key)
     if tap is None or tap.backend is not backend:
         tap = _backends[key] = TapBackend(backend)
-    return torch.compile(model, backend=tap, **kwargs)
+    return _inlining_modules(torch.compile(model, backend=tap, **kwargs))
+
+
+def _inlining_modules(compiled):
+    """Make dynamo trace into torch.nn modules while ``compiled`` runs.
+
+    Graph taps name every call by the modules dynamo traced it in, and need a module's
+    parameters as graph inputs: dynamo does both only when it inlines torch.nn modules, its
+    default from torch 2.5 (``inline_inbuilt_nn_modules``). torch 2.4 turns that off by default
+    and puts each torch.nn module in the graph as one opaque call; there it is turned on for
+    the calls of the module probe.compile returns, and only for those."""
+    from torch._dynamo import config
+
+    forward = getattr(compiled, "forward", None)
+    if getattr(config, "inline_inbuilt_nn_modules", True) or not callable(forward):
+        return compiled
+
+    def inlined(*args, **kwargs):
+        with config.patch(inline_inbuilt_nn_modules=True):
+            return forward(*args, **kwargs)
+
+    compiled.forward = inlined
+    return compiled
 
 
 class TapBackend:
@@ -158,6 +180,9 @@ def _instrument(gm, example_inputs):
     """Add the values to record as extra outputs of ``gm``; (plan, number of real outputs)."""
     graph = gm.graph
     nodes = list(graph.nodes)
+    if any(node.op == "call_module" for node in nodes):
+        raise ProbeError("the graph calls torch.nn modules as opaque call_module nodes "
+                         "(dynamo's inline_inbuilt_nn_modules is off)")
     output = next(node for node in reversed(nodes) if node.op == "output")
     placeholders = [node for node in nodes if node.op == "placeholder"]
     plan = _Plan()
