@@ -152,7 +152,14 @@ class TapBackend:
             _warn_once("plan", f"probe: cannot instrument a compiled graph ({error!r}); its "
                        "values are not recorded")
             return inner(gm, example_inputs)
-        return _runner(inner(work, examples), plan, real)
+        try:
+            compiled = inner(work, examples)
+        except Exception as error:  # the user's graph compiles; probe's additions did not
+            _warn_once("compile", f"probe: cannot compile a compiled graph with probe's taps "
+                       f"({error!r}); it runs as compiled without them, its values are not "
+                       "recorded")
+            return inner(gm, example_inputs)
+        return _runner(compiled, plan, real)
 
     def __repr__(self) -> str:
         return f"probe.TapBackend({self.name!r})"
