@@ -190,6 +190,9 @@ class TorchVersionWarning(UserWarning):
     """This torch version keeps probe from recording something it records on others."""
 
 
+_warned_group = None
+
+
 def warn_uncaptured_collectives() -> bool:
     """Warn when a process group is up and this torch hides some collectives from the API
     level. Returns True once the question is settled (a process group exists, or
@@ -200,6 +203,14 @@ def warn_uncaptured_collectives() -> bool:
         return True
     if not distributed.is_initialized():
         return False
+    # once per process group, not once per debugger: a job that makes a debugger per
+    # config or per phase would repeat it, and Python's own once-per-place filter forgets a
+    # warning whenever anything changes the warning filters (torch and libraries do)
+    global _warned_group
+    group = getattr(distributed.group, "WORLD", None)
+    if group is not None and group is _warned_group:
+        return True
+    _warned_group = group
     missing = uncaptured_collectives()
     if missing:
         which = "any collective" if len(missing) == len(COLLECTIVES) else ", ".join(missing)
