@@ -88,7 +88,7 @@ def compile(model, *, backend="inductor", mode=None, options=None, **kwargs):
             raise ProbeError(f"probe.compile(mode=..., options=...) needs backend='inductor', "
                              f"got backend={backend!r}")
         inner = torch._TorchCompileInductorWrapper(mode, options, kwargs.get("dynamic"))
-        return torch.compile(model, backend=TapBackend(inner), **kwargs)
+        return _inlining_modules(torch.compile(model, backend=TapBackend(inner), **kwargs))
     key = backend if isinstance(backend, str) else id(backend)
     tap = _backends.get(key)
     if tap is None or tap.backend is not backend:
