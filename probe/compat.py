@@ -22,7 +22,9 @@ Behaviour that changed:
     TorchFunctionMode up to 2.6, some from 2.7, all from 2.12;
   * collective names (see COLLECTIVE_ALIASES): all_gather_into_tensor became all_gather_single
     and reduce_scatter_tensor became reduce_scatter_single in 2.13;
-  * dtypes: float8_e8m0fnu exists from 2.7, float4_e2m1fn_x2 from 2.8 (see has_dtype).
+  * dtypes: float8_e8m0fnu exists from 2.7, float4_e2m1fn_x2 from 2.8 (see has_dtype);
+  * graph inputs a dynamo backend adds (see added_input_source): AOTAutograd accepts a
+    ``_dynamo_source`` of None from 2.8, and asserts every source unique before.
 """
 
 from __future__ import annotations
@@ -166,8 +168,29 @@ def _reaches_mode(name: str) -> bool:
     return False
 
 
+VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def added_input_source(name: str):
+    """The ``_dynamo_source`` of a graph input a backend adds (capture/grad_taps.py's zeros).
+
+    AOTAutograd reads a source from every placeholder of a dynamo graph. From torch 2.8 it
+    takes None for an input that no user frame holds; 2.4 asserts that all sources differ, so
+    two None fail the compile (measured on 2.4.1 and 2.8.0). There each added input gets a
+    source of its own, a local name no user frame has; AOTAutograd only reads it to guard
+    duplicated inputs, and each zero is a new tensor."""
+    if VERSION >= (2, 8):
+        return None
+    from torch._dynamo.source import LocalSource
+
+    return LocalSource(f"__probe_{name}")
+
+
 class TorchVersionWarning(UserWarning):
     """This torch version keeps probe from recording something it records on others."""
+
+
+_warned_group = None
 
 
 def warn_uncaptured_collectives() -> bool:
@@ -180,6 +203,14 @@ def warn_uncaptured_collectives() -> bool:
         return True
     if not distributed.is_initialized():
         return False
+    # once per process group, not once per debugger: a job that makes a debugger per
+    # config or per phase would repeat it, and Python's own once-per-place filter forgets a
+    # warning whenever anything changes the warning filters (torch and libraries do)
+    global _warned_group
+    group = getattr(distributed.group, "WORLD", None)
+    if group is not None and group is _warned_group:
+        return True
+    _warned_group = group
     missing = uncaptured_collectives()
     if missing:
         which = "any collective" if len(missing) == len(COLLECTIVES) else ", ".join(missing)

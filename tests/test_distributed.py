@@ -148,8 +148,8 @@ def test_collective_calls_are_captured_with_their_result_or_warned_about(ddp_job
     warnings = [line for line in printed.splitlines()
                 if "TorchVersionWarning" in line and "__torch_function__" in line]
     if collective in collectives_this_torch_hides():
-        # once per rank: each debugger asks once, and Python shows a warning raised at the
-        # same place once per process (the second config's debugger adds nothing)
+        # once per rank: probe warns once per process group (the second config's debugger
+        # adds nothing)
         assert len(warnings) == WORLD_SIZE, printed
         assert all(collective in line or "any collective" in line for line in warnings)
         for rank in range(WORLD_SIZE):

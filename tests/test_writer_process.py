@@ -251,6 +251,29 @@ def test_ctrl_c_while_handing_over_a_step_loses_only_that_step(tmp_path):
     assert probe.load(tmp_path).steps == [0, 2]
 
 
+class _Unpicklable:
+    def __init__(self, error):
+        self.error = error
+
+    def __reduce__(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, said", [(KeyboardInterrupt(), "interrupted while it was handed"),
+                                         (TypeError("no"), "could not be handed")])
+def test_a_step_that_fails_before_its_hand_over_began_is_lost_without_a_hang(tmp_path, error,
+                                                                             said):
+    from scripts_dump.dumpkit import root_attrs, rows_for
+
+    pending = background.PendingSteps()
+    job = {"dump_path": str(tmp_path), "step": 0, "rank": 0, "attrs": root_attrs("statistics"),
+           "extra": {}, "rows": rows_for(3) + [_Unpicklable(error)]}
+    with pytest.raises(type(error)):  # Ctrl-C while the step is pickled, or a bad value
+        pending.submit(job, str(tmp_path / "step0" / "rank0.h5"))
+    step, path, problem = pending.pop_done(block=True)  # answered: no reply is awaited
+    assert step == 0 and path is None and said in str(problem)
+
+
 # ------------------------------------------------------------------ lifetime
 
 def _script(tmp_path, body):

@@ -79,7 +79,8 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
         with graph.inserting_after(last):
             placeholder = graph.placeholder(f"probe_zero_{len(zeros.specs)}")
         placeholder.meta["example_value"] = value
-        placeholder._dynamo_source = None  # made here, not read from the user's frame
+        # made here, not read from the user's frame
+        placeholder._dynamo_source = compat.added_input_source(placeholder.name)
         last = placeholder
         zeros.specs.append((tuple(value.shape), value.dtype, value.device))
         added.append(placeholder)

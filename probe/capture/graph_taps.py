@@ -33,14 +33,13 @@ import torch
 
 from probe import compat
 from probe.errors import ProbeError
-from probe.capture import compiled_regions, grad_taps, graph_marks, graph_names, wrappers
+from probe.capture import compiled_regions, grad_taps, graph_events, graph_marks, graph_names, wrappers
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
 
 #: Python operators in a graph -> the Tensor method eager code reaches (``x + 1`` is Tensor.add)
-# event kinds of a plan
-_OP, _OPEN, _CLOSE = 0, 1, 2
+_OP, _OPEN, _CLOSE = graph_events.OP, graph_events.OPEN, graph_events.CLOSE
 
 
 class _Active:
@@ -89,13 +88,35 @@ def compile(model, *, backend="inductor", mode=None, options=None, **kwargs):
                              f"got backend={backend!r}")
         inner = torch._TorchCompileInductorWrapper(mode, options, kwargs.get("dynamic"))
         graph_marks.install(model)
-        return torch.compile(model, backend=TapBackend(inner), **kwargs)
+        return _inlining_modules(torch.compile(model, backend=TapBackend(inner), **kwargs))
     key = backend if isinstance(backend, str) else id(backend)
     tap = _backends.get(key)
     if tap is None or tap.backend is not backend:
         tap = _backends[key] = TapBackend(backend)
     graph_marks.install(model)
-    return torch.compile(model, backend=tap, **kwargs)
+    return _inlining_modules(torch.compile(model, backend=tap, **kwargs))
+
+
+def _inlining_modules(compiled):
+    """Make dynamo trace into torch.nn modules while ``compiled`` runs.
+
+    Graph taps name every call by the modules dynamo traced it in, and need a module's
+    parameters as graph inputs: dynamo does both only when it inlines torch.nn modules, its
+    default from torch 2.5 (``inline_inbuilt_nn_modules``). torch 2.4 turns that off by default
+    and puts each torch.nn module in the graph as one opaque call; there it is turned on for
+    the calls of the module probe.compile returns, and only for those."""
+    from torch._dynamo import config
+
+    forward = getattr(compiled, "forward", None)
+    if getattr(config, "inline_inbuilt_nn_modules", True) or not callable(forward):
+        return compiled
+
+    def inlined(*args, **kwargs):
+        with config.patch(inline_inbuilt_nn_modules=True):
+            return forward(*args, **kwargs)
+
+    compiled.forward = inlined
+    return compiled
 
 
 class TapBackend:
@@ -118,6 +139,11 @@ class TapBackend:
         try:
             # dynamo reads its graph again after the backend returns: instrument a copy
             work = copy.deepcopy(gm)
+            # what dynamo set on its graph module that deepcopy drops: AOTAutograd reads
+            # _param_name_to_source where dynamo does not lift parameters to inputs (2.4)
+            for name, value in vars(gm).items():
+                if name not in vars(work):
+                    setattr(work, name, value)
             for mine, theirs in zip(work.graph.find_nodes(op="placeholder"),
                                     gm.graph.find_nodes(op="placeholder")):
                 if hasattr(theirs, "_dynamo_source"):
@@ -127,7 +153,14 @@ class TapBackend:
             _warn_once("plan", f"probe: cannot instrument a compiled graph ({error!r}); its "
                        "values are not recorded")
             return inner(gm, example_inputs)
-        return _runner(inner(work, examples), plan, real)
+        try:
+            compiled = inner(work, examples)
+        except Exception as error:  # the user's graph compiles; probe's additions did not
+            _warn_once("compile", f"probe: cannot compile a compiled graph with probe's taps "
+                       f"({error!r}); it runs as compiled without them, its values are not "
+                       "recorded")
+            return inner(gm, example_inputs)
+        return _runner(compiled, plan, real)
 
     def __repr__(self) -> str:
         return f"probe.TapBackend({self.name!r})"
@@ -155,6 +188,9 @@ def _instrument(gm, example_inputs):
     """Add the values to record as extra outputs of ``gm``; (plan, number of real outputs)."""
     graph = gm.graph
     nodes = list(graph.nodes)
+    if any(node.op == "call_module" for node in nodes):
+        raise ProbeError("the graph calls torch.nn modules as opaque call_module nodes "
+                         "(dynamo's inline_inbuilt_nn_modules is off)")
     output = next(node for node in reversed(nodes) if node.op == "output")
     placeholders = [node for node in nodes if node.op == "placeholder"]
     plan = _Plan()
@@ -174,7 +210,7 @@ def _instrument(gm, example_inputs):
             extra.append(_tap(graph, node, node in mutated))
     taps = {tap for tap in graph.nodes if tap not in where and tap.op != "output"
             and tap not in calls}
-    plan.events = _events(ordered, marks, where, params, taps)
+    plan.events = graph_events.events(ordered, marks, where, params, taps)
     for node in marks:
         graph.erase_node(node)
     if torch.is_grad_enabled() and any(getattr(value, "requires_grad", False)
@@ -223,127 +259,6 @@ def _tap(graph, node, copy: bool):
     if value is not None:
         tapped.meta["example_value"] = value
     return tapped
-
-
-def _events(ordered, marks, where, params, taps) -> list:
-    """The plan's events in graph order. A submodule call opens where the graph enters it and
-    closes where it leaves; where probe.compile marked the calls (capture/graph_marks.py), a
-    mark opens and closes the call, and names its inputs and outputs."""
-    events = []
-    opened: list = []  # (module chain entry, event index) of the calls currently open
-    runs: dict = {}  # open event index -> set of nodes
-    named: dict = {}  # open event index -> [inputs, outputs] named by marks
-
-    def close_to(depth):
-        while len(opened) > depth:
-            _, start = opened.pop()
-            events[start].append(len(events))
-            events.append([_CLOSE, start])
-
-    def enter(chain, node):
-        keep = 0
-        while keep < min(len(opened), len(chain)) and opened[keep][0] == chain[keep]:
-            keep += 1
-        close_to(keep)
-        for entry in chain[keep:]:
-            start = len(events)
-            events.append([_OPEN, entry, graph_names.source(node, 1), [], [], set(), []])
-            runs[start] = set()
-            opened.append((entry, start))
-
-    for node in ordered:
-        chain = graph_names.module_chain(node)
-        mark = marks.get(node)
-        if mark is not None:
-            io, slots = mark
-            if not chain:
-                continue
-            if io == "in":
-                # a new call of the marked module begins, even right after one that ended
-                enter(chain[:-1], node)
-                enter(chain, _first_call_after(ordered, node, marks) or node)
-                named[opened[-1][1]] = [_refs(slots, where), None]
-            else:
-                enter(chain, node)
-                start = opened[-1][1]
-                if start in named:
-                    named[start][1] = _refs(slots, where)
-                close_to(len(chain) - 1)
-            continue
-        enter(chain, node)
-        for _, start in opened:
-            runs[start].add(node)
-        op, args = graph_names.as_eager_sees_it(node, where)
-        if op is not None:
-            outs = _outputs(node, where)
-            if outs:
-                events.append([_OP, op, chain, graph_names.source(node), args, outs, node, []])
-    close_to(0)
-    for start, members in runs.items():
-        inputs, outputs = named.get(start, (None, None))
-        events[start][3] = _run_inputs(members, where, params) if inputs is None else inputs
-        events[start][4] = _run_outputs(members, where, taps) if outputs is None else outputs
-        events[start][5] = members
-    return events
-
-
-def _first_call_after(ordered, mark, marks):
-    """The first node after ``mark`` that is not a mark (the source line of the call)."""
-    for node in ordered[ordered.index(mark) + 1:]:
-        if node not in marks:
-            return node
-    return None
-
-
-def _refs(slots, where) -> list:
-    """[(slot, ref)] of a mark's plain values and of the tensors the plan can read at run
-    time."""
-    refs = []
-    for slot, found in slots:
-        if isinstance(found, tuple):
-            refs.append((slot, found))
-        elif found in where:
-            refs.append((slot, ("env", where[found])))
-    return refs
-
-
-def _outputs(node, where) -> list:
-    if node in where:
-        return [("output.0", ("env", where[node]))]
-    if isinstance(graph_names.example(node), (tuple, list)):
-        found = []
-        for user in node.users:
-            if user.target is operator.getitem and user in where:
-                found.append((f"output.{user.args[1]}", ("env", where[user])))
-        return sorted(found)
-    return []
-
-
-def _run_inputs(members, where, params) -> list:
-    seen = []
-    for node in members:
-        for arg in node.all_input_nodes:
-            if arg in members or arg in params or arg in seen or arg not in where:
-                continue
-            if not isinstance(graph_names.example(arg), Tensor) and arg.op == "placeholder":
-                continue
-            seen.append(arg)
-    # which argument each tensor was (input.N, a keyword) is not in the graph: only a call
-    # with one tensor input is named (input.0)
-    return [("input.0", ("env", where[seen[0]]))] if len(seen) == 1 else []
-
-
-def _run_outputs(members, where, taps) -> list:
-    """Values made inside a module call and used after it: what the call returned."""
-    made = []
-    for node in members:
-        if node not in where:
-            continue
-        if any(user not in members and user not in taps for user in node.users):
-            made.append(node)
-    # several values leave the call: which one is output.N is not in the graph; a guess could
-    # pair two different tensors, so none is recorded
-    return [("output.0", ("env", where[made[0]]))] if len(made) == 1 else []
 
 
 # ---------------------------------------------------------------------- running

@@ -114,7 +114,17 @@ class WriterProcess:
         """Hand one step file to the process. Blocks only while the pipe is full (the
         process then holds several steps already)."""
         with self._send_lock:
-            payload = pickle.dumps((ticket, job), protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                payload = pickle.dumps((ticket, job), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as error:  # nothing went out: only this step is lost
+                self._unanswered.pop(ticket, None)
+                self._results[ticket] = (None, f"could not be handed to the writer process "
+                                               f"(pid {self.pid}): {error!r}")
+                raise
+            except BaseException:  # Ctrl-C before the hand-over began: no reply will come
+                self._abandon(f"interrupted while it was handed to the writer process "
+                              f"(pid {self.pid})", ticket)
+                raise
             if self.failure is None:
                 try:
                     self._requests.send_bytes(payload)
