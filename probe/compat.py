@@ -24,7 +24,9 @@ Behaviour that changed:
     and reduce_scatter_tensor became reduce_scatter_single in 2.13;
   * dtypes: float8_e8m0fnu exists from 2.7, float4_e2m1fn_x2 from 2.8 (see has_dtype);
   * graph inputs a dynamo backend adds (see added_input_source): AOTAutograd accepts a
-    ``_dynamo_source`` of None from 2.8, and asserts every source unique before.
+    ``_dynamo_source`` of None from 2.8, and asserts every source unique before;
+  * sharded training (see sharded_capture_gap): FSDP2 on CPU calls CUDA on 2.4, and up to
+    2.11 the wait of a functional collective never reaches __torch_function__.
 """
 
 from __future__ import annotations
@@ -254,3 +256,40 @@ def warn_compiled_capture_gap() -> None:
     warnings.warn(f"probe: {gap}: compiled regions of this model may be traced with probe's "
                   "hooks (graph breaks) or recorded at their boundary only; see "
                   "docs/torch-versions.md", TorchVersionWarning, stacklevel=4)
+
+
+def sharded_capture_gap() -> str | None:
+    """What sharded capture (FSDP2, DTensor) lacks on this torch, or None (checked on CPU with
+    gloo on 2.4.1, 2.8.0, 2.12.0, 2.13.0 and 2.15.0; see docs/torch-versions.md)."""
+    if VERSION < (2, 8):
+        return (f"torch {torch.__version__}'s FSDP2 runs on CUDA only (on CPU its forward "
+                "calls CUDA), and sharded capture is checked from torch 2.12 on")
+    if VERSION < (2, 12):
+        return (f"on torch {torch.__version__} the wait of a functional collective (tensor "
+                "parallel's all_reduce) does not reach probe, so its result is not recorded, "
+                "and FSDP2 on CPU with gloo sums gradients where DDP averages them")
+    return None
+
+
+_warned_sharded = False
+
+
+def _is_sharded(model) -> bool:
+    # by class name: the FSDP2 and DTensor modules moved between torch versions
+    if any(any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
+           for module in model.modules()):
+        return True
+    return any(type(param).__name__ == "DTensor" for param in model.parameters())
+
+
+def warn_sharded_capture_gap(model) -> None:
+    """Warn once, at the start() of a model with FSDP2 modules or DTensor parameters, where
+    this torch is known not to capture sharded training fully."""
+    global _warned_sharded
+    if _warned_sharded or model is None:
+        return
+    gap = sharded_capture_gap()
+    if gap is None or not _is_sharded(model):
+        return
+    _warned_sharded = True
+    warnings.warn(f"probe: {gap}; see docs/torch-versions.md", TorchVersionWarning, stacklevel=4)

@@ -172,6 +172,7 @@ class PrecisionDebugger:
             level = self.config.level
             gate = compiled_regions.Gate()
             if self._model is not None:
+                compat.warn_sharded_capture_gap(self._model)
                 self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"),
                                           gate=gate, region_params=level == "module")
                 self._hooks.install()

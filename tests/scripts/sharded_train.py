@@ -3,7 +3,7 @@
 Run under ``python -m torch.distributed.run --standalone --nproc_per_node 2`` with
 ``OUT_DIR SCENARIO...``: each scenario trains a fresh copy of the same model (same initial
 weights on every rank) for STEPS steps, and writes ``OUT_DIR/<scenario>.rank<R>.json``
-(the losses, as float.hex) and, when it captures, a dump under ``OUT_DIR/<scenario>``.
+(the losses, as float.hex), ``<scenario>.rank<R>.warnings.json`` (probe's warnings) and, when it captures, a dump under ``OUT_DIR/<scenario>``.
 A scenario name is ``<stack>-<capture>[-<variant>...]``:
 
     stack    fsdp (fully_shard on each Linear and on the root), ddp, tp (ColwiseParallel on
@@ -26,6 +26,7 @@ The rank process ends with os._exit(0) once its output is flushed (see test_dist
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
@@ -177,14 +178,19 @@ def run_scenario(out_dir, scenario, rank):
         run_example(out_dir, scenario, [capture, *variants], rank)
         return
     debugger = debugger_for(capture, os.path.join(out_dir, scenario))
-    if stack == "coll":
-        losses = collective_losses(variants, rank, debugger)
-    else:
-        model = parallel_model(stack, variants, rank)
-        same_batch = stack in ("tp", "one") or "data" in variants
-        losses = train(model, batches(100 if same_batch else 100 + rank), debugger)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if stack == "coll":
+            losses = collective_losses(variants, rank, debugger)
+        else:
+            model = parallel_model(stack, variants, rank)
+            same_batch = stack in ("tp", "one") or "data" in variants
+            losses = train(model, batches(100 if same_batch else 100 + rank), debugger)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json"), "w") as out:
         json.dump(losses, out)
+    with open(os.path.join(out_dir, f"{scenario}.rank{rank}.warnings.json"), "w") as out:
+        json.dump([f"{type(w.message).__name__}: {w.message}" for w in caught
+                   if str(w.message).startswith("probe:")], out)
 
 
 def main(out_dir, scenarios):
