@@ -118,3 +118,14 @@ def functional_collective_wait_or_skip():
         pytest.skip(f"on torch {torch.__version__} the wait of a functional collective does not "
                     "reach __torch_function__, so its result is not recorded (measured on "
                     "2.4.1 and 2.8.0; recorded from 2.12)")
+
+
+def dynamo_breaks_at_graph_marks() -> str | None:
+    """A skip reason where probe.compile leaves its graph marks off because dynamo cuts the
+    graph at them (measured on 2.4.1, with inlining on: one graph per submodule call), else
+    None (2.8.0, 2.12.0, 2.13.0 and 2.15.0 trace them into one graph)."""
+    if VERSION >= (2, 5):
+        return None
+    return (f"torch {torch.__version__}'s dynamo breaks the graph at probe's graph marks "
+            "(measured on 2.4.1), so submodule arguments inside a graph keep the one-input/"
+            "one-output rule there")

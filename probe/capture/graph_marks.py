@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from probe.compat import VERSION
+
 _NAMESPACE = "probe_graph"
 _SEPARATOR = "|"
 _MAX_DEPTH = 4
@@ -38,12 +40,14 @@ def _mark_op():
         if custom_op is None:
             return None
 
-        @custom_op(f"{_NAMESPACE}::mark", mutates_args=())
-        def mark(tensors: list[torch.Tensor], names: str) -> None:
+        def mark(tensors, names):
             return None
 
-        @mark.register_fake
-        def _(tensors, names):
+        try:  # the schema spelled out: torch 2.4 cannot read this module's string annotations
+            mark = custom_op(f"{_NAMESPACE}::mark", mark, mutates_args=(),
+                             schema="(Tensor[] tensors, str names) -> ()")
+            mark.register_fake(lambda tensors, names: None)
+        except (TypeError, ValueError, RuntimeError):
             return None
 
         _op = getattr(torch.ops, _NAMESPACE).mark.default
@@ -108,10 +112,30 @@ def install(model) -> bool:
     for module in model.modules():
         if module is model or getattr(module, "_probe_marked", False):
             continue
-        module.register_forward_pre_hook(_before, with_kwargs=True)
-        module.register_forward_hook(_after, with_kwargs=True)
+        _shared_key(module, module.register_forward_pre_hook(_before, with_kwargs=True),
+                    "pre", ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"))
+        _shared_key(module, module.register_forward_hook(_after, with_kwargs=True),
+                    "post", ("_forward_hooks", "_forward_hooks_with_kwargs"))
         module._probe_marked = True
     return True
+
+
+#: the hook-dict key every module's mark hook gets, per kind ("pre"/"post"): the key of the
+#: first one registered in this process, so no other hook anywhere has it
+_keys: dict = {}
+
+
+def _shared_key(module, handle, kind: str, dict_names: tuple) -> None:
+    """Give the mark hook the same key in every module's hook dicts. Dynamo (2.8 at least)
+    guards on the key (``___dict_contains(id, module._forward_hooks_with_kwargs)``), so with a
+    key of its own per instance, blocks compiled one by one would each get their own graph."""
+    key = _keys.setdefault(kind, handle.id)
+    if key == handle.id:
+        return
+    for name in dict_names:
+        hooks = getattr(module, name, None)
+        if hooks is not None and handle.id in hooks:
+            hooks[key] = hooks.pop(handle.id)  # stays last: it was registered last
 
 
 def _traces_module_hooks() -> bool:
@@ -124,7 +148,10 @@ def _traces_module_hooks() -> bool:
         # newer torch: always on, and reading the flag warns that it is deprecated
         warnings.simplefilter("ignore", FutureWarning)
         inlines = bool(getattr(config, "inline_inbuilt_nn_modules", False))
-    return inlines and hasattr(getattr(torch, "compiler", None), "is_compiling")
+    # torch 2.4's dynamo cuts the graph at the marks (one graph per submodule call), even
+    # with inlining turned on: there the marks would cost what they name
+    return inlines and VERSION >= (2, 5) \
+        and hasattr(getattr(torch, "compiler", None), "is_compiling")
 
 
 def read(node):

@@ -281,6 +281,14 @@ def _first_row_columns(dtype, k: int) -> np.ndarray:
     return table
 
 
+def _aligned_empty(size: int, dtype) -> np.ndarray:
+    """np.empty(size, dtype) starting on a 64-byte boundary."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(size + 64 // itemsize, dtype=dtype)
+    skip = (-raw.ctypes.data % 64) // itemsize
+    return raw[skip: skip + size]
+
+
 def fold_rows(size: int) -> int:
     """Rows of the fold of `size` values (fold_into): GROUPS, or fewer for a tensor of fewer."""
     return GROUPS if size >= GROUPS * BLOCK else -(-size // BLOCK)
@@ -300,8 +308,13 @@ def fold_into(values: np.ndarray, out: np.ndarray) -> int:
     if supers:
         body = values[: supers * span].reshape(supers, span)
         if n > _NUMPY_MAX:
+            # MKL's gemv rounds differently with the output's alignment (measured: each 4-byte
+            # offset mod 64 gives other bits), and out is wherever the allocator put it: so
+            # into a cache-line-aligned buffer, the same bits for the same values every call
+            aligned = _aligned_empty(target.size, target.dtype)
             torch.mv(torch.from_numpy(body).t(), torch.from_numpy(fold[:supers]),
-                     out=torch.from_numpy(target))
+                     out=torch.from_numpy(aligned))
+            target[:] = aligned
         else:
             _numpy_matvec(fold[:supers], body, out=target)
         if rest:
