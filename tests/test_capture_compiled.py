@@ -13,10 +13,10 @@ from torch import nn
 
 import probe
 from probe import compat
+import torch_versions
 from probe.capture.values import SourceLocator
 
-pytestmark = pytest.mark.skipif(compat.compiled_capture_gap() is not None,
-                                reason=str(compat.compiled_capture_gap()))
+pytestmark = torch_versions.needs_compiled_capture()
 
 BACKEND = "aot_eager"  # compiles through AOTAutograd like inductor, without a C++ compiler
 

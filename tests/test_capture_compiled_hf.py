@@ -6,18 +6,16 @@ import io
 import warnings
 
 import pytest
-from torch_versions import dynamo_breaks_tiny_llama, transformers_or_skip
+from torch_versions import dynamo_breaks_tiny_llama, needs_compiled_capture, transformers_or_skip
 
 transformers_or_skip()
 
 import torch  # noqa: E402
 
 import probe  # noqa: E402
-from probe import compat  # noqa: E402
 from real_models import hf_model, token_batch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(compat.compiled_capture_gap() is not None,
-                                reason=str(compat.compiled_capture_gap()))
+pytestmark = needs_compiled_capture()
 
 
 def _run(tmp_path, name, wrap):

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 import probe
-from probe import compat
+import torch_versions
 
-pytestmark = pytest.mark.skipif(compat.compiled_capture_gap() is not None,
-                                reason=str(compat.compiled_capture_gap()))
+pytestmark = torch_versions.needs_compiled_capture()
 
 
 class Noisy(nn.Module):

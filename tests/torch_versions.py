@@ -129,3 +129,13 @@ def dynamo_breaks_at_graph_marks() -> str | None:
     return (f"torch {torch.__version__}'s dynamo breaks the graph at probe's graph marks "
             "(measured on 2.4.1), so submodule arguments inside a graph keep the one-input/"
             "one-output rule there")
+
+
+def needs_compiled_capture():
+    """The skip marker of the compiled-capture tests: on a torch that lacks what capturing a
+    compiled model needs (probe.compat.compiled_capture_gap), they skip naming what is missing."""
+    import pytest
+    from probe import compat
+
+    gap = compat.compiled_capture_gap()
+    return pytest.mark.skipif(gap is not None, reason=str(gap))
