@@ -80,7 +80,7 @@ def is_fsdp2(module: torch.nn.Module) -> bool:
 def user_kind(module: torch.nn.Module) -> str:
     """The class name the user wrote: FSDP2's ``FSDPLinear(FSDPModule, Linear)`` is ``Linear``."""
     cls = type(module)
-    if any(base.__name__ == _FSDP2_BASE for base in cls.__bases__):
+    if is_fsdp2(module):
         return next((base.__name__ for base in cls.__bases__ if base.__name__ != _FSDP2_BASE),
                     cls.__name__)
     return cls.__name__
