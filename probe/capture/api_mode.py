@@ -14,7 +14,10 @@ A collective writes into its tensor arguments without bumping their autograd ver
 its output (``output.0`` = the buffer it wrote, e.g. all_reduce's ``tensor``) is always
 recomputed, never taken from the statistics cache. DDP's gradient all-reduce runs inside
 its C++ reducer and is not an API call: parameter gradients recorded at module level are
-the local gradients, before averaging.
+the local gradients, before averaging. Collectives run during backward (FSDP2's
+reduce-scatter, a gradient hook's all-reduce) are recorded because, with a process group up,
+the mode starts backward passes itself with the mode back on the stack, and records only
+collectives while they run (backward_collectives.py).
 
 Per call: inputs are recorded before the call (so an in-place op's input is seen before it
 is overwritten), outputs after it. Only the outermost torch call is recorded: torch disables
@@ -46,7 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from probe import compat
-from probe.capture import naming
+from probe.capture import backward_collectives, naming, wrappers
 from probe.capture.api_backward import hook_backward, hook_nodes
 from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
 from probe.capture.defaults import defaulted as _defaulted
@@ -61,6 +64,7 @@ _names = naming._cache
 _MISSING = naming._MISSING
 _op_name = naming.op_name
 _PLAIN = (int, float, bool, str, type(None))
+_BACKWARD_ENTRIES = backward_collectives.ENTRIES
 _partial = functools.partial
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
 _GRAD_SLOTS = tuple("grad_" + slot for slot in _INPUT_SLOTS)
@@ -89,9 +93,22 @@ _DIST_OUTPUT = {
 class ApiCaptureMode(TorchFunctionMode):
     """Entered by PrecisionDebugger.start(), exited by stop(); records through a Recorder."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, model: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.recorder = recorder
+        self.model = model
+        self._paths: dict | None = None  # id(module) -> the user's module path
+        #: start backward passes with this mode on the stack (backward_collectives.py)
+        self.reenter_backward = backward_collectives.wanted()
+        #: set while such a pass runs: only collectives are recorded then
+        self.in_backward = False
+
+    def module_path(self, module) -> str:
+        """The user's path of one of the model's modules; "" (the root) for any other."""
+        if self._paths is None:
+            self._paths = ({} if self.model is None else
+                           {id(each): path for path, each in wrappers.user_modules(self.model)})
+        return self._paths.get(id(module), "")
 
     def __exit__(self, exc_type, exc_value, traceback):
         self.recorder.locate.forget()  # the source walk may hold a frame of the user's code
@@ -105,12 +122,20 @@ class ApiCaptureMode(TorchFunctionMode):
         if name is _MISSING:
             name = _op_name(func)
         if name is None:  # attribute reads and metadata: most calls the mode sees
+            if self.reenter_backward and func in _BACKWARD_ENTRIES:
+                return backward_collectives.run_backward(self, func, args, kwargs or {})
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
         rec = self.recorder
-        stack = rec.module_stack
-        module = stack[-1] if stack else ""
+        if self.in_backward:
+            if not name.startswith("distributed."):
+                # a checkpointed block's recomputation, FSDP2's copies, a user's hook
+                return func(*args, **kwargs)
+            module = backward_collectives.owner_path(self)
+        else:
+            stack = rec.module_stack
+            module = stack[-1] if stack else ""
         counter = (module, name)
         decision = rec.decisions.get(counter)
         if decision is None:
