@@ -63,6 +63,10 @@ def test_gradients_are_bit_identical_with_and_without_the_mode_in_backward(tmp_p
 
 
 def test_a_collective_in_a_gradient_hook_is_recorded_and_other_hook_code_is_not(tmp_path, group):
+    from probe.compat import uncaptured_collectives
+
+    if "all_reduce" in uncaptured_collectives():
+        pytest.skip(f"torch {torch.__version__} runs dist.all_reduce without asking a TorchFunctionMode")
     model = _model()
 
     def reduce_gradient(grad):

@@ -142,7 +142,7 @@ class ApiCaptureMode(TorchFunctionMode):
             decision = rec.filter.call(module, name)
         if not decision:
             return func(*args, **kwargs)
-        if _from_framework(_getframe(1).f_code) and not name.startswith("distributed."):
+        if _from_framework(_getframe(1)) and not name.startswith("distributed."):
             return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
@@ -151,16 +151,31 @@ class ApiCaptureMode(TorchFunctionMode):
 #: computation: FSDP2 allocates, views and copies its all-gather buffers (whose memory is
 #: unset until the collective) on every unshard. Its collectives are still recorded.
 _FRAMEWORK_PATHS = ("torch/distributed/fsdp/", "torch/distributed/_composable/fsdp/")
-_framework_code: dict = {}  # code object -> called from a framework folder?
+#: torch's own relays between a caller and the op it asks for: ``torch.ops.fsdp.*(...)``
+#: (FSDP2's copy out of its all-gather buffer) and ``autograd.Function.apply`` (the view
+#: FSDP2's post-backward Function returns) are judged by the code that called them
+_RELAY_PATHS = ("torch/_ops.py", "torch/autograd/function.py")
+_FRAMEWORK, _USER, _RELAY = 1, 0, 2
+_framework_code: dict = {}  # code object -> _FRAMEWORK, _USER or _RELAY
 _getframe = sys._getframe
 
 
-def _from_framework(code) -> bool:
-    found = _framework_code.get(code)
-    if found is None:
-        path = code.co_filename.replace(os.sep, "/")
-        found = _framework_code[code] = any(part in path for part in _FRAMEWORK_PATHS)
-    return found
+def _from_framework(frame) -> bool:
+    """The torch call was made by a sharding framework's code (through at most two relays)."""
+    for _ in range(3):
+        code = frame.f_code
+        found = _framework_code.get(code)
+        if found is None:
+            path = code.co_filename.replace(os.sep, "/")
+            found = (_FRAMEWORK if any(part in path for part in _FRAMEWORK_PATHS)
+                     else _RELAY if path.endswith(_RELAY_PATHS) else _USER)
+            _framework_code[code] = found
+        if found != _RELAY:
+            return found == _FRAMEWORK
+        frame = frame.f_back
+        if frame is None:
+            return False
+    return False
 
 
 def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs):
