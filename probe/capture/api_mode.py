@@ -195,8 +195,9 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     if autocast:  # a lower precision autocast chose is expected, one the model chose is not
         _note_autocast(rec.autocast_runs, seq, autocast, rec.autocast_last)
     rec.autocast_last[0] = seq
+    collective_output = _collective_output(func, name, args, kwargs)
     if filt.forward_in:
-        buffers = _output_buffers(func, name, args, kwargs)
+        buffers = _output_buffers(kwargs, collective_output)
         position = 0
         for arg in args:
             slot = _INPUT_SLOTS[position] if position < 64 else f"input.{position}"
@@ -224,7 +225,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     produced = out
     written = out is None or name.startswith("distributed.")
     if written:
-        produced = _written_argument(func, name, args, kwargs, out)
+        produced = _written_argument(name, args, kwargs, out, collective_output)
     if kwargs and kwargs.get("out") is not None:
         # an out= buffer: a custom op (FSDP2's split_with_sizes_copy) may write it without a
         # version bump, and an alias of it read later must not hit the stale cache entry
@@ -264,24 +265,34 @@ def _returns_an_input(produced, node, edges) -> bool:
     return False
 
 
-def _written_argument(func, name, args, kwargs, out):
+def _written_argument(name, args, kwargs, out, collective_output):
     if name in _WRITES_ARG or (name.endswith("_") and out is None):
         # Tensor.__setitem__, torch._foreach_add_ and friends return None: their first
         # argument, after the call, is what they produced
         return args[0] if args else None
     if not name.startswith("distributed."):
         return out
-    parameter = _DIST_OUTPUT.get(name[len("distributed."):])
-    if parameter is None or kwargs.get("async_op"):
+    if collective_output is None or kwargs.get("async_op"):
         return None  # send/isend produce nothing; an async op's buffer is not ready yet
+    return collective_output[1]
+
+
+def _collective_output(func, name, args, kwargs) -> tuple | None:
+    """(parameter, argument) holding what a torch.distributed collective produces; None for
+    other calls, for send/isend, or when the arguments do not bind."""
+    if not name.startswith("distributed."):
+        return None
+    parameter = _DIST_OUTPUT.get(name[len("distributed."):])
+    if parameter is None:
+        return None
     try:
         bound = _signature(func).bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
-    return bound.arguments.get(parameter)
+    return parameter, bound.arguments.get(parameter)
 
 
-def _output_buffers(func, name, args, kwargs) -> set | None:
+def _output_buffers(kwargs, collective_output) -> set | None:
     """ids of the arguments a call only writes: an ``out=`` buffer, a collective's separate
     output (all_gather's output_tensor, ...). Their values before the call are whatever the
     memory held (FSDP2 allocates its all-gather buffers every step), not an input: they are
@@ -289,16 +300,9 @@ def _output_buffers(func, name, args, kwargs) -> set | None:
     found = None
     if kwargs and kwargs.get("out") is not None:
         found = {id(kwargs["out"])}
-    if name.startswith("distributed."):
-        parameter = _DIST_OUTPUT.get(name[len("distributed."):])
-        if parameter not in _SEPARATE_OUTPUTS:
-            return found
-        try:
-            buffer = _signature(func).bind(*args, **kwargs).arguments.get(parameter)
-        except (TypeError, ValueError):
-            return found
-        if buffer is not None:
-            found = (found or set()) | {id(buffer)}
+    if collective_output is not None and collective_output[0] in _SEPARATE_OUTPUTS:
+        if collective_output[1] is not None:
+            found = (found or set()) | {id(collective_output[1])}
     return found
 
 
