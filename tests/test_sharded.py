@@ -34,7 +34,7 @@ OTHERS = [
 #: dumps only the compare tests read
 COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1",
             "coll-api.statistics", "coll-api.statistics-fault1", "fsdp-mix.tensor-bf16",
-            "bwcoll-api.statistics", "bwcoll-api.statistics-fault1"]
+            "bwcoll-api.statistics", "bwcoll-api.statistics-fault1", "tp-api.statistics-xgrad"]
 #: examples/distributed/train_fsdp2.py and train_tp.py, one step each
 EXAMPLES = ["example-fsdp2-ddp", "example-fsdp2", "example-fsdp2-bug1", "example-tp",
             "example-tp-bug1"]
@@ -236,6 +236,24 @@ def test_a_functional_collective_is_recorded_with_its_waited_result_not_its_buff
                     and row["io"] == "out"]
         waited.append([(row["min"], row["max"], row["mean"]) for row in rows
                        if row["op"].startswith("ops._c10d_functional._wrap") and row["io"] == "out"])
+    assert waited[0] and waited[0] == waited[1]
+
+
+def test_tensor_parallels_backward_all_reduce_of_an_input_gradient_is_recorded(job):
+    """ColwiseParallel's input is replicated, so its gradient is all-reduced in backward
+    (DTensor's redistribution, a functional collective): its waited result is recorded after
+    the loss, and every rank holds the same."""
+    functional_collective_wait_or_skip()
+    from probe.dump.reader import load
+
+    dump = load(job / "tp-api.statistics-xgrad")
+    waited = []
+    for rank in (0, 1):
+        rows = list(dump.records(step=0, rank=rank))
+        loss = max(row["seq"] for row in rows if row["op"] == "Tensor.mean")
+        waited.append([(row["min"], row["max"], row["mean"]) for row in rows
+                       if row["op"].startswith("ops._c10d_functional.") and row["io"] == "out"
+                       and row["seq"] > loss])
     assert waited[0] and waited[0] == waited[1]
 
 

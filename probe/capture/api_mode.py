@@ -65,6 +65,9 @@ _MISSING = naming._MISSING
 _op_name = naming.op_name
 _PLAIN = (int, float, bool, str, type(None))
 _BACKWARD_ENTRIES = backward_collectives.ENTRIES
+#: what is recorded during backward: torch.distributed's collectives and the functional ones
+#: (DTensor's redistribution in tensor parallel)
+_COLLECTIVE_NAMES = ("distributed.", "ops._c10d_functional.")
 _partial = functools.partial
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
 _GRAD_SLOTS = tuple("grad_" + slot for slot in _INPUT_SLOTS)
@@ -129,7 +132,7 @@ class ApiCaptureMode(TorchFunctionMode):
             kwargs = {}
         rec = self.recorder
         if self.in_backward:
-            if not name.startswith("distributed."):
+            if not name.startswith(_COLLECTIVE_NAMES):
                 # a checkpointed block's recomputation, FSDP2's copies, a user's hook
                 return func(*args, **kwargs)
             module = backward_collectives.owner_path(self)
@@ -198,6 +201,9 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     collective_output = _collective_output(func, name, args, kwargs)
     if filt.forward_in:
         buffers = _output_buffers(kwargs, collective_output)
+        if name.startswith(_WAIT):
+            # the collective's pending buffer: what it holds before the wait is a race
+            buffers = {id(arg) for arg in args if isinstance(arg, Tensor)}
         position = 0
         for arg in args:
             slot = _INPUT_SLOTS[position] if position < 64 else f"input.{position}"
@@ -223,7 +229,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     edges = _grad_edges(args, kwargs) if track else None
     out = func(*args, **kwargs)
     produced = out
-    written = out is None or name.startswith("distributed.")
+    written = out is None or name.startswith(("distributed.",) + _WAIT)
     if written:
         produced = _written_argument(name, args, kwargs, out, collective_output)
     if kwargs and kwargs.get("out") is not None:

@@ -16,7 +16,8 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
              the first Linear's weight times 1.001), fault1 (coll: rank 1's all-reduce
              result times 1.001, as a faulty collective would give it), replica1 (rank 1's
              copy of the second Linear's replicated bias times 1.001), data (per-rank batches for tp/one:
-             the batch of rank 0; default for ddp and fsdp: each rank its own)
+             the batch of rank 0; default for ddp and fsdp: each rank its own), xgrad (the
+             batch requires grad)
 
 An ``example-<script>[-<option>...]`` scenario runs examples/distributed/train_<script>.py
 for one step, dumped under OUT_DIR/<scenario>, with --<option> (bugR: --bug-rank R).
@@ -217,7 +218,10 @@ def run_scenario(out_dir, scenario, rank):
         else:
             model = parallel_model(stack, variants, rank)
             same_batch = stack in ("tp", "one") or "data" in variants
-            losses = train(model, batches(100 if same_batch else 100 + rank), debugger)
+            xs = batches(100 if same_batch else 100 + rank)
+            if "xgrad" in variants:  # tensor parallel then all-reduces the input's gradient
+                xs = [x.requires_grad_() for x in xs]
+            losses = train(model, xs, debugger)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json"), "w") as out:
         json.dump(losses, out)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.warnings.json"), "w") as out:
