@@ -260,14 +260,17 @@ def warn_compiled_capture_gap() -> None:
 
 def sharded_capture_gap() -> str | None:
     """What sharded capture (FSDP2, DTensor) lacks on this torch, or None (checked on CPU with
-    gloo on 2.4.1, 2.8.0, 2.12.0, 2.13.0 and 2.15.0; see docs/torch-versions.md)."""
+    gloo on 2.4.1, 2.8.0, 2.10.0, 2.12.0, 2.13.0 and 2.15.0; see docs/torch-versions.md)."""
     if VERSION < (2, 8):
         return (f"torch {torch.__version__}'s FSDP2 runs on CUDA only (on CPU its forward "
                 "calls CUDA), and sharded capture is checked from torch 2.12 on")
+    wait = (f"sharded capture (FSDP2, DTensor) on torch {torch.__version__}: the wait of a "
+            "functional collective (tensor parallel's all_reduce) does not reach probe, so its "
+            "result is not recorded")
+    if VERSION < (2, 10):
+        return wait + ", and FSDP2 on CPU with gloo sums gradients where DDP averages them"
     if VERSION < (2, 12):
-        return (f"on torch {torch.__version__} the wait of a functional collective (tensor "
-                "parallel's all_reduce) does not reach probe, so its result is not recorded, "
-                "and FSDP2 on CPU with gloo sums gradients where DDP averages them")
+        return wait
     return None
 
 
