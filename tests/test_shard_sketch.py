@@ -102,6 +102,7 @@ LAYOUTS = {
     "Shard(1) of 3-D, short runs": ((5, 7, 300), (1, 3, 1)),
     "last dim split, two shards empty": ((3, 8, 5), (1, 1, 7)),
     "runs longer than a super-row": ((10, 10000), (1, 2)),
+    "rows sharing their leads": ((600, 256), (1, 2)),
 }
 
 
@@ -125,6 +126,21 @@ def test_block_shards_sketched_at_their_logical_positions_add_up_to_the_whole_sk
     assert not np.allclose(own, expected, rtol=1e-3)
 
 
+def test_runs_that_share_a_place_in_the_fold_are_summed_before_they_are_placed():
+    from probe.capture.shard_sketch import _short_run_plan
+
+    def plans(shape):
+        placement, index = _blocks(shape, (1, 2))[1]
+        layout = shard_layout(placement, torch.empty(shape)[index].shape)
+        return [plan for _, _, _, plan in _short_run_plan(layout, torch.device("cpu"))]
+
+    # 256 values a row: every 251st row starts at the same place of a super-row
+    (plan,) = plans((600, 256))
+    assert plan.group is not None and len(plan.places) < 600
+    (plan,) = plans((16, 8))  # one super-row: every run its own place
+    assert plan.group is None and len(plan.places) == 16
+
+
 def test_the_short_run_path_in_chunks_gives_the_sketch_in_one(monkeypatch):
     from probe.capture import shard_sketch as module
 
@@ -139,7 +155,8 @@ def test_the_short_run_path_in_chunks_gives_the_sketch_in_one(monkeypatch):
     assert np.allclose(total, expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("layout", ["2-D mesh blocks", "Shard(1) of 3-D, long runs"])
+@pytest.mark.parametrize("layout", ["2-D mesh blocks", "Shard(1) of 3-D, long runs",
+                                    "rows sharing their leads"])
 def test_the_device_path_sketches_a_block_into_the_same_sum(layout):
     """On a GPU a block is sketched by torch into a (k,) float64 tensor, resolved later with
     the deferred statistics; on CPU the same code runs."""
@@ -149,7 +166,8 @@ def test_the_device_path_sketches_a_block_into_the_same_sum(layout):
     total = torch.zeros(16, dtype=torch.float64)
     for placement, index in _blocks(shape, parts):
         local = whole[index].contiguous()
-        found = block_sketch(sketch_values(local), shard_layout(placement, local.shape), 16)
+        found = block_sketch(sketch_values(local), shard_layout(placement, local.shape), 16,
+                             host=False)
         assert found.dtype == torch.float64 and found.shape == (16,)
         total += found
     assert np.allclose(total.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

@@ -19,13 +19,13 @@ is a rectangular block of the logical tensor and is sketched this way (``shard_l
   values, one per index of the dimensions before the last one the shard splits, each
   contiguous in the shard and in the logical tensor (``Block``). Few long runs are folded
   one by one at their positions, as above. Many short ones are cut into pieces of at most
-  GROUPS*BLOCK values (the same columns of every run), and a piece of run r lands in at most
-  two super-rows: at position lead_r = base_r % SPAN on, with sign F[m_r] up to the end of
-  super-row m_r and F[m_r + 1] after it. Runs with the same lead and the same pair of signs
-  (up to one common sign) are summed first, one add per value (``index_add_`` of rows), and
-  only those sums are scattered into the fold, so the cost is a few passes over the values
-  whatever the layout (bench/shard_sketch.py measures it). The sums are in the values' dtype,
-  as a whole tensor's fold; the pieces' folds are added in float64.
+  GROUPS*BLOCK values (the same columns of every run); a piece of run r starts at position
+  lead_r = base_r % (GROUPS*BLOCK) of super-row m_r and lands in at most two super-rows,
+  with sign F[m_r] and then F[m_r + 1]. Runs with the same lead and the same two signs are
+  summed first (``index_add_`` of rows: one add per value), and only those sums are placed
+  into the fold (numpy slices on the CPU, ``index_add_`` on a device). Cost: a few passes
+  over the values whatever the layout, 2 to 10 times the plain sketch of as many values
+  (bench/shard_sketch.py); the per-run tables are made once per layout.
 
 An empty shard (torch's chunking leaves the last ones empty) has the zero sketch, so the
 shards still add up. Partial placements (``P(sum)``) are sketched as their shard; compare
@@ -185,9 +185,10 @@ def _fold_at(values, offset: int, fold_table, zeros):
     return folded.reshape(GROUPS, BLOCK)
 
 
-def block_sketch(values: torch.Tensor, block: Block, k: int) -> torch.Tensor:
+def block_sketch(values: torch.Tensor, block: Block, k: int, host: bool | None = None) -> torch.Tensor:
     """(k,) float64 on the values' device: the sketch of a Block's flat values (sketch_values)
-    taken at their logical positions. Nothing is copied to the host."""
+    taken at their logical positions. Nothing is copied to the host. host: place the runs'
+    sums with numpy slices (CPU values; the default there) rather than torch's index_add_."""
     device = values.device
     rows = values.reshape(block.runs, block.length)
     folded = torch.zeros(_SPAN, dtype=torch.float64, device=device)
@@ -199,36 +200,66 @@ def block_sketch(values: torch.Tensor, block: Block, k: int) -> torch.Tensor:
         for run, base in enumerate(block.bases(0, block.runs).tolist()):
             folded += _fold_at(rows[run], base, fold, zeros).reshape(-1)
     else:
+        host = device.type == "cpu" if host is None else host
         for piece, first, stop, plan in _short_run_plan(block, device):
-            _fold_short_runs(rows[first:stop, piece:piece + plan[3]], plan, folded)
+            _fold_short_runs(rows[first:stop, piece:piece + plan.width], plan, folded, host)
     columns, signs = _projection_tables(device, torch.float64, k)
     return _combine(folded.reshape(GROUPS, BLOCK), columns, signs).sum(0, dtype=torch.float64)
 
 
-def _fold_short_runs(values: torch.Tensor, plan: tuple, folded: torch.Tensor) -> None:
-    """Add the fold of a (runs, width <= SPAN) piece to `folded`. Each run's piece starts at
-    position lead of super-row m and may cross into super-row m + 1: it is written at lead
-    of an extended row of SPAN + width, the second of two such rows where F[m + 1] differs
-    from F[m]; runs sharing that place are summed first (``_short_run_plan``)."""
-    group, sign, places, width = plan
-    device, dtype = values.device, values.dtype
-    # in the values' dtype, as the fold of a whole tensor (a sign flip is exact): a product
-    # promoted to float64 costs five times as much on the CPU
-    signed = values * sign.to(dtype)[:, None]
-    summed = torch.zeros(places.shape[0], width, dtype=dtype, device=device)
-    summed.index_add_(0, group, signed)
+@dataclass
+class _Plan:
+    """The data-independent half of the fold of one (runs, width) piece: the place of each
+    group of runs in the extended rows (below) and whether its sum is subtracted, as lists
+    (host slices) and as tensors on the device; `group` (each run's, on the device) where
+    runs share a group, None where every run is its own (in order)."""
+
+    width: int
+    group: torch.Tensor | None
+    places: list
+    negative: list
+    places_t: torch.Tensor
+    signs_t: torch.Tensor
+
+
+#: pieces narrower than this are placed with index_add_ on the CPU too: a numpy slice add
+#: costs about as much as index_add_ of 100 values
+_SLICE_WIDTH = 64
+
+
+def _fold_short_runs(values: torch.Tensor, plan: _Plan, folded: torch.Tensor, host: bool) -> None:
+    """Add the fold of a (runs, width <= SPAN) piece to `folded`. A run's piece starts at
+    position lead of super-row m and may cross into super-row m + 1: it is written at lead of
+    an extended row of SPAN + width values, the second of two such rows where F[m + 1]
+    differs from F[m], added where F[m] is +1 and subtracted where it is -1. Runs sharing
+    row, place and sign are summed first (index_add_ of rows: one add per value, in the
+    values' dtype, as a whole tensor's fold)."""
+    width, device, dtype = plan.width, values.device, values.dtype
+    if plan.group is None:
+        summed = values
+    else:
+        summed = torch.zeros(len(plan.places), width, dtype=dtype, device=device)
+        summed.index_add_(0, plan.group, values)
     extended = torch.zeros(2 * (_SPAN + width), dtype=dtype, device=device)
-    at = places[:, None] + torch.arange(width, device=device)
-    extended.index_add_(0, at.reshape(-1), summed.reshape(-1))
+    if host and width >= _SLICE_WIDTH:
+        rows, target = host_array(summed), host_array(extended)
+        for row, place, negative in zip(rows, plan.places, plan.negative):
+            if negative:
+                target[place:place + width] -= row
+            else:
+                target[place:place + width] += row
+    else:
+        at = plan.places_t[:, None] + torch.arange(width, device=device)
+        extended.index_add_(0, at.reshape(-1), (summed * plan.signs_t.to(dtype)[:, None]).reshape(-1))
     same, flipped = extended[: _SPAN + width], extended[_SPAN + width:]
     folded += same[:_SPAN] + flipped[:_SPAN]
     folded[:width] += same[_SPAN:] - flipped[_SPAN:]
 
 
-def _short_run_plan(block: Block, device):
-    """[(piece start, first run, stop run, (group of each run, its sign F[m], the groups'
-    places, width))] for a Block of many short runs, on the device: the data-independent half
-    of the fold, kept per layout (a parameter's shard is recorded every step)."""
+def _short_run_plan(block: Block, device) -> list:
+    """[(piece start, first run, stop run, _Plan)] for a Block of many short runs, cut into
+    pieces of at most SPAN columns and passes of at most _CHUNK values; kept per layout (a
+    parameter's shard is recorded every step)."""
     key = (block, device)
     found = _plans.get(key)
     if found is not None:
@@ -239,16 +270,27 @@ def _short_run_plan(block: Block, device):
         step = max(1, _CHUNK // width)
         for first in range(0, block.runs, step):
             stop = min(block.runs, first + step)
-            supers, leads = np.divmod(block.bases(first, stop) + piece, _SPAN)
-            fold = _fold_table("numpy", np.float64, int(supers.max()) + 2)
-            sign = fold[supers]
-            places, group = np.unique(leads + (fold[supers + 1] != sign) * (_SPAN + width),
-                                      return_inverse=True)
-            tables = (group.reshape(-1), sign, places)
-            # non_blocking: from pageable memory the copy is staged at once, no device sync
-            group_t, sign_t, places_t = (torch.from_numpy(np.ascontiguousarray(table)).to(
-                device, non_blocking=True) for table in tables)
-            found.append((piece, first, stop, (group_t, sign_t, places_t, width)))
+            found.append((piece, first, stop, _plan(block.bases(first, stop) + piece, width, device)))
     if len(_plans) < _PLANS_LIMIT:
         _plans[key] = found
     return found
+
+
+def _plan(bases: np.ndarray, width: int, device) -> _Plan:
+    supers, leads = np.divmod(bases, _SPAN)
+    fold = _fold_table("numpy", np.float64, int(supers.max()) + 2)
+    sign = fold[supers]
+    row = _SPAN + width
+    keys = leads + (fold[supers + 1] != sign) * row + (sign < 0) * (2 * row)
+    if np.all(keys[1:] > keys[:-1]):
+        group, places = None, keys  # every run its own place (a column block of a wide matrix)
+    else:
+        places, group = np.unique(keys, return_inverse=True)
+        # non_blocking: from pageable memory the copy is staged at once, no device sync
+        group = torch.from_numpy(group.reshape(-1).astype(np.int64)).to(device, non_blocking=True)
+    negative = places >= 2 * row
+    places = places - negative * (2 * row)
+    signs = np.where(negative, -1.0, 1.0)
+    return _Plan(width=width, group=group, places=places.tolist(), negative=negative.tolist(),
+                 places_t=torch.from_numpy(places).to(device, non_blocking=True),
+                 signs_t=torch.from_numpy(signs).to(device, non_blocking=True))
