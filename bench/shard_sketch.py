@@ -6,7 +6,7 @@ a tensor of the same size: the numbers probe/capture/shard_sketch.py is chosen b
 
 One process, one thread by default, median of --repeats, CPU tensors of float32 (the host
 path: the shard's sketch as packed bytes). Each layout is one shard of about 1M values of a
-logical tensor split as named; "first" is the shard's first sketch (the short-run path
+logical tensor split as named (the last one small: the per-call cost); "first" is the shard's first sketch (the short-run path
 prepares its per-run tables once per layout), "shard" a later one (a parameter's shard is
 recorded every step), "plain" the plain sketch of the shard's values (capture's own sketch
 of any tensor), ratio = shard / plain, and "record" what capture's statistics and sketch of
@@ -40,6 +40,7 @@ LAYOUTS = [
     ("block: S(0) x S(1) of 2048x2048 / 2x2", (2048, 2048), (1024, 1024), (1024, 1024)),
     ("block: Shard(1) of 1000x3000 / 3", (1000, 3000), (1000, 1000), (0, 2000)),
     ("3-D: Shard(1) of 4x512x1024 / 2", (4, 512, 1024), (4, 256, 1024), (0, 256, 0)),
+    ("small: Shard(1) of 64x64 / 2", (64, 64), (64, 32), (0, 32)),
 ]
 
 
@@ -72,8 +73,8 @@ def main() -> int:
         plain = timed_ms(lambda: host_sketch(local, args.k), args.repeats)
         shard = timed_ms(lambda: shards.shard_sketch(local, layout, args.k), args.repeats)
         record = timed_ms(lambda: host_stats_and_sketch(local, args.k), args.repeats)
-        print(f"{name:40} {local.numel():>8} {plain:>9.2f} {first:>9.2f} {shard:>9.2f} {shard / plain:>6.1f}"
-              f" {record:>10.2f}")
+        print(f"{name:40} {local.numel():>8} {plain:>9.3f} {first:>9.3f} {shard:>9.3f} {shard / plain:>6.1f}"
+              f" {record:>10.3f}")
     return 0
 
 

@@ -93,7 +93,7 @@ def _blocks(shape, parts):
 
 #: (logical shape, parts per dim): column blocks (RowwiseParallel's weight), uneven and empty
 #: shards, a 2-D mesh's blocks, 3-D tensors with few long runs and with many short ones, runs
-#: longer than a super-row cut into pieces
+#: longer than a super-row cut into pieces, and row shards too large for the numpy fold
 LAYOUTS = {
     "columns of 16x8": ((16, 8), (1, 2)),
     "uneven columns of 16x8": ((16, 8), (1, 3)),
@@ -103,6 +103,8 @@ LAYOUTS = {
     "last dim split, two shards empty": ((3, 8, 5), (1, 1, 7)),
     "runs longer than a super-row": ((10, 10000), (1, 2)),
     "rows sharing their leads": ((600, 256), (1, 2)),
+    "wide rows sharing some leads": ((1200, 512), (1, 2)),
+    "row halves folded by torch": ((700, 1000), (2, 1)),
 }
 
 

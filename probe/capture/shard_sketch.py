@@ -22,10 +22,13 @@ is a rectangular block of the logical tensor and is sketched this way (``shard_l
   GROUPS*BLOCK values (the same columns of every run); a piece of run r starts at position
   lead_r = base_r % (GROUPS*BLOCK) of super-row m_r and lands in at most two super-rows,
   with sign F[m_r] and then F[m_r + 1]. Runs with the same lead and the same two signs are
-  summed first (``index_add_`` of rows: one add per value), and only those sums are placed
-  into the fold (numpy slices on the CPU, ``index_add_`` on a device). Cost: a few passes
-  over the values whatever the layout, 2 to 10 times the plain sketch of as many values
-  (bench/shard_sketch.py); the per-run tables are made once per layout.
+  summed first (``index_add_`` of rows: one add per value) where that saves work, and the
+  sums are placed into the fold (numpy slices on the CPU, ``index_add_`` on a device).
+  Cost: two or three passes over the values whatever the layout; on the CPU 2 to 5 times
+  the plain sketch of as many values, about what their statistics cost
+  (bench/shard_sketch.py). The per-run tables are made once per layout. A small CPU block
+  (at most _SMALL values) is one weighted bincount of its values into the fold instead,
+  with each value's place and sign kept per layout: fewer calls.
 
 An empty shard (torch's chunking leaves the last ones empty) has the zero sketch, so the
 shards still add up. Partial placements (``P(sum)``) are sketched as their shard; compare
@@ -43,8 +46,8 @@ import numpy as np
 import torch
 
 from probe.capture.host_view import host_array
-from probe.capture.sketch import (BLOCK, GROUPS, _combine, _fold, _fold_table, _projection_tables,
-                                  pack, sketch, sketch_values)
+from probe.capture.sketch import (_NUMPY_MAX, BLOCK, GROUPS, _combine, _fold, _fold_table,
+                                  _projection_tables, pack, sketch, sketch_values)
 
 _SPAN = GROUPS * BLOCK
 #: (placement JSON, local shape) -> flat offset, Block or None: a few per model
@@ -52,7 +55,10 @@ _layouts: dict = {}
 _LAYOUTS_LIMIT = 10_000
 #: values per pass of the short-run path: bounds its temporaries (a few MiB)
 _CHUNK = 1 << 20
-#: (Block, device) -> the short-run path's per-run tables on that device
+#: CPU blocks of at most this many values are sketched with numpy (small_block_sketch)
+_SMALL = 4096
+#: (Block, device) -> the short-run path's per-run tables on that device; (Block, "small")
+#: -> small_block_sketch's per-value tables
 _plans: dict = {}
 _PLANS_LIMIT = 256
 #: placements whose offset says where the shard's values sit (torch's strided shards do not)
@@ -138,13 +144,20 @@ def shard_sketch(local: torch.Tensor, layout, k: int):
         return pack(np.zeros(k))  # an empty shard adds nothing to the logical tensor's sketch
     try:
         if type(layout) is Block:
-            found = block_sketch(sketch_values(local), layout, k)
+            values = sketch_values(local)
+            if local.device.type == "cpu" and values.numel() <= _SMALL:
+                return pack(small_block_sketch(host_array(values), layout, k))
+            found = block_sketch(values, layout, k)
             return pack(found.numpy()) if local.device.type == "cpu" else found
         offset = layout
         if local.device.type == "cpu":
             values = local.detach().reshape(-1)
             if values.dtype not in (torch.float32, torch.float64):
                 values = sketch_values(values)
+            if values.numel() > _NUMPY_MAX:
+                # torch's gemv keeps to torch.set_num_threads; numpy's OpenBLAS takes every
+                # core from about 1M values (measured 40x slower beside another busy process)
+                return pack(_torch_sketch_at(values, offset, k).numpy())
             return pack(array_sketch_at(host_array(values), offset, k))
         if offset == 0:
             return sketch(local, k)
@@ -185,6 +198,24 @@ def _fold_at(values, offset: int, fold_table, zeros):
     return folded.reshape(GROUPS, BLOCK)
 
 
+def small_block_sketch(values: np.ndarray, block: Block, k: int) -> np.ndarray:
+    """(k,) float64: block_sketch of a small CPU block, in a few numpy calls (block_sketch's
+    torch calls cost more than the values): each value's place in the fold and sign F[m],
+    kept per layout, then one weighted bincount."""
+    key = (block, "small")
+    found = _plans.get(key)
+    if found is None:
+        index = (block.bases(0, block.runs)[:, None] + np.arange(block.length)).reshape(-1)
+        supers, places = np.divmod(index, _SPAN)
+        found = (places, _fold_table("numpy", np.float64, int(supers.max()) + 1)[supers])
+        if len(_plans) < _PLANS_LIMIT:
+            _plans[key] = found
+    places, signs = found
+    folded = np.bincount(places, weights=values * signs, minlength=_SPAN)  # float64
+    columns, rows = _projection_tables("numpy", np.float64, k)
+    return _combine(folded.reshape(GROUPS, BLOCK), columns, rows).sum(0)
+
+
 def block_sketch(values: torch.Tensor, block: Block, k: int, host: bool | None = None) -> torch.Tensor:
     """(k,) float64 on the values' device: the sketch of a Block's flat values (sketch_values)
     taken at their logical positions. Nothing is copied to the host. host: place the runs'
@@ -212,7 +243,7 @@ class _Plan:
     """The data-independent half of the fold of one (runs, width) piece: the place of each
     group of runs in the extended rows (below) and whether its sum is subtracted, as lists
     (host slices) and as tensors on the device; `group` (each run's, on the device) where
-    runs share a group, None where every run is its own (in order)."""
+    runs share a group, None where every run is its own (places in the runs' order)."""
 
     width: int
     group: torch.Tensor | None
@@ -225,6 +256,9 @@ class _Plan:
 #: pieces narrower than this are placed with index_add_ on the CPU too: a numpy slice add
 #: costs about as much as index_add_ of 100 values
 _SLICE_WIDTH = 64
+#: on the CPU, pieces at least this wide are summed by group only where that halves the
+#: slices (measured: the sum's pass costs about a slice add per 1000 values)
+_WIDE = 256
 
 
 def _fold_short_runs(values: torch.Tensor, plan: _Plan, folded: torch.Tensor, host: bool) -> None:
@@ -282,10 +316,13 @@ def _plan(bases: np.ndarray, width: int, device) -> _Plan:
     sign = fold[supers]
     row = _SPAN + width
     keys = leads + (fold[supers + 1] != sign) * row + (sign < 0) * (2 * row)
-    if np.all(keys[1:] > keys[:-1]):
-        group, places = None, keys  # every run its own place (a column block of a wide matrix)
+    places, group = np.unique(keys, return_inverse=True)
+    if places.shape[0] == keys.shape[0] or (
+            torch.device(device).type == "cpu" and width >= _WIDE and 2 * places.shape[0] > keys.shape[0]):
+        # every run its own place, or wide pieces of runs that seldom share one: the sum's
+        # pass over the values costs more than the numpy slices it saves
+        group, places = None, keys
     else:
-        places, group = np.unique(keys, return_inverse=True)
         # non_blocking: from pageable memory the copy is staged at once, no device sync
         group = torch.from_numpy(group.reshape(-1).astype(np.int64)).to(device, non_blocking=True)
     negative = places >= 2 * row
