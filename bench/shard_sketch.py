@@ -1,16 +1,17 @@
 """What sketching a DTensor shard at its logical positions costs, against the plain sketch of
 a tensor of the same size: the numbers probe/capture/shard_sketch.py is chosen by.
 
-    python bench/shard_sketch.py              # about 10 s
+    python bench/shard_sketch.py              # about 2 s
     python bench/shard_sketch.py --repeats 15 --threads 2
 
 One process, one thread by default, median of --repeats, CPU tensors of float32 (the host
 path: the shard's sketch as packed bytes). Each layout is one shard of about 1M values of a
-logical tensor split as named (the last one small: the per-call cost); "first" is the shard's first sketch (the short-run path
-prepares its per-run tables once per layout), "shard" a later one (a parameter's shard is
-recorded every step), "plain" the plain sketch of the shard's values (capture's own sketch
-of any tensor), ratio = shard / plain, and "record" what capture's statistics and sketch of
-the shard cost together (host_stats_and_sketch), the cost the shard sketch adds to.
+logical tensor split as named (the last one small: the per-call cost). Columns: "plain" the
+plain sketch of the shard's values (capture's own sketch of any tensor); "first" the
+shard's first sketch (the per-layout tables are made then); "shard" a later one (a
+parameter's shard is recorded every step); ratio = shard / plain; "record" what capture's
+statistics and sketch of the shard cost together (host_stats_and_sketch), the cost the
+shard sketch adds to.
 """
 
 from __future__ import annotations

@@ -162,8 +162,8 @@ def shard_sketch(local: torch.Tensor, layout, k: int):
         if offset == 0:
             return sketch(local, k)
         return _torch_sketch_at(sketch_values(local), offset, k)
-    except (RuntimeError, TypeError, ValueError, NotImplementedError):
-        return None
+    except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
+        return None  # a record without a sketch; capture never breaks training
 
 
 def array_sketch_at(values: np.ndarray, offset: int, k: int) -> np.ndarray:
