@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +60,6 @@ _SMALL = 4096
 #: -> small_block_sketch's per-value tables
 _plans: dict = {}
 _PLANS_LIMIT = 256
-#: placements whose offset says where the shard's values sit (torch's strided shards do not)
-_PLACED = re.compile(r"R|S\(\d+\)|P\(\w+\)")
 
 
 @dataclass(frozen=True)
@@ -92,7 +89,9 @@ class Block:
 def shard_layout(placement: str, shape):
     """Where a shard's values sit in the logical tensor's flat index: the first position (an
     int) where they are one contiguous run of it, a Block for any other block, None where
-    the placement does not say (no offset, a strided shard)."""
+    the placement does not say (no offset) or says something impossible. (A strided shard of
+    2-D FSDP + TP is sketched at the block its offset names: distinct positions, so a valid
+    sketch for comparing that rank's record, which compare leaves per rank.)"""
     key = (placement, tuple(shape))
     found = _layouts.get(key, -1)
     if found == -1:
@@ -123,8 +122,6 @@ def _layout(placement: str, shape: tuple):
     if all(shape[d] == 1 for d in range(split)) and all(shape[d] == whole[d] for d in inner) \
             and not any(start[d] for d in inner):
         return sum(start[d] * math.prod(whole[d + 1:]) for d in range(len(shape)))
-    if not all(_PLACED.fullmatch(str(name)) for name in place.get("placements") or ()):
-        return None
     if any(first < 0 or first + size > total for first, size, total in zip(start, shape, whole)):
         return None
     last = max(d for d in range(len(shape)) if shape[d] != whole[d])
