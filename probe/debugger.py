@@ -179,7 +179,7 @@ class PrecisionDebugger:
             if level in ("api", "mix"):
                 if not self._collectives_checked:
                     self._collectives_checked = compat.warn_uncaptured_collectives()
-                self._mode = ApiCaptureMode(recorder)
+                self._mode = ApiCaptureMode(recorder, model=self._model)
                 self._mode.__enter__()
                 gate.mode = self._mode
             graph_taps.activate(recorder, self._model, level)

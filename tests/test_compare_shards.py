@@ -128,8 +128,8 @@ def test_a_placement_compare_cannot_read_leaves_the_record_rank_local():
     assert _rows_by_key(merged.views[0])["fc/functional.linear#0/forward/input.1"]["numel"] == 1
 
 
-#: a rank's gradient of fc.weight (param_grad call 0) and the shard FSDP2's reduce-scatter,
-#: which capture does not see, made from every rank's (call 1, a DTensor)
+#: a rank's gradient of fc.weight (param_grad call 0) and the shard FSDP2's reduce-scatter
+#: made from every rank's (call 1, a DTensor)
 _GRAD = [1.0, -2.0, 3.0, 0.5]
 
 
@@ -158,7 +158,7 @@ def test_a_reduced_gradient_is_explained_by_the_local_gradients_it_was_made_from
     row, linked = _reduced_row(1 + 1e-5, 1 + 6e-5)
     assert linked == ["fc/Linear#1/backward/local_grad.weight"]
     assert (row.status, row.origin) == ("explained", "amplified"), (row.status, row.cause)
-    assert "unrecorded reduce-scatter from rank-local gradients that differ by rel L2 1.00e-05" in row.cause
+    assert "made by a reduce-scatter from rank-local gradients that differ by rel L2 1.00e-05" in row.cause
 
 
 def test_a_reduced_gradient_whose_local_gradients_agree_but_which_differs_is_introduced():
@@ -166,3 +166,56 @@ def test_a_reduced_gradient_whose_local_gradients_agree_but_which_differs_is_int
     assert linked == ["fc/Linear#1/backward/local_grad.weight"]
     assert (row.status, row.origin) == ("diverged", "introduced"), (row.status, row.cause)
     assert "its inputs agree within tolerance (largest input rel L2 0" in row.cause
+
+
+def _reduce_scatter_step(local_scale, input_scale, output_scale):
+    """fc's local gradient (seq 1), FSDP2's backward reduce-scatter of it (seq 2: input.1 the
+    flat copy FSDP2 makes, padded, that no record produces; output.0 the shard) and the reduced
+    gradient (seq 3)."""
+    def stats(values):
+        return {"shape": f"[{len(values)}]", "min": min(values), "max": max(values),
+                "mean": sum(values) / len(values), "norm": math.sqrt(sum(v * v for v in values))}
+
+    def record(module, op, index, phase, kind, slot, io, seq, values, placement=""):
+        return {"module": module, "op": op, "index": index, "phase": phase, "kind": kind, "slot": slot,
+                "io": io, "seq": seq, "placement": placement, **stats(values)}
+
+    grad = [v * local_scale for v in _GRAD]
+    collective = "distributed.reduce_scatter_single"
+    return Records.from_dicts([
+        record("fc", "Linear", 0, "backward", "param", "param_grad.weight", "out", 1, grad),
+        record("fc", collective, 0, "forward", "api", "input.1", "in", 2,
+               [v * input_scale for v in _GRAD] + [0.0] * 4),
+        record("fc", collective, 0, "forward", "api", "output.0", "out", 2, [v * output_scale for v in _GRAD[:2]]),
+        record("fc", "Linear", 1, "backward", "param", "param_grad.weight", "out", 3,
+               [v * output_scale for v in _GRAD[:2]], _place(["S(0)"], [4], [0], [0])),
+    ])
+
+
+def _reduce_scatter_rows(local_scale, input_scale, output_scale):
+    from probe.comparison.engine import compare_step
+    from probe.comparison.tolerances import Tolerances
+
+    outcome = compare_step(_reduce_scatter_step(1.0, 1.0, 1.0),
+                           _reduce_scatter_step(local_scale, input_scale, output_scale), None, None, Tolerances())
+    return {row.slot: row for row in outcome.rows if row.op == "distributed.reduce_scatter_single"}
+
+
+def test_a_reduce_scatter_input_assembled_from_accepted_local_gradients_is_accepted():
+    # the local gradient differs within float32's tolerance (2e-5); FSDP2's flat copy of it
+    # and the reduced shard, beyond it, carry that difference and are not errors of their own
+    rows = _reduce_scatter_rows(1 + 1.5e-5, 1 + 2.5e-5, 1 + 2.5e-5)
+    assert "local_grad.weight" in rows
+    assert rows["input.1"].status == "explained", rows["input.1"].reasons
+    assert "assembled from the local gradients linked to this call" in rows["input.1"].cause
+    assert (rows["output.0"].status, rows["output.0"].origin) == ("explained", "amplified"), rows["output.0"].cause
+
+
+def test_a_reduce_scatter_whose_inputs_agree_but_whose_output_differs_is_introduced():
+    rows = _reduce_scatter_rows(1.0, 1.0, 1 + 6e-5)
+    assert (rows["output.0"].status, rows["output.0"].origin) == ("diverged", "introduced"), rows["output.0"].cause
+
+
+def test_a_reduce_scatter_input_far_beyond_its_local_gradients_is_not_accepted():
+    rows = _reduce_scatter_rows(1 + 1.5e-5, 1 + 2e-4, 1 + 2e-4)
+    assert rows["input.1"].status == "diverged"

@@ -33,7 +33,8 @@ OTHERS = [
 ]
 #: dumps only the compare tests read
 COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1",
-            "coll-api.statistics", "coll-api.statistics-fault1", "fsdp-mix.tensor-bf16"]
+            "coll-api.statistics", "coll-api.statistics-fault1", "fsdp-mix.tensor-bf16",
+            "bwcoll-api.statistics", "bwcoll-api.statistics-fault1"]
 #: examples/distributed/train_fsdp2.py and train_tp.py, one step each
 EXAMPLES = ["example-fsdp2-ddp", "example-fsdp2", "example-fsdp2-bug1", "example-tp",
             "example-tp-bug1"]
@@ -192,8 +193,8 @@ def test_fsdp2_in_bfloat16_raises_no_false_alarm_against_float32(job):
     _fsdp2_or_skip("fsdp-")
     """FSDP2 with bfloat16 parameters passes against float32 under the bfloat16 tolerance,
     with full tensors and with statistics (sketches estimate each error, k=16: +-52%). The
-    reduced gradient shards, made by a reduce-scatter capture does not see, are judged from
-    the rank-local gradients they were made from (comparison/reduced_grads.py)."""
+    reduced gradient shards and the backward reduce-scatter calls that made them are judged
+    from the rank-local gradients they were made from (comparison/reduced_grads.py)."""
     from probe import compare
 
     for task in ("tensor", "statistics"):
@@ -271,20 +272,44 @@ def test_a_step_one_sharded_run_lacks_is_an_error_unless_allowed(job, one_device
     assert result.verdict == "pass" and result.missing == ["step 2 only in A"]
 
 
-def test_a_collective_whose_inputs_agree_but_whose_output_differs_introduced_the_error(job):
+@pytest.mark.parametrize("scenario", ["coll", "bwcoll"])
+def test_a_collective_whose_inputs_agree_but_whose_output_differs_introduced_the_error(job, scenario):
     """Rank 1's all-reduce result is scaled inside the collective (a stand-in for a faulty
-    reduction): the first divergence is that collective on rank 1, named introduced."""
+    reduction), in forward (coll) or in a gradient hook during backward (bwcoll): the first
+    divergence is that collective on rank 1, named introduced."""
     from probe import compare
     from probe.compat import uncaptured_collectives
 
     if "all_reduce" in uncaptured_collectives():
         pytest.skip("this torch runs dist.all_reduce without asking a TorchFunctionMode")
-    assert compare(job / "coll-api.statistics", job / "coll-api.statistics").verdict == "pass"
-    result = compare(job / "coll-api.statistics", job / "coll-api.statistics-fault1")
+    assert compare(job / f"{scenario}-api.statistics", job / f"{scenario}-api.statistics").verdict == "pass"
+    result = compare(job / f"{scenario}-api.statistics", job / f"{scenario}-api.statistics-fault1")
     first = result.first_divergence
     assert result.verdict == "diverged"
     assert (first.step, first.rank, first.op, first.origin) == (0, 1, "distributed.all_reduce", "introduced")
     assert first.key_a == "/distributed.all_reduce#0/forward/output.0"
+
+
+def test_fsdp2_backward_collectives_are_recorded_under_the_module_they_reduce(job):
+    """FSDP2 re-gathers a module's parameters for backward (reshard_after_forward=True) and
+    reduce-scatters its gradients, both inside autograd's backward: each is recorded after
+    the loss, named after the module whose parameters it moves."""
+    _fsdp2_or_skip("fsdp-")
+    from probe.compat import uncaptured_collectives
+    from probe.dump.reader import load
+
+    if {"reduce_scatter_tensor", "all_gather_into_tensor"} & set(uncaptured_collectives()):
+        pytest.skip("this torch runs FSDP2's collectives without asking a TorchFunctionMode")
+    reduced = {("0", "distributed.reduce_scatter_single", 0), ("2", "distributed.reduce_scatter_single", 0)}
+    regathered = {("0", "distributed.all_gather_single", 1), ("2", "distributed.all_gather_single", 1)}
+    for folder, expected in (("fsdp-api.statistics", reduced | regathered),
+                             ("fsdp-mix.tensor-keep", reduced)):
+        rows = list(load(job / folder).records(step=1, rank=1))
+        loss = max(row["seq"] for row in rows if row["op"] == "Tensor.mean")
+        in_backward = {(row["module"], row["op"], row["index"]) for row in rows
+                       if row["op"].startswith("distributed.") and row["slot"] == "output.0"
+                       and row["seq"] > loss}
+        assert in_backward == expected, (folder, in_backward)
 
 
 def test_row_shards_of_a_tensor_parallel_weight_merge_into_the_one_device_sketch(job, one_device):

@@ -14,7 +14,10 @@ A collective writes into its tensor arguments without bumping their autograd ver
 its output (``output.0`` = the buffer it wrote, e.g. all_reduce's ``tensor``) is always
 recomputed, never taken from the statistics cache. DDP's gradient all-reduce runs inside
 its C++ reducer and is not an API call: parameter gradients recorded at module level are
-the local gradients, before averaging.
+the local gradients, before averaging. Collectives run during backward (FSDP2's
+reduce-scatter, a gradient hook's all-reduce) are recorded because, with a process group up,
+the mode starts backward passes itself with the mode back on the stack, and records only
+collectives while they run (backward_collectives.py).
 
 Per call: inputs are recorded before the call (so an in-place op's input is seen before it
 is overwritten), outputs after it. Only the outermost torch call is recorded: torch disables
@@ -46,7 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from probe import compat
-from probe.capture import naming
+from probe.capture import backward_collectives, naming, wrappers
 from probe.capture.api_backward import hook_backward, hook_nodes
 from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
 from probe.capture.defaults import defaulted as _defaulted
@@ -61,6 +64,7 @@ _names = naming._cache
 _MISSING = naming._MISSING
 _op_name = naming.op_name
 _PLAIN = (int, float, bool, str, type(None))
+_BACKWARD_ENTRIES = backward_collectives.ENTRIES
 _partial = functools.partial
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
 _GRAD_SLOTS = tuple("grad_" + slot for slot in _INPUT_SLOTS)
@@ -89,9 +93,22 @@ _DIST_OUTPUT = {
 class ApiCaptureMode(TorchFunctionMode):
     """Entered by PrecisionDebugger.start(), exited by stop(); records through a Recorder."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, model: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.recorder = recorder
+        self.model = model
+        self._paths: dict | None = None  # id(module) -> the user's module path
+        #: start backward passes with this mode on the stack (backward_collectives.py)
+        self.reenter_backward = backward_collectives.wanted()
+        #: set while such a pass runs: only collectives are recorded then
+        self.in_backward = False
+
+    def module_path(self, module) -> str:
+        """The user's path of one of the model's modules; "" (the root) for any other."""
+        if self._paths is None:
+            self._paths = ({} if self.model is None else
+                           {id(each): path for path, each in wrappers.user_modules(self.model)})
+        return self._paths.get(id(module), "")
 
     def __exit__(self, exc_type, exc_value, traceback):
         self.recorder.locate.forget()  # the source walk may hold a frame of the user's code
@@ -105,19 +122,27 @@ class ApiCaptureMode(TorchFunctionMode):
         if name is _MISSING:
             name = _op_name(func)
         if name is None:  # attribute reads and metadata: most calls the mode sees
+            if self.reenter_backward and func in _BACKWARD_ENTRIES:
+                return backward_collectives.run_backward(self, func, args, kwargs or {})
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
         rec = self.recorder
-        stack = rec.module_stack
-        module = stack[-1] if stack else ""
+        if self.in_backward:
+            if not name.startswith("distributed."):
+                # a checkpointed block's recomputation, FSDP2's copies, a user's hook
+                return func(*args, **kwargs)
+            module = backward_collectives.owner_path(self)
+        else:
+            stack = rec.module_stack
+            module = stack[-1] if stack else ""
         counter = (module, name)
         decision = rec.decisions.get(counter)
         if decision is None:
             decision = rec.filter.call(module, name)
         if not decision:
             return func(*args, **kwargs)
-        if _from_framework(_getframe(1).f_code) and not name.startswith("distributed."):
+        if _from_framework(_getframe(1)) and not name.startswith("distributed."):
             return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
@@ -126,16 +151,31 @@ class ApiCaptureMode(TorchFunctionMode):
 #: computation: FSDP2 allocates, views and copies its all-gather buffers (whose memory is
 #: unset until the collective) on every unshard. Its collectives are still recorded.
 _FRAMEWORK_PATHS = ("torch/distributed/fsdp/", "torch/distributed/_composable/fsdp/")
-_framework_code: dict = {}  # code object -> called from a framework folder?
+#: torch's own relays between a caller and the op it asks for: ``torch.ops.fsdp.*(...)``
+#: (FSDP2's copy out of its all-gather buffer) and ``autograd.Function.apply`` (the view
+#: FSDP2's post-backward Function returns) are judged by the code that called them
+_RELAY_PATHS = ("torch/_ops.py", "torch/autograd/function.py")
+_FRAMEWORK, _USER, _RELAY = 1, 0, 2
+_framework_code: dict = {}  # code object -> _FRAMEWORK, _USER or _RELAY
 _getframe = sys._getframe
 
 
-def _from_framework(code) -> bool:
-    found = _framework_code.get(code)
-    if found is None:
-        path = code.co_filename.replace(os.sep, "/")
-        found = _framework_code[code] = any(part in path for part in _FRAMEWORK_PATHS)
-    return found
+def _from_framework(frame) -> bool:
+    """The torch call was made by a sharding framework's code (through at most two relays)."""
+    for _ in range(3):
+        code = frame.f_code
+        found = _framework_code.get(code)
+        if found is None:
+            path = code.co_filename.replace(os.sep, "/")
+            found = (_FRAMEWORK if any(part in path for part in _FRAMEWORK_PATHS)
+                     else _RELAY if path.endswith(_RELAY_PATHS) else _USER)
+            _framework_code[code] = found
+        if found != _RELAY:
+            return found == _FRAMEWORK
+        frame = frame.f_back
+        if frame is None:
+            return False
+    return False
 
 
 def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs):
@@ -155,8 +195,9 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     if autocast:  # a lower precision autocast chose is expected, one the model chose is not
         _note_autocast(rec.autocast_runs, seq, autocast, rec.autocast_last)
     rec.autocast_last[0] = seq
+    collective_output = _collective_output(func, name, args, kwargs)
     if filt.forward_in:
-        buffers = _output_buffers(func, name, args, kwargs)
+        buffers = _output_buffers(kwargs, collective_output)
         position = 0
         for arg in args:
             slot = _INPUT_SLOTS[position] if position < 64 else f"input.{position}"
@@ -184,7 +225,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     produced = out
     written = out is None or name.startswith("distributed.")
     if written:
-        produced = _written_argument(func, name, args, kwargs, out)
+        produced = _written_argument(name, args, kwargs, out, collective_output)
     if kwargs and kwargs.get("out") is not None:
         # an out= buffer: a custom op (FSDP2's split_with_sizes_copy) may write it without a
         # version bump, and an alias of it read later must not hit the stale cache entry
@@ -224,24 +265,34 @@ def _returns_an_input(produced, node, edges) -> bool:
     return False
 
 
-def _written_argument(func, name, args, kwargs, out):
+def _written_argument(name, args, kwargs, out, collective_output):
     if name in _WRITES_ARG or (name.endswith("_") and out is None):
         # Tensor.__setitem__, torch._foreach_add_ and friends return None: their first
         # argument, after the call, is what they produced
         return args[0] if args else None
     if not name.startswith("distributed."):
         return out
-    parameter = _DIST_OUTPUT.get(name[len("distributed."):])
-    if parameter is None or kwargs.get("async_op"):
+    if collective_output is None or kwargs.get("async_op"):
         return None  # send/isend produce nothing; an async op's buffer is not ready yet
+    return collective_output[1]
+
+
+def _collective_output(func, name, args, kwargs) -> tuple | None:
+    """(parameter, argument) holding what a torch.distributed collective produces; None for
+    other calls, for send/isend, or when the arguments do not bind."""
+    if not name.startswith("distributed."):
+        return None
+    parameter = _DIST_OUTPUT.get(name[len("distributed."):])
+    if parameter is None:
+        return None
     try:
         bound = _signature(func).bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
-    return bound.arguments.get(parameter)
+    return parameter, bound.arguments.get(parameter)
 
 
-def _output_buffers(func, name, args, kwargs) -> set | None:
+def _output_buffers(kwargs, collective_output) -> set | None:
     """ids of the arguments a call only writes: an ``out=`` buffer, a collective's separate
     output (all_gather's output_tensor, ...). Their values before the call are whatever the
     memory held (FSDP2 allocates its all-gather buffers every step), not an input: they are
@@ -249,16 +300,9 @@ def _output_buffers(func, name, args, kwargs) -> set | None:
     found = None
     if kwargs and kwargs.get("out") is not None:
         found = {id(kwargs["out"])}
-    if name.startswith("distributed."):
-        parameter = _DIST_OUTPUT.get(name[len("distributed."):])
-        if parameter not in _SEPARATE_OUTPUTS:
-            return found
-        try:
-            buffer = _signature(func).bind(*args, **kwargs).arguments.get(parameter)
-        except (TypeError, ValueError):
-            return found
-        if buffer is not None:
-            found = (found or set()) | {id(buffer)}
+    if collective_output is not None and collective_output[0] in _SEPARATE_OUTPUTS:
+        if collective_output[1] is not None:
+            found = (found or set()) | {id(collective_output[1])}
     return found
 
 

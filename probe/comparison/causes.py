@@ -15,7 +15,7 @@ from probe.comparison.sizes import rel_error, sci
 def amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
     worst = max(carriers, key=rel_error)
     if within_ratio and all(r.slot.startswith(LOCAL_GRAD) for r in carriers):
-        return (f"made by an unrecorded reduce-scatter from rank-local gradients that differ by rel L2 "
+        return (f"made by a reduce-scatter from rank-local gradients that differ by rel L2 "
                 f"{sci(carried_rel)} (largest {worst.slot}; output {sci(out_rel)}): the reduction carries "
                 "their accepted differences")
     if within_ratio:

@@ -31,7 +31,7 @@ from probe.comparison.kinds import (
     CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
     forward_carriers, is_carrier,
 )
-from probe.comparison.records import is_param_slot
+from probe.comparison.records import LOCAL_GRAD, is_param_slot
 from probe.comparison.sizes import rel_error, sci
 from probe.comparison.verdict import is_dtype_limit_pair
 
@@ -107,6 +107,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
         if row.status == R.DIVERGED:
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
             row.origin = R.INHERITED if kind in CARRIERS else R.INTRODUCED
+    _accept_assembled(carriers, kinds)
     for row in forward_carriers(forward):
         carriers.append(row)
         kinds[id(row)] = FORWARD
@@ -197,6 +198,27 @@ def accepted_difference(row: R.RecordRow) -> bool:
 def is_accepted_carry(row: R.RecordRow) -> bool:
     """A divergent record that may carry an accepted difference from an earlier step (sized)."""
     return explainable(row)
+
+
+def _accept_assembled(carriers, kinds) -> None:
+    """A buffer that unrecorded framework code assembled from gradients linked to the call
+    (FSDP2's reduce-scatter input: the flat copy of its module's local gradients, linked as
+    ``local_grad.*`` by reduced_grads.py) differs as they do: when every linked gradient's
+    difference is accepted and the buffer's is within twice the largest (a cast to the
+    reduce dtype rounds once more), the buffer's is accepted too."""
+    linked = [r for r in carriers if r.slot.startswith(LOCAL_GRAD)]
+    if not linked or not all(is_accepted(r) for r in linked):
+        return
+    largest = max(linked, key=rel_error)
+    bound = 2 * rel_error(largest) + 1e-12
+    for row in carriers:
+        if kinds[id(row)] != UNRECORDED or not explainable(row) or rel_error(row) > bound:
+            continue
+        if row.status == R.DIVERGED:
+            explain(row, f"assembled from the local gradients linked to this call, whose differences are "
+                         f"accepted (largest: {largest.key}, rel L2 {sci(rel_error(largest))})")
+        elif row.status in R.WITHIN and row.accepted is None:
+            row.accepted = True
 
 
 def _identical(outputs) -> bool:

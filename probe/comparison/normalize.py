@@ -4,9 +4,9 @@ Each normalize step takes a NormalizedStep and returns it, its calls (and, where
 derives records, its records) rewritten; engine.NORMALIZE lists the steps in the order they
 run. A step sees both runs, so it can make one run's spelling match the other's.
 
-* link_reduced_gradients (reduced_grads.py): a gradient reduced across ranks by an
-  unrecorded collective (FSDP2's reduce-scatter) gets the rank-local gradients it was made
-  from as inputs;
+* link_reduced_gradients (reduced_grads.py): a gradient reduced across ranks (FSDP2's
+  reduced shard, and its backward reduce-scatter call) gets the rank-local gradients it was
+  made from as inputs;
 * build_call_lists: the records of each run grouped into calls (records.build_calls), module
   and op names renamed through the name mapping;
 * split_foreach_calls: a foreach or fused optimizer call as one call per parameter

@@ -8,7 +8,8 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
 
     stack    fsdp (fully_shard on each Linear and on the root), ddp, tp (ColwiseParallel on
              the first Linear, RowwiseParallel on the second), one (no parallelism),
-             coll (no training: a Linear's output all-reduced with dist.all_reduce, then tanh)
+             coll (no training: a Linear's output all-reduced with dist.all_reduce, then tanh),
+             bwcoll (a Linear whose output's gradient a tensor hook all-reduces in backward)
     capture  none, or <level>.<task> (mix.statistics, api.tensor, ...)
     variant  keep (reshard_after_forward False), bf16 (MixedPrecisionPolicy param_dtype
              bfloat16), tanh1 (rank 1 alone uses the tanh GELU), scale1 (rank 1's shard of
@@ -159,6 +160,35 @@ def collective_losses(variants, rank, debugger):
     return losses
 
 
+def backward_collective_losses(variants, rank, debugger):
+    """A gradient all-reduced by a hook in backward, as a user's own data-parallel code does;
+    fault1 scales rank 1's result inside the collective."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    layer = nn.Linear(IN, HIDDEN)
+    group = FaultyGroup(dist.group.WORLD, 1.001 if "fault1" in variants and rank == 1 else 1.0)
+
+    def reduce_gradient(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    losses = []
+    for x in batches(100 + rank):
+        debugger.start(layer)
+        layer.zero_grad()
+        hidden = layer(x)
+        hidden.register_hook(reduce_gradient)
+        loss = hidden.tanh().mean()
+        loss.backward()
+        debugger.stop()
+        debugger.step()
+        losses.append(float(loss).hex())
+    debugger.close()
+    return losses
+
+
 def run_example(out_dir, scenario, variants, rank):
     """examples/distributed/train_fsdp2.py or train_tp.py for one step, as its main() runs
     it on a rank (the job's process group stands for the one main() starts)."""
@@ -182,6 +212,8 @@ def run_scenario(out_dir, scenario, rank):
         warnings.simplefilter("always")
         if stack == "coll":
             losses = collective_losses(variants, rank, debugger)
+        elif stack == "bwcoll":
+            losses = backward_collective_losses(variants, rank, debugger)
         else:
             model = parallel_model(stack, variants, rank)
             same_batch = stack in ("tp", "one") or "data" in variants
