@@ -331,8 +331,9 @@ def test_fsdp2_backward_collectives_are_recorded_under_the_module_they_reduce(jo
 
 
 def test_row_shards_of_a_tensor_parallel_weight_merge_into_the_one_device_sketch(job, one_device):
-    """ColwiseParallel splits the first weight by rows: each rank sketches its rows with the
-    projection entries of their logical positions, and the sum is the one-device sketch."""
+    """ColwiseParallel splits the first weight by rows, RowwiseParallel the second by columns
+    (a block strided in the flat index): each rank sketches its shard with the projection
+    entries of their logical positions, and the sum is the one-device sketch."""
     import numpy as np
 
     from probe.comparison.records import Records
@@ -351,6 +352,17 @@ def test_row_shards_of_a_tensor_parallel_weight_merge_into_the_one_device_sketch
     expected = np.asarray(weight_sketch(step_records(one_device, 0)))
     assert np.allclose(weight_sketch(merged.views[1]), expected, rtol=1e-5,
                        atol=1e-5 * np.abs(expected).max())
+    by_rank = {rank: step_records(job / "tp-mix.statistics", rank) for rank in (0, 1)}
+    logical, one = merge_ranks(by_rank).views[0], step_records(one_device, 0)
+    for columns in ("2/Linear#0/forward/param.weight", "2/Linear#0/backward/param_grad.weight"):
+        for records in by_rank.values():  # RowwiseParallel: Shard(1) of [4, 16]
+            row = records.row(records.columns["key"].index(columns))
+            assert '"S(1)"' in row["placement"] and row["shape"] == "[4, 8]"
+            assert np.isfinite(row["sketch"]).all()  # a missing sketch reads as NaN
+        found = logical.row(logical.columns["key"].index(columns))["sketch"]
+        expected = np.asarray(one.row(one.columns["key"].index(columns))["sketch"])
+        assert found is not None and np.allclose(found, expected, rtol=1e-5,
+                                                 atol=1e-5 * np.abs(expected).max())
 
 
 def test_the_fsdp2_example_passes_against_ddp_and_names_the_bug_rank(job):

@@ -34,7 +34,7 @@ from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
 from probe.capture.host_view import host_array
 from probe.capture.placement import dtensor_class, local_and_placement
-from probe.capture.shard_sketch import flat_offset, shard_sketch
+from probe.capture.shard_sketch import shard_layout, shard_sketch
 from probe.capture.sketch import pack as pack_sketch
 from probe.capture.host_batch import SMALL_MAX, HostBatch, HostSlot
 from probe.capture.stats import host_stats_and_sketch
@@ -201,11 +201,11 @@ class Recorder:
 
     def _sketch_of_shard(self, local: Tensor, placed: str, own, position: int):
         """A shard row's sketch: its own where the shard starts the logical tensor's flat
-        index, else taken at its offset (None where the shard is not one run of it)."""
-        offset = flat_offset(placed, local.shape)
-        if offset == 0:
+        index, else taken at its logical positions (None where the placement has no offset)."""
+        layout = shard_layout(placed, local.shape)
+        if layout == 0 and local.numel():
             return own
-        found = None if offset is None else shard_sketch(local, offset, self._sketch_size)
+        found = None if layout is None else shard_sketch(local, layout, self._sketch_size)
         self._shard_sketches[position] = found
         return found if type(found) is bytes else None
 

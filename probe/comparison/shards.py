@@ -11,8 +11,9 @@ sharded record stands for its logical tensor:
   the norm from the shards' squared norms, NaN and Inf counts added; shape and numel are
   the logical tensor's. The sketch is the sum of the shards' sketches: capture takes each
   with the projection entries of the shard's logical positions (capture/shard_sketch.py),
-  so the sum is the logical tensor's sketch; where a shard has none (a column block), the
-  logical record has none. There is no checksum of the logical tensor; where
+  so the sum is the logical tensor's sketch; where a shard has none (a placement without an
+  offset; a column block in a dump of a version that sketched row shards only), the logical
+  record has none. There is no checksum of the logical tensor; where
   the shards' tensors were dumped (task tensor), the logical tensor is reassembled from them
   when compare reads it (``MergedStep.fetch``).
 * ``R`` (replicated everywhere): one copy; the copies must agree (statistics and checksum),

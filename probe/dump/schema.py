@@ -77,7 +77,9 @@ gives them their "absent" value for files without them, and the writer accepts r
                names, torch's placement per mesh dimension ("S(d)" sharded on dim d, "R"
                replicated, "P(sum)" partial), this rank's mesh coordinate, the logical tensor's
                shape and the first index of this rank's shard in it. The record's statistics,
-               shape and numel are the local shard's; a shard ("S(d)") has no sketch.
+               shape and numel are the local shard's; a shard's ("S(d)") sketch is taken
+               at its logical positions, so the shards' sketches add up to the logical
+               tensor's (probe/capture/shard_sketch.py).
                "" for every other record (probe/capture/placement.py).
 
 Schema history: 1 = the first release; 2 adds /records/sketch, the optional column value_type,
