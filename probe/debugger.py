@@ -110,6 +110,13 @@ class PrecisionDebugger:
         if attached is not None:  # zero-edit capture gives way to the script's own debugger
             attached.on_debugger_created(self)
 
+    def hand_over_random_mode(self) -> None:
+        """Take out the whole-run ``random_on_cpu`` mode this debugger pushed (zero-edit
+        capture steps aside for the script's own debugger, which installs its own)."""
+        mode, self._random_whole_run = self._random_whole_run, None
+        if mode is not None:
+            _remove_mode(mode)
+
     # ------------------------------------------------------------------ public lifecycle
 
     @property

@@ -174,12 +174,7 @@ class AutoCapture:
         self.remove_hooks()
         debugger, self.debugger = self.debugger, None
         captured = debugger.current_step > 0 or debugger.started
-        random_mode = debugger._random_whole_run
-        if random_mode is not None:  # the script's debugger installs its own
-            from probe.debugger import _remove_mode
-
-            debugger._random_whole_run = None
-            _remove_mode(random_mode)
+        debugger.hand_over_random_mode()  # the script's debugger installs its own
         debugger.close()
         if captured and announce:
             print(f"probe: automatic capture stopped after step {debugger.current_step}: the "
