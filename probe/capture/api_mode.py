@@ -52,7 +52,7 @@ from probe import compat
 from probe.capture import backward_collectives, naming, wrappers
 from probe.capture.api_backward import hook_backward, hook_nodes
 from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
-from probe.capture.defaults import defaulted as _defaulted
+from probe.capture.defaults import TABLE as _defaults_table, defaults_of as _defaults_of
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -217,8 +217,17 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                 else:
                     rec.add_tree(call, "kwarg." + key, "in", arg)
         # the defaults that choose the function: F.gelu(x) against F.gelu(x, approximate="tanh")
-        for key, arg in _defaulted(func, args, kwargs):
-            add(call, "default." + key, "in", arg)
+        try:
+            wanted = _defaults_table.get(func)
+        except TypeError:  # an unhashable callable
+            wanted = ()
+        if wanted is None:
+            wanted = _defaults_of(func)
+        if wanted:
+            given = len(args)
+            for position, key, slot, arg in wanted:
+                if (position is None or position >= given) and key not in kwargs:
+                    add(call, slot, "in", arg)
     track = filt.backward and _is_grad_enabled()
     edges = _grad_edges(args, kwargs) if track else None
     out = func(*args, **kwargs)
