@@ -142,7 +142,10 @@ class ApiCaptureMode(TorchFunctionMode):
             decision = rec.filter.call(module, name)
         if not decision:
             return func(*args, **kwargs)
-        if _from_framework(_getframe(1)) and not name.startswith("distributed."):
+        frame = _getframe(1)
+        # the caller's code is known to be the user's (most calls): one lookup, no walk
+        if _framework_code.get(frame.f_code) != _USER and _from_framework(frame) \
+                and not name.startswith("distributed."):
             return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
