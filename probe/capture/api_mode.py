@@ -198,9 +198,10 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     if autocast:  # a lower precision autocast chose is expected, one the model chose is not
         _note_autocast(rec.autocast_runs, seq, autocast, rec.autocast_last)
     rec.autocast_last[0] = seq
-    collective_output = _collective_output(func, name, args, kwargs)
+    distributed = name.startswith("distributed.")
+    collective_output = _collective_output(func, name, args, kwargs) if distributed else None
     if filt.forward_in:
-        buffers = _output_buffers(kwargs, collective_output)
+        buffers = _output_buffers(kwargs, collective_output) if kwargs or distributed else None
         position = 0
         for arg in args:
             slot = _INPUT_SLOTS[position] if position < 64 else f"input.{position}"
@@ -235,7 +236,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     edges = _grad_edges(args, kwargs) if track else None
     out = func(*args, **kwargs)
     produced = out
-    written = out is None or name.startswith("distributed.")
+    written = out is None or distributed
     if written:
         produced = _written_argument(name, args, kwargs, out, collective_output)
     if kwargs and kwargs.get("out") is not None:
