@@ -8,7 +8,8 @@ module objects, swapped into sys.modules before that tree runs, so that a lazy i
 a function finds its own tree's module) and run on the same model, interleaved in blocks of 3 steps in a random order per
 round (the first step of a block untimed, gc.collect() before each block), timed with
 time.thread_time(); each number is a median. "stub" replaces the CPU statistics and sketch
-(stats.host_stats_and_sketch) by a constant, so what is left is the per-call path: the
+of tensors computed alone (recorder.host_stats_and_sketch) by a constant; small float
+tensors still go through the host batch. What is left is mostly the per-call path: the
 mode, names, records, the statistics cache, source lines, backward hooks. "real" keeps them.
 A captured step is start(model), the training step, stop(); the step file is not written.
 us/call = (captured - plain) / captured calls.
