@@ -52,7 +52,7 @@ from probe import compat
 from probe.capture import backward_collectives, naming, wrappers
 from probe.capture.api_backward import hook_backward, hook_nodes
 from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
-from probe.capture.defaults import defaulted as _defaulted
+from probe.capture.defaults import TABLE as _defaults_table, defaults_of as _defaults_of
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -145,7 +145,10 @@ class ApiCaptureMode(TorchFunctionMode):
             decision = rec.filter.call(module, name)
         if not decision:
             return func(*args, **kwargs)
-        if _from_framework(_getframe(1)) and not name.startswith("distributed."):
+        frame = _getframe(1)
+        # the caller's code is known to be the user's (most calls): one lookup, no walk
+        if _framework_code.get(frame.f_code) != _USER and _from_framework(frame) \
+                and not name.startswith("distributed."):
             return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
@@ -198,10 +201,12 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
     if autocast:  # a lower precision autocast chose is expected, one the model chose is not
         _note_autocast(rec.autocast_runs, seq, autocast, rec.autocast_last)
     rec.autocast_last[0] = seq
-    collective_output = _collective_output(func, name, args, kwargs)
+    distributed = name.startswith("distributed.")
+    waited = name.startswith(_WAIT)  # a functional collective's result, where it is waited for
+    collective_output = _collective_output(func, name, args, kwargs) if distributed else None
     if filt.forward_in:
-        buffers = _output_buffers(kwargs, collective_output)
-        if name.startswith(_WAIT):
+        buffers = _output_buffers(kwargs, collective_output) if kwargs or distributed else None
+        if waited:
             # the collective's pending buffer: what it holds before the wait is a race
             buffers = {id(arg) for arg in args if isinstance(arg, Tensor)}
         position = 0
@@ -223,13 +228,22 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                 else:
                     rec.add_tree(call, "kwarg." + key, "in", arg)
         # the defaults that choose the function: F.gelu(x) against F.gelu(x, approximate="tanh")
-        for key, arg in _defaulted(func, args, kwargs):
-            add(call, "default." + key, "in", arg)
+        try:
+            wanted = _defaults_table.get(func)
+        except TypeError:  # an unhashable callable
+            wanted = ()
+        if wanted is None:
+            wanted = _defaults_of(func)
+        if wanted:
+            given = len(args)
+            for position, key, slot, arg in wanted:
+                if (position is None or position >= given) and key not in kwargs:
+                    add(call, slot, "in", arg)
     track = filt.backward and _is_grad_enabled()
     edges = _grad_edges(args, kwargs) if track else None
     out = func(*args, **kwargs)
     produced = out
-    written = out is None or name.startswith(("distributed.",) + _WAIT)
+    written = out is None or distributed or waited
     if written:
         produced = _written_argument(name, args, kwargs, out, collective_output)
     if kwargs and kwargs.get("out") is not None:

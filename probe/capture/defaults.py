@@ -86,17 +86,25 @@ def _defaults(func) -> tuple:
     return tuple(found)
 
 
-def defaulted(func, args: tuple, kwargs: dict) -> list:
-    """[(name, default)] of the arguments this call left at a default that matters."""
+#: func -> ((position, name, slot, default), ...): what the hot path reads, one dict lookup
+#: per call (most functions have no default that matters: an empty tuple)
+TABLE: dict = {}
+_TABLE_LIMIT = 4096
+
+
+def defaults_of(func) -> tuple:
+    """((position or None, name, "default.<name>", default), ...) of func's parameters whose
+    default chooses the function; () for an unhashable callable."""
     try:
-        wanted = _defaults(func)
+        found = TABLE.get(func)
     except TypeError:  # an unhashable callable
-        return []
-    if not wanted:
-        return []
-    given = len(args)
-    return [(name, default) for position, name, default in wanted
-            if (position is None or position >= given) and name not in kwargs]
+        return ()
+    if found is None:
+        found = tuple((position, name, DEFAULT_PREFIX + name, default)
+                      for position, name, default in _defaults(func))
+        if len(TABLE) < _TABLE_LIMIT:
+            TABLE[func] = found
+    return found
 
 
 def bound_values(func, args, kwargs) -> dict | None:

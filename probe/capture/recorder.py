@@ -32,7 +32,7 @@ import torch
 
 from probe.capture import stats
 from probe.capture.bulk_stats import bulk_device_stats
-from probe.capture.host_view import host_array
+from probe.capture.host_view import host_read_view
 from probe.capture.placement import dtensor_class, local_and_placement
 from probe.capture.shard_sketch import shard_layout, shard_sketch
 from probe.capture.sketch import pack as pack_sketch
@@ -307,7 +307,7 @@ class Recorder:
         if batch is None or numel > SMALL_MAX or values.dtype not in _BATCHED_DTYPES:
             return None
         try:
-            array = host_array(values)
+            array = host_read_view(values)
         except (RuntimeError, TypeError):  # conj/neg bits, subclasses without numpy()
             return None
         return batch.add(array)
