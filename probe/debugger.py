@@ -189,7 +189,8 @@ class PrecisionDebugger:
                 self._mode = ApiCaptureMode(recorder, model=self._model)
                 self._mode.__enter__()
                 gate.mode = self._mode
-            graph_taps.activate(recorder, self._model, level)
+            graph_taps.activate(recorder, self._model, level,
+                                self._hooks.targets if self._hooks is not None else None)
         except BaseException:
             self._uninstall()
             self._started = False

@@ -81,3 +81,24 @@ def test_the_gate_on_a_compiled_function_is_removed_at_stop(tmp_path):
     debugger.stop()
     debugger.close()
     assert contexts[0].enter_exit_hooks == before
+
+
+def test_a_function_compiled_after_an_earlier_start_is_found_at_the_next_one():
+    """start() remembers what it found per set of module classes; a function compiled into
+    the defining file's globals later is found all the same."""
+    import types
+
+    from probe.capture.compiled_functions import find
+
+    namespace = types.ModuleType("late_compiled_model")
+    exec("import torch\n"
+         "class Late(torch.nn.Module):\n"
+         "    def forward(self, x):\n"
+         "        return helper(x)\n"
+         "def helper(x):\n"
+         "    return x + 1\n", namespace.__dict__)
+    model = namespace.Late()
+    assert find(model) == []
+    namespace.helper = torch.compile(namespace.helper, backend="aot_eager")
+    assert len(find(model)) == 1
+    assert len(find(model, list(model.modules()))) == 1

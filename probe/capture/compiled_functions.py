@@ -29,17 +29,29 @@ def _compiling_context_type():
     return OptimizeContext
 
 
-def find(model: torch.nn.Module) -> list:
+#: the module classes of a model -> (the contexts found, ((namespace, ids of its values), ...)):
+#: start() runs every step, and a model's classes and the files defining them seldom change;
+#: a global added or rebound since (a function compiled later) changes the ids
+_found: dict = {}
+_FOUND_LIMIT = 64
+
+
+def find(model: torch.nn.Module, modules=None) -> list:
     """The dynamo contexts of the compiled functions that ``model``'s classes reach: the
-    globals of the files defining their ``forward`` and the functions in the classes."""
-    contexts: dict = {}
+    globals of the files defining their ``forward`` and the functions in the classes.
+    ``modules``: the model's modules when the caller has walked them already."""
     kind = _compiling_context_type()
     if not kind:
         return []
+    key = frozenset(type(module) for module in (model.modules() if modules is None else modules))
+    known = _found.get(key)
+    if known is not None and all(_ids(namespace) == ids for namespace, ids in known[1]):
+        return known[0]
+    contexts: dict = {}
     classes: set = set()
-    namespaces: set = set()
-    for module in model.modules():
-        for cls in type(module).__mro__:
+    namespaces: dict = {}
+    for module_class in key:
+        for cls in module_class.__mro__:
             if cls in classes or cls is torch.nn.Module or cls is object:
                 continue
             classes.add(cls)
@@ -49,10 +61,17 @@ def find(model: torch.nn.Module) -> list:
                 _collect(value, contexts, kind)
             forward = getattr(vars(cls).get("forward"), "__globals__", None)
             if forward is not None and id(forward) not in namespaces:
-                namespaces.add(id(forward))
+                namespaces[id(forward)] = forward
                 for value in list(forward.values()):
                     _collect(value, contexts, kind)
-    return list(contexts.values())
+    found = list(contexts.values())
+    if len(_found) < _FOUND_LIMIT:
+        _found[key] = (found, tuple((namespace, _ids(namespace)) for namespace in namespaces.values()))
+    return found
+
+
+def _ids(namespace: dict) -> tuple:
+    return tuple(map(id, namespace.values()))
 
 
 def _collect(value, contexts: dict, kind) -> None:
@@ -83,14 +102,14 @@ class FunctionGates:
         self.gate = gate
         self._hooked: list = []
 
-    def install(self, model: torch.nn.Module) -> None:
+    def install(self, model: torch.nn.Module, modules=None) -> None:
         gate = self.gate
 
         def around_call():
             gate.enter()
             return gate.leave
 
-        for context in find(model):
+        for context in find(model, modules):
             context.enter_exit_hooks.append(around_call)
             self._hooked.append((context, around_call))
 

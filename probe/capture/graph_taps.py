@@ -45,13 +45,13 @@ _OP, _OPEN, _CLOSE = graph_events.OP, graph_events.OPEN, graph_events.CLOSE
 class _Active:
     __slots__ = ("recorder", "modules", "record_modules")
 
-    def __init__(self, recorder, model, record_modules: bool) -> None:
+    def __init__(self, recorder, model, record_modules: bool, targets=None) -> None:
         self.recorder = recorder
         self.record_modules = record_modules
         #: path and id(module) -> (path, module, kind, is a region root)
         self.modules = {}
         if model is not None:
-            for target in compiled_regions.targets(model):
+            for target in targets if targets is not None else compiled_regions.targets(model):
                 entry = (target.path, target.module, wrappers.user_kind(target.module),
                          target.region)
                 self.modules[target.path] = self.modules[id(target.module)] = entry
@@ -61,10 +61,11 @@ _active: _Active | None = None
 _warned: set = set()
 
 
-def activate(recorder, model, level: str) -> None:
-    """Called by start(): graphs record into ``recorder`` until deactivate()."""
+def activate(recorder, model, level: str, targets=None) -> None:
+    """Called by start(): graphs record into ``recorder`` until deactivate(). ``targets``:
+    compiled_regions.targets(model) when start() has it already."""
     global _active
-    _active = _Active(recorder, model, level == "mix") if level in ("api", "mix") else None
+    _active = _Active(recorder, model, level == "mix", targets) if level in ("api", "mix") else None
 
 
 def deactivate() -> None:

@@ -67,6 +67,8 @@ class ModuleHooks:
         #: takes the API mode off while a compiled region runs (set by the debugger)
         self.gate = gate or compiled_regions.Gate()
         self._handles: list = []
+        #: compiled_regions.targets of the model, from install() on
+        self.targets: list | None = None
         self._open_calls: dict[str, list] = {}
         self._hooked_params: set[int] = set()
         #: modules whose registered parameters change during a step (FSDP2 swaps in the
@@ -79,15 +81,16 @@ class ModuleHooks:
 
     def install(self) -> None:
         try:
-            self._function_gates.install(self.model)
-            targets = compiled_regions.targets(self.model)
+            # one walk of the model per start(): graph taps and the function gates reuse it
+            targets = self.targets = compiled_regions.targets(self.model)
+            self._function_gates.install(self.model, [target.module for target in targets])
             if any(target.region for target in targets):
                 compat.warn_compiled_capture_gap()
             if not self.record:
                 if any(target.region for target in targets):
                     self._install_region_tracking(targets)
                 else:
-                    self._install_tracking()
+                    self._install_tracking(targets)
                 return
             seen_params = self._hooked_params
             for position, target in enumerate(targets):
@@ -181,14 +184,14 @@ class ModuleHooks:
         hook = functools.partial(self._param_grad, path, kind, name)
         self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
-    def _install_tracking(self) -> None:
+    def _install_tracking(self, targets) -> None:
         """API level only needs the module path: two global hooks instead of two per module.
 
         Registering and removing ~400 per-module hooks every step was measured at ~4 ms for a
         200-module model; a global hook is one registration, and modules outside the model
         (not in the path table) are ignored.
         """
-        paths = {id(module): path for path, module in wrappers.user_modules(self.model)}
+        paths = {id(target.module): target.path for target in targets}
         stack = self.recorder.module_stack
 
         def pre(module, args):
