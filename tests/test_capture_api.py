@@ -409,3 +409,19 @@ def test_foreach_in_place_ops_record_the_updated_list_as_output(tmp_path):
     assert records["/torch._foreach_add_#0/forward/input.0.1"]["max"] == 1.0
     assert records["/torch._foreach_add_#0/forward/output.0"]["max"] == 1.0
     assert records["/torch._foreach_add_#0/forward/output.1"]["max"] == 2.0
+
+
+def test_a_call_from_code_with_an_unhashable_constant_is_recorded(tmp_path):
+    """Before Python 3.12 a slice is unhashable, and dynamo's resume functions can hold one
+    among their constants: the mode's lookups by code object must not fail on them."""
+    import types
+
+    def caller(x):
+        return torch.tanh(x)
+
+    code = caller.__code__
+    code = code.replace(co_consts=code.co_consts + (slice(1, 2),))
+    with_slice = types.FunctionType(code, caller.__globals__)
+    x = torch.randn(3)
+    ops = _ops(_capture(tmp_path, lambda: with_slice(x)))
+    assert "torch.tanh" in ops

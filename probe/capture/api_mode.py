@@ -146,9 +146,12 @@ class ApiCaptureMode(TorchFunctionMode):
         if not decision:
             return func(*args, **kwargs)
         frame = _getframe(1)
-        # the caller's code is known to be the user's (most calls): one lookup, no walk
-        if _framework_code.get(frame.f_code) != _USER and _from_framework(frame) \
-                and not name.startswith("distributed."):
+        try:
+            # the caller's code is known to be the user's (most calls): one lookup, no walk
+            mine = _framework_code.get(frame.f_code) == _USER
+        except TypeError:  # a code object holding a slice constant (dynamo's resume code)
+            mine = True
+        if not mine and _from_framework(frame) and not name.startswith("distributed."):
             return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
@@ -170,7 +173,10 @@ def _from_framework(frame) -> bool:
     """The torch call was made by a sharding framework's code (through at most two relays)."""
     for _ in range(3):
         code = frame.f_code
-        found = _framework_code.get(code)
+        try:
+            found = _framework_code.get(code)
+        except TypeError:  # unhashable constants: not a framework's own code
+            return False
         if found is None:
             path = code.co_filename.replace(os.sep, "/")
             found = (_FRAMEWORK if any(part in path for part in _FRAMEWORK_PATHS)
