@@ -41,7 +41,6 @@ the output does not move them.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import sys
 
@@ -52,7 +51,7 @@ from probe import compat
 from probe.capture import backward_collectives, naming, wrappers
 from probe.capture.api_backward import hook_backward, hook_nodes
 from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
-from probe.capture.defaults import TABLE as _defaults_table, defaults_of as _defaults_of
+from probe.capture.defaults import TABLE as _defaults_table, defaults_of as _defaults_of, signature_of as _signature_of
 from probe.capture.recorder import Recorder
 
 Tensor = torch.Tensor
@@ -311,9 +310,12 @@ def _collective_output(func, name, args, kwargs) -> tuple | None:
     parameter = _DIST_OUTPUT.get(name[len("distributed."):])
     if parameter is None:
         return None
+    signature = _signature_of(func)
+    if signature is None:
+        return None
     try:
-        bound = _signature(func).bind(*args, **kwargs)
-    except (TypeError, ValueError):
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
         return None
     return parameter, bound.arguments.get(parameter)
 
@@ -337,11 +339,6 @@ _WAIT = ("ops._c10d_functional.wait_tensor", "ops._c10d_functional._wrap_tensor_
 #: collective parameters that hold only the result (all_reduce's ``tensor`` is also its input)
 _SEPARATE_OUTPUTS = frozenset({"output_tensor", "output", "tensor_list", "output_tensor_list",
                                "output_tensor_lists", "gather_list"})
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(func):
-    return inspect.signature(func)
 
 
 def _grad_edges(args, kwargs):

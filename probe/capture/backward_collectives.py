@@ -26,13 +26,13 @@ its backward collectives are then not recorded.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 
 import torch
 import torch.autograd as autograd
 from torch.overrides import TorchFunctionMode, has_torch_function
+
+from probe.capture.defaults import signature_of
 
 Tensor = torch.Tensor
 #: the calls that start a backward pass through __torch_function__
@@ -77,8 +77,11 @@ def run_backward(mode: TorchFunctionMode, func, args, kwargs):
 def _engine_arguments(func, args, kwargs):
     """(tensors, grads, retain_graph, create_graph, inputs) as torch.autograd.backward
     hands them to the engine; None for anything it does not handle as torch does."""
+    signature = signature_of(func)
+    if signature is None:
+        return None
     try:
-        arguments = _signature(func).bind(*args, **kwargs).arguments
+        arguments = signature.bind(*args, **kwargs).arguments
     except TypeError:
         return None  # torch raises its own error for the call
     if func is Tensor.backward:
@@ -135,8 +138,3 @@ def owner_path(mode) -> str:
                 return mode.module_path(modules[0])
         frame = frame.f_back
     return ""
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(func):
-    return inspect.signature(func)
