@@ -178,19 +178,20 @@ class PrecisionDebugger:
             recorder.active = True
             level = self.config.level
             gate = compiled_regions.Gate()
+            targets = None  # the model's modules, walked once for every part below
             if self._model is not None:
                 compat.warn_sharded_capture_gap(self._model)
                 self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"),
                                           gate=gate, region_params=level == "module")
                 self._hooks.install()
+                targets = self._hooks.targets
             if level in ("api", "mix"):
                 if not self._collectives_checked:
                     self._collectives_checked = compat.warn_uncaptured_collectives()
-                self._mode = ApiCaptureMode(recorder, model=self._model)
+                self._mode = ApiCaptureMode(recorder, targets=targets)
                 self._mode.__enter__()
                 gate.mode = self._mode
-            graph_taps.activate(recorder, self._model, level,
-                                self._hooks.targets if self._hooks is not None else None)
+            graph_taps.activate(recorder, self._model, level, targets)
         except BaseException:
             self._uninstall()
             self._started = False

@@ -48,7 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from probe import compat
-from probe.capture import backward_collectives, naming, wrappers
+from probe.capture import backward_collectives, naming
 from probe.capture.api_backward import hook_backward, hook_nodes
 from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
 from probe.capture.defaults import TABLE as _defaults_table, defaults_of as _defaults_of, signature_of as _signature_of
@@ -95,10 +95,11 @@ _DIST_OUTPUT = {
 class ApiCaptureMode(TorchFunctionMode):
     """Entered by PrecisionDebugger.start(), exited by stop(); records through a Recorder."""
 
-    def __init__(self, recorder: Recorder, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, recorder: Recorder, targets: list | None = None) -> None:
         super().__init__()
         self.recorder = recorder
-        self.model = model
+        #: compiled_regions.targets of the model start() walked (its module paths)
+        self.targets = targets
         self._paths: dict | None = None  # id(module) -> the user's module path
         #: start backward passes with this mode on the stack (backward_collectives.py)
         self.reenter_backward = backward_collectives.wanted()
@@ -108,8 +109,7 @@ class ApiCaptureMode(TorchFunctionMode):
     def module_path(self, module) -> str:
         """The user's path of one of the model's modules; "" (the root) for any other."""
         if self._paths is None:
-            self._paths = ({} if self.model is None else
-                           {id(each): path for path, each in wrappers.user_modules(self.model)})
+            self._paths = {id(target.module): target.path for target in self.targets or ()}
         return self._paths.get(id(module), "")
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -255,7 +255,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
         # an out= buffer: a custom op (FSDP2's split_with_sizes_copy) may write it without a
         # version bump, and an alias of it read later must not hit the stale cache entry
         produced, written = kwargs["out"], True
-    if name.startswith(_ASYNC_COLLECTIVES) and not name.startswith(_WAIT):
+    if not waited and name.startswith(_ASYNC_COLLECTIVES):
         # a functional collective (tensor parallel's all_reduce) returns before its result is
         # there: its values are recorded where they are waited for (_wrap_tensor_autograd)
         produced = None
