@@ -45,13 +45,13 @@ def test_row_shards_sketched_at_their_offsets_add_up_to_the_whole_tensors_sketch
 
 def test_the_device_path_gives_the_same_shard_sketch_as_the_host_path():
     """On a GPU a shard is sketched by torch and resolved later; on CPU the same code runs."""
-    from probe.capture.shard_sketch import _torch_sketch_at
+    from probe.capture.shard_sketch import sketch_at
 
     whole = _whole(torch.float64)
     for start, end in CUTS:
         offset = start * COLUMNS
         host = np.array(unpack(shard_sketch(whole[start:end], offset, 16)))
-        device = _torch_sketch_at(whole[start:end].reshape(-1), offset, 16).numpy()
+        device = sketch_at(whole[start:end].reshape(-1), offset, 16).numpy()
         assert np.allclose(host, device, rtol=1e-12, atol=1e-9)
 
 

@@ -154,29 +154,27 @@ def shard_sketch(local: torch.Tensor, layout, k: int):
             if values.numel() > _NUMPY_MAX:
                 # torch's gemv keeps to torch.set_num_threads; numpy's OpenBLAS takes every
                 # core from about 1M values (measured 40x slower beside another busy process)
-                return pack(_torch_sketch_at(values, offset, k).numpy())
-            return pack(array_sketch_at(host_array(values), offset, k))
+                return pack(sketch_at(values, offset, k).numpy())
+            return pack(sketch_at(host_array(values), offset, k))
         if offset == 0:
             return sketch(local, k)
-        return _torch_sketch_at(sketch_values(local), offset, k)
+        return sketch_at(sketch_values(local), offset, k)
     except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
         return None  # a record without a sketch; capture never breaks training
 
 
-def array_sketch_at(values: np.ndarray, offset: int, k: int) -> np.ndarray:
-    """(k,) float64: the sketch of flat float32/float64 values at positions offset.. ."""
-    columns, rows = _projection_tables("numpy", values.dtype, k)
-    folded = _fold_at(values, offset, lambda count: _fold_table("numpy", values.dtype, count),
-                      lambda size: np.zeros(size, dtype=values.dtype))
-    return _combine(folded, columns, rows).sum(0, dtype=np.float64)
-
-
-def _torch_sketch_at(values: torch.Tensor, offset: int, k: int) -> torch.Tensor:
-    device, dtype = values.device, values.dtype
-    columns, rows = _projection_tables(device, dtype, k)
-    folded = _fold_at(values, offset, lambda count: _fold_table(device, dtype, count),
-                      lambda size: torch.zeros(size, device=device, dtype=dtype))
-    return _combine(folded, columns, rows).sum(0, dtype=torch.float64)
+def sketch_at(values, offset: int, k: int):
+    """(k,) float64: the sketch of flat float32/float64 values at positions offset.. ; a
+    numpy array for a numpy array, a tensor on the values' device for a tensor."""
+    if isinstance(values, np.ndarray):
+        where, f64 = "numpy", np.float64
+        zeros = lambda size: np.zeros(size, dtype=values.dtype)  # noqa: E731
+    else:
+        where, f64 = values.device, torch.float64
+        zeros = lambda size: torch.zeros(size, device=where, dtype=values.dtype)  # noqa: E731
+    columns, rows = _projection_tables(where, values.dtype, k)
+    folded = _fold_at(values, offset, lambda count: _fold_table(where, values.dtype, count), zeros)
+    return _combine(folded, columns, rows).sum(0, dtype=f64)
 
 
 def _fold_at(values, offset: int, fold_table, zeros):
