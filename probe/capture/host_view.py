@@ -51,12 +51,8 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     found = _TYPESTRS.get(tensor.dtype)
     if found is None:
         raise TypeError(f"numpy has no dtype for {tensor.dtype}")
-    if tensor.is_neg() or tensor.is_conj() or not tensor.is_cpu:
-        raise RuntimeError("host_array reads CPU tensors without conjugate or negative bits")
+    address = _readable_address(tensor)
     typestr, itemsize = found
-    address = tensor.data_ptr()
-    if not address and tensor.numel():
-        raise RuntimeError("the tensor has no memory (freed, or a wrapper without storage)")
     alias = _Alias()
     interface = {"data": (address, False), "shape": tensor.shape,
                  "typestr": typestr, "version": 3}
@@ -65,6 +61,17 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     alias.__array_interface__ = interface
     alias.owner = tensor
     return _asarray(alias)
+
+
+def _readable_address(tensor: torch.Tensor) -> int:
+    """The tensor's address, after the checks ``Tensor.numpy()`` makes too: RuntimeError for
+    conjugate or negative bits, a tensor off the CPU, or one without memory."""
+    if tensor.is_neg() or tensor.is_conj() or not tensor.is_cpu:
+        raise RuntimeError("host_array reads CPU tensors without conjugate or negative bits")
+    address = tensor.data_ptr()
+    if not address and tensor.numel():
+        raise RuntimeError("the tensor has no memory (freed, or a wrapper without storage)")
+    return address
 
 
 _from_dlpack = getattr(np, "from_dlpack", None)
@@ -95,10 +102,7 @@ def host_read_view(tensor: torch.Tensor) -> np.ndarray:
     if (type(tensor) is not _TENSOR and type(tensor) is not _PARAMETER) \
             or tensor.dtype not in _DLPACK_DTYPES or not _DLPACK:
         return host_array(tensor)
-    if tensor.is_neg() or not tensor.is_cpu:
-        raise RuntimeError("host_array reads CPU tensors without conjugate or negative bits")
-    if not tensor.data_ptr() and tensor.numel():
-        raise RuntimeError("the tensor has no memory (freed, or a wrapper without storage)")
+    _readable_address(tensor)
     capsule = _Capsule()
     capsule.tensor = tensor
     return _from_dlpack(capsule)
