@@ -17,8 +17,11 @@ from probe.config import Config
 from probe.debugger import PrecisionDebugger
 from probe.dump.reader import load
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not backward_collectives.available(),
-                                reason="torch.distributed or autograd's engine entry is missing")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not backward_collectives.available(),
+    reason=f"torch {torch.__version__} lacks torch.distributed, or the autograd engine entry "
+           "(torch.autograd.graph._engine_run_backward) probe starts a backward through; its "
+           "backward collectives are then not recorded (docs/capture.md, Collectives)")
 
 
 @pytest.fixture
