@@ -14,7 +14,7 @@ LAYERS = [
     {"compat", "config", "config_values"},
     {"seed", "data"},
     {"dump"},
-    {"capture", "nonfinite", "nonfinite_cause"},
+    {"capture", "perturb", "nonfinite", "nonfinite_cause"},
     {"comparison", "determinism"},
     {"report", "replay"},
     {"compare_and_replay", "debugger", "step_files", "write_results", "autoattach", "integrations"},
