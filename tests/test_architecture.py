@@ -26,14 +26,14 @@ LAYERS = [
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
     ("support", {"__init__", "records", "mapping", "tolerances", "metrics", "sketch", "devices", "run_info",
-                 "where", "sizes", "result", "prefetch", "elementwise", "kinds", "optimizer_calls"}),
+                 "where", "sizes", "result", "prefetch", "elementwise", "kinds", "optimizer_calls", "envelope"}),
     ("load", {"load", "model_overlap", "autocast_runs"}),
     ("normalize", {"foreach", "optimizer_targets", "normalize", "shards", "reduced_grads"}),
     ("align", {"align", "foreach_pairing", "pairing", "defaults"}),
     ("measure", {"provenance", "measure"}),
-    ("judge", {"verdict", "causes", "explain", "stale", "judge", "kernels"}),
+    ("judge", {"verdict", "causes", "explain", "stale", "judge", "kernels", "rounding"}),
     ("attribute", {"attribute"}),
-    ("result", {"story", "groups", "assemble", "precision", "drift", "entering"}),
+    ("result", {"story", "groups", "assemble", "precision", "drift", "entering", "envelope_summary"}),
     ("orchestration", {"engine", "sharded_steps", "api"}),
 ]
 

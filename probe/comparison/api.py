@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from probe.comparison import load as L
 from probe.comparison import result as R
-from probe.comparison import model_overlap, run_info
+from probe.comparison import envelope_summary, model_overlap, run_info
 from probe.comparison import sharded_steps
 from probe.comparison.assemble import assemble
 from probe.comparison.drift import apply_drift
@@ -27,6 +27,7 @@ from probe.comparison.autocast_runs import shared_autocast
 from probe.comparison.precision import PrecisionTally, judge_precision
 from probe.comparison.records import content_keys
 from probe.comparison.result import StepOutcome
+from probe.comparison.rounding import measured_envelopes
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
@@ -49,10 +50,20 @@ def compare(
     top: int = DEFAULT_TOP,
     strict: bool = False,
     progress: Callable[[float, int], None] | None = None,
+    baseline=None,
 ) -> R.CompareResult:
-    """Compare dump A (the reference) with dump B (probe.compare documents the options)."""
+    """Compare dump A (the reference) with dump B (probe.compare documents the options).
+
+    baseline: dump C, a second trusted run of A's kind (another thread count, another GPU of
+    the same type, ``probe run --perturb``): each output's envelope is then measured, what
+    C differs from A by there (rounding.measured_envelopes), and B - A is judged against it."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise CompareError(f"top must be an integer >= 0, found {top!r}")
+    measured = None
+    if baseline is not None:
+        trusted = compare(a, baseline, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, tolerances=tolerances,
+                          mapping=mapping, allow_missing=allow_missing, steps=steps, ranks=ranks, top=top)
+        measured = measured_envelopes(trusted.rows)
     table = Tolerances.build(rtol=rtol, atol=atol, per_dtype=tol, tol_file=tol_file, overrides=tolerances)
     names = _mapping(mapping)
     path_a, path_b = os.fspath(a), os.fspath(b)
@@ -105,6 +116,8 @@ def compare(
                 previous=previous.get(key_a[1]),
                 previous_explained=explained.get(key_a[1]),
                 autocast=shared_autocast(autocast_a, autocast_b),
+                strict=strict,
+                baseline=measured.get((key_a[0], key_a[1]), {}) if measured is not None else None,
             )
             autocast_runs.append((autocast_a, autocast_b))
             previous[key_a[1]] = content_keys(files.records_a)
@@ -133,6 +146,7 @@ def compare(
     result.notes.extend(precision.notes())
     apply_drift(result)
     rank_entering(result)
+    result.envelope = envelope_summary.summarize(result, strict, baseline)
     if same_model is not None:
         result.notes.insert(0, same_model)
     return result

@@ -51,6 +51,8 @@ def compare_step(
     previous: set | None = None,
     previous_explained: dict | None = None,
     autocast: tuple | None = None,
+    strict: bool = False,
+    baseline: dict | None = None,
 ) -> StepOutcome:
     """Normalize, align, measure, judge and attribute one pair of step files.
 
@@ -61,9 +63,11 @@ def compare_step(
     values as an accepted difference there (a parameter AdamW updated from rounding noise)
     carries that accepted difference.
     autocast: (A's first seq under autocast, its dtype) when both runs ran under autocast in it.
+    strict: the fixed tolerance decides alone (rounding envelopes are information only).
+    baseline: A's output key -> what a trusted second run differs from A by there (--baseline).
     """
     normalized = normalize.normalize(records_a, records_b, mapping, NORMALIZE)
     aligned = align(normalized, ALIGN_REFINERS, step, rank)
     measured = measure(aligned, fetch_a, fetch_b, tolerances, previous, progress, autocast)
-    judged = judge(measured, previous_explained)
+    judged = judge(measured, previous_explained, strict, baseline)
     return attribute(judged)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from probe.comparison.kernels import explain_different_kernels
-from probe.comparison import elementwise, verdict
+from probe.comparison import elementwise, rounding, verdict
 from probe.comparison import result as R
 from probe.comparison.explain import (
     accepted_difference, explain, explain_module_by_its_calls, is_accepted_carry, judge_call, unexplain,
@@ -40,21 +40,25 @@ class JudgedStep:
     explained: dict
 
 
-def judge(measured: MeasuredStep, previous_explained: dict | None = None) -> JudgedStep:
+def judge(measured: MeasuredStep, previous_explained: dict | None = None, strict: bool = False,
+          baseline: dict | None = None) -> JudgedStep:
     """Judge one measured step file pair.
 
     previous_explained: StepOutcome.explained of A's previous step file of the same rank: a
     record holding the same values as an accepted difference there (a parameter AdamW
-    updated from rounding noise) carries that accepted difference."""
+    updated from rounding noise) carries that accepted difference. strict: the fixed
+    tolerance decides alone; each output's rounding envelope is information only (rounding.py).
+    baseline: A's output key -> what a trusted second run differs from A by there (--baseline)."""
     aligned = measured.aligned
     per_pair = aligned.per_pair
-    judged, stale = _judge_records(measured, previous_explained)
+    judged, stale = _judge_records(measured, previous_explained, strict)
     stale.resolve(lambda number: [row for row, ra, rb in per_pair[number]
                                   if row.io == "out" and ra is not None and rb is not None
                                   and row.metrics is not None and row.metrics.evidence != "value"])
     rows: list[R.RecordRow] = []
     calls = []
     forwards = _forward_rows(aligned.pairs, per_pair)
+    forward_items = _forward_rows(aligned.pairs, per_pair, items=True)
     # every record of A, paired or not: an input made by a call only A has names that call
     rows_of_a = {row_a: row for call_rows in per_pair for row, row_a, _ in call_rows if row_a is not None}
     # calls in the order their outputs were made: what made a call's inputs is judged before it,
@@ -72,6 +76,8 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None) -> Jud
             explain_different_kernels([row for row, _, _ in call_rows])
             explain_module_by_its_calls([row for row, _, _ in call_rows], rows)
             _check_amplified(call_rows, measured)
+            rounding.judge_envelopes(call_rows, forward_items.get(_call_key(call_rows), ()) if pair.phase == "backward"
+                                     else (), aligned.records_a.columns, input_kind, strict, baseline)
             calls.append(([row for row, _, _ in call_rows], forward))
         rows.extend(row for row, _, _ in call_rows)
     rows.sort(key=lambda row: row.order)
@@ -100,7 +106,8 @@ def _explained(aligned, rows: list[R.RecordRow]) -> dict:
     return explained
 
 
-def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> tuple[dict, StaleRecords]:
+def _judge_records(measured: MeasuredStep, previous_explained: dict | None,
+                   strict: bool = False) -> tuple[dict, StaleRecords]:
     """Judge every paired record in A's execution order: (A's row -> its RecordRow, the
     in-place writes seen on the way, resolved once every record is judged)."""
     aligned = measured.aligned
@@ -115,8 +122,10 @@ def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> t
         judge_record(item, cols_b)
         stale.check(row, (ra, rb), firsts[item.number], item.number)
         _carry_accepted(row, ra, cols_a, previous_explained, measured.origins)
-        verdict.judge_checksum_change(row, _untouched(row, item.kind, item.order, aligned.step,
-                                                      measured.provenance, differed))
+        untouched = _untouched(row, item.kind, item.order, aligned.step, measured.provenance, differed)
+        verdict.judge_checksum_change(row, untouched)
+        if untouched and not strict:
+            rounding.judge_untouched(row, item.kind)
         differed = differed or _differs(row)
         judged[ra] = row
     return judged, stale
@@ -242,13 +251,14 @@ def _call_key(call_rows) -> tuple | None:
     return head.module, head.op, head.index
 
 
-def _forward_rows(pairs, per_pair) -> dict:
+def _forward_rows(pairs, per_pair, items: bool = False) -> dict:
     """(module, op, index) -> RecordRows of that paired forward call: the values the call's
-    backward computes from (explain.judge_call counts them as carriers)."""
+    backward computes from (explain.judge_call counts them as carriers); items: the
+    (RecordRow, A's row, B's row) triples instead."""
     found: dict = {}
     for pair, call_rows in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None and pair.phase == "forward":
-            found.setdefault(_call_key(call_rows), [row for row, _, _ in call_rows])
+            found.setdefault(_call_key(call_rows), list(call_rows) if items else [row for row, _, _ in call_rows])
     return found
 
 

@@ -268,7 +268,7 @@ def _finish(acc: _Accumulator, numel: int, size: int, ulp_ok: bool) -> Metrics:
 def statistics_metrics(ra: dict, rb: dict, evidence: str = "statistics") -> Metrics:
     """Lower bounds of the error from the recorded min/max/mean/norm/NaN/Inf counts."""
     numel = int(ra["numel"])
-    masked = limit_masked(ra, rb)
+    masked = limit_masked(ra, rb) + same_infinities(ra, rb)
     if masked:
         # both hold their dtype's limit as a mask value: the sums (mean, norm) are the mask's
         ra = dict(ra, **{name: math.nan for name in ("mean", "norm", *masked)})
@@ -332,6 +332,16 @@ def limit_masked(ra: dict, rb: dict) -> list[str]:
     return [name for name in ("min", "max")
             if is_limit(float(ra[name]), ra.get("dtype", "")) and is_limit(float(rb[name]), rb.get("dtype", ""))
             and (ra[name] > 0) == (rb[name] > 0)]
+
+
+def same_infinities(ra: dict, rb: dict) -> list[str]:
+    """The extremes that are the same infinity on both sides, with as many Inf values on each
+    (a causal mask filled with -inf in a float32 and a bfloat16 run): equal in place and sign
+    as far as statistics tell, they match; the sums they dominate (mean, norm) say nothing."""
+    if int(ra["inf_count"]) == 0 or int(ra["inf_count"]) != int(rb["inf_count"]):
+        return []
+    return [name for name in ("min", "max")
+            if math.isinf(float(ra[name])) and float(ra[name]) == float(rb[name])]
 
 
 def same_extremes(metrics: Metrics) -> bool:

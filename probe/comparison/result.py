@@ -81,6 +81,8 @@ class RecordRow:
     notes: list[str] = field(default_factory=list)  # facts that are not errors (dtype differs)
     input_errors: list[dict] = field(default_factory=list)  # the call's inputs, for outputs
     order: tuple = ()  # execution order within the step (A's seq)
+    #: what rounding alone can make this output differ by, beside what was seen (rounding.py)
+    envelope: dict | None = None
 
     @property
     def key(self) -> str:
@@ -135,6 +137,8 @@ class RecordRow:
             data["metrics"] = self.metrics.to_dict()
         if self.input_errors:
             data["input_errors"] = list(self.input_errors)
+        if self.envelope is not None:
+            data["envelope"] = dict(self.envelope)
         return json_safe(data)
 
 
@@ -194,6 +198,9 @@ class CompareResult:
     run_differences: list[dict] = field(default_factory=list)
     #: {step, rank, text} when the runs part through accumulated rounding (comparison/drift.py)
     drift: dict | None = None
+    #: the rounding envelopes over every output: {largest_gap, at, step, rank, differ, outputs,
+    #: rounding, uncertain, strict} (comparison/envelope_summary.py); None when none was judged
+    envelope: dict | None = None
 
     @property
     def diverged(self) -> bool:
@@ -222,6 +229,7 @@ class CompareResult:
             "notes": list(self.notes),
             "run_differences": list(self.run_differences),
             "drift": self.drift,
+            "envelope": self.envelope,
         }
         if rows:
             data["rows"] = [row.to_dict() for row in self.rows]
@@ -254,6 +262,7 @@ def divergence_dict(row: RecordRow | None) -> dict | None:
         "size_unknown": row.size_unknown,
         "reasons": list(row.reasons),
         "input_errors": list(row.input_errors),
+        "envelope": dict(row.envelope) if row.envelope is not None else None,
     }
     if row.metrics is not None:
         data["evidence"] = row.metrics.evidence
