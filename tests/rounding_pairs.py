@@ -39,15 +39,20 @@ def stack_batch(size=32, width=64, classes=8):
 
 
 def run(path, build=DeepStack, batch=stack_batch, *, steps=3, task="tensor", level="mix", perturb=False,
-        fault=None, autocast=None, threads=None, lr=1e-3):
+        fault=None, autocast=None, threads=None, lr=1e-3, dtype=None, loss=None):
     """Train build() with AdamW for `steps` steps under the debugger, one dump per step;
     perturb: under other_rounding() (another device's summation order); fault(model) before the
-    first step; autocast: a dtype to run the forward under."""
+    first step; autocast: a dtype to run the forward under; dtype: the model's and data's dtype;
+    loss(model, x, y): the loss (default: cross entropy of model(x), NLL for DeepStack)."""
     torch.manual_seed(0)
     model = build()
+    if dtype is not None:
+        model.to(dtype)
     if fault is not None:
         fault(model)
     x, y = batch()
+    if dtype is not None and x.is_floating_point():
+        x = x.to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     debugger = PrecisionDebugger(from_dict({"task": task, "level": level, "dump_path": str(path), "seed": 1,
                                             "step": list(range(steps))}))
@@ -60,9 +65,8 @@ def run(path, build=DeepStack, batch=stack_batch, *, steps=3, task="tensor", lev
                 debugger.start(model)
                 optimizer.zero_grad()
                 with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
-                    out = model(x)
-                loss = F.nll_loss(out.float(), y) if isinstance(model, DeepStack) else F.cross_entropy(out.float(), y)
-                loss.backward()
+                    value = (loss or _default_loss)(model, x, y)
+                value.backward()
                 optimizer.step()
                 debugger.stop()
                 debugger.step()
@@ -70,6 +74,21 @@ def run(path, build=DeepStack, batch=stack_batch, *, steps=3, task="tensor", lev
         torch.set_num_threads(before)
         debugger.close()
     return str(path)
+
+
+def _default_loss(model, x, y):
+    out = model(x).float()
+    return F.nll_loss(out, y) if isinstance(model, DeepStack) else F.cross_entropy(out, y)
+
+
+def scale_mlp_gradient(layer=0, factor=1.003):
+    """A hook that scales the gradient of one transformers decoder layer's MLP output."""
+    def fault(model):
+        def hook(module, inputs, output):
+            if output.requires_grad:
+                output.register_hook(lambda grad: grad * factor)
+        model.model.layers[layer].mlp.register_forward_hook(hook)
+    return fault
 
 
 def eps_in_block(index, eps=1e-3):

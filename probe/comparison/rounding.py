@@ -71,14 +71,16 @@ def error_band(row: R.RecordRow) -> tuple[float, float, float] | None:
 def _proven_bound(m) -> float:
     """The part of the statistics' lower bound that rounding cannot make: the extremes are
     exact whatever the order of the sums, the norm and the mean are sums the capture itself
-    computed in another order on each side (up to STAT_LAMBDA sqrt(n) u ||a|| each)."""
+    computed in another order on each side (see below)."""
     rel = m.stat_rel or {}
     numel = max(int(m.numel), 1)
     rms = m.ref_norm / math.sqrt(numel) if m.ref_norm else 0.0
     extremes = max((rel.get(name) or 0.0) * rms for name in ("min", "max"))
-    sums = max((rel.get("norm") or 0.0) * m.ref_norm, (rel.get("mean") or 0.0) * rms * math.sqrt(numel))
-    own = 2 * LAMBDA * math.sqrt(numel) * UNIT_ROUNDOFF["float32"] * (m.ref_norm + m.other_norm)
-    proven = max(extremes, sums - own, 0.0)
+    # a float32 sum of n values errs by lambda sqrt(n) u sum|x| (sum|x| <= sqrt(n) ||x||): the
+    # mean times sqrt(n) by lambda sqrt(n) u ||x||, the norm (a sum of squares, rooted) by half that
+    own = LAMBDA * math.sqrt(numel) * UNIT_ROUNDOFF["float32"] * (m.ref_norm + m.other_norm)
+    sums = max((rel.get("norm") or 0.0) * m.ref_norm - own / 2, (rel.get("mean") or 0.0) * rms * math.sqrt(numel) - own)
+    proven = max(extremes, sums, 0.0)
     return min(proven, m.err_l2) if math.isfinite(proven) else 0.0
 
 
