@@ -13,23 +13,33 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
+from probe.comparison.envelope import FACTOR
 
 #: how many uncertain outputs the note names by key
 NAMED = 3
 
 
 def summarize(result, strict: bool = False, baseline=None) -> dict | None:
-    """{largest_gap, at, step, rank, differ, rounding, uncertain, strict}; None when no output
-    has an envelope (ops the model does not know, dumps of values only)."""
+    """{largest_gap, at, step, rank, differ, outputs, rounding, uncertain, beyond, strict,
+    rounding_only, baseline}; None when no output has an envelope (ops the model does not
+    know, dumps of values only)."""
     judged = [row for row in result.rows if row.envelope is not None and row.status in R.PAIRED]
     if not judged:
         return None
-    finite = [row for row in judged if math.isfinite(row.envelope["gap"])]
-    worst = max(finite, key=lambda row: row.envelope["gap"], default=None)
+    # outputs the judge explained by their inputs' accepted differences through the op's
+    # conditioning (amplified) are settled by that rule, not by their envelope's gap
+    gapped = [row for row in judged if math.isfinite(row.envelope["gap"])
+              and not (row.status == R.EXPLAINED and row.origin == R.AMPLIFIED)]
+    worst = max(gapped, key=lambda row: row.envelope["gap"], default=None)
     differ = any(row.envelope["seen"] > 0 for row in judged) or any(
         row.metrics is not None and row.metrics.bit_equal is False for row in result.rows if row.status in R.PAIRED)
     uncertain = [row for row in judged if row.status == R.EXPLAINED and row.origin == "uncertain"]
     beyond = [row for row in judged if row.envelope["verdict"] == "beyond"]
+    # the claim "rounding only" needs every size known from above (a statistics lower bound
+    # without a sketch is not) and every gap within FACTOR x what rounding makes
+    measured = all(row.envelope["high"] is not None for row in judged)
+    settled = all(row.envelope["seen"] == 0 or row.envelope["gap"] <= FACTOR or row.status == R.EXPLAINED
+                  for row in judged)
     summary = {
         "largest_gap": worst.envelope["gap"] if worst is not None else None,
         "at": worst.key if worst is not None else None,
@@ -41,6 +51,7 @@ def summarize(result, strict: bool = False, baseline=None) -> dict | None:
         "uncertain": len(uncertain),
         "beyond": len(beyond),
         "strict": strict,
+        "rounding_only": differ and not beyond and measured and settled and not strict,
         "baseline": str(baseline) if baseline is not None else None,
     }
     if uncertain:
@@ -56,11 +67,11 @@ def summarize(result, strict: bool = False, baseline=None) -> dict | None:
 
 
 def headline(summary: dict | None) -> str:
-    """"the runs differ by rounding only (largest gap 0.4x its envelope)", or "" when the runs
-    do not differ, no envelope was judged, an output is beyond its envelope (a pass only by the
-    fixed tolerance) or --strict asked for the fixed tolerance alone."""
-    if not summary or not summary["differ"] or summary["largest_gap"] is None or summary["beyond"] \
-            or summary["strict"]:
+    """"the runs differ by rounding only (largest gap 0.4x its envelope)", or "" unless the runs
+    differ, every output's size is known from above (tensors, sketches), none is beyond its
+    envelope (a pass only by the fixed tolerance) or more than FACTOR x it without another
+    explanation, and --strict did not ask for the fixed tolerance alone."""
+    if not summary or not summary["rounding_only"] or summary["largest_gap"] is None:
         return ""
     uncertain = f"; {summary['uncertain']} uncertain" if summary["uncertain"] else ""
     measured = " measured by the baseline" if summary.get("baseline") else ""
