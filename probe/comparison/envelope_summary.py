@@ -37,7 +37,7 @@ def summarize(result, strict: bool = False, baseline=None) -> dict | None:
     beyond = [row for row in judged if row.envelope["verdict"] == "beyond"]
     # the claim "rounding only" needs every size known from above (a statistics lower bound
     # without a sketch is not) and every gap within FACTOR x what rounding makes
-    measured = all(row.envelope["high"] is not None for row in judged)
+    measured = all(row.envelope["high"] is not None for row in judged if row.envelope["seen"] > 0)
     settled = all(row.envelope["seen"] == 0 or row.envelope["gap"] <= FACTOR or row.status == R.EXPLAINED
                   for row in judged)
     summary = {
