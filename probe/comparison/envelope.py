@@ -36,6 +36,7 @@ and gives its measured check. Torch-free and numpy-free.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ def base_name(op: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=4096)
 def family(op: str) -> str | None:
     """The op family the envelope model knows, or None (the fixed tolerance then judges alone).
     Module classes ending in Norm (LayerNorm, LlamaRMSNorm, BatchNorm2d) are normalizations."""
@@ -170,6 +172,11 @@ class Operand:
 def parse_shape(text) -> tuple:
     if isinstance(text, (tuple, list)):
         return tuple(int(v) for v in text)
+    return _parse_shape_text(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_shape_text(text) -> tuple:
     try:
         value = json.loads(text) if text else []
     except (TypeError, ValueError):

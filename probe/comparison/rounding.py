@@ -29,7 +29,9 @@ import json
 import math
 
 from probe.comparison import result as R
-from probe.comparison.envelope import ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, op_envelope, parse_shape, unit_roundoff
+from probe.comparison.envelope import (
+    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, family, op_envelope, parse_shape, unit_roundoff,
+)
 from probe.comparison.explain import explain, is_accepted
 from probe.comparison.kinds import PARAM_INPUT, PRODUCED
 from probe.comparison.records import is_param_slot
@@ -150,89 +152,110 @@ def judge_envelopes(call_rows, forward_items, cols_a: dict, input_kind, strict: 
     if not call_rows:
         return
     head = call_rows[0][0]
-    inputs, values = {}, {}
-    for row, ra, _ in call_rows:
-        if row.io != "in" or row.status not in R.PAIRED:
-            continue
-        if row.metrics is not None and row.metrics.evidence == "value":
-            values[row.slot] = _value(row.metrics.value_a or "")
-            continue
-        found = operand(cols_a, ra, row)
-        if found is not None:
-            inputs[row.slot] = found
-    forward = {}
-    for row, ra, _ in forward_items:
-        if row.status in R.PAIRED:
-            found = operand(cols_a, ra, row)
-            if found is not None:
-                forward[row.slot] = found
-    in_rows = [row for row, _, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
-    tensor_in = [row for row in in_rows if row.metrics is not None and row.metrics.evidence != "value"]
-    divergent = {row.slot for row in in_rows if row.status == R.DIVERGED} | {
-        f"forward.{row.slot}" for row, _, _ in forward_items if row.status == R.DIVERGED}
-    # every input's difference is one a correct run may have (rounding, or accepted upstream),
-    # not a difference hidden under the absolute floor
-    inputs_agree = all(is_accepted(row) for row in tensor_in) and all(
-        is_accepted(row) for row, _, _ in forward_items if row.status in R.PAIRED and row.metrics is not None
-        and row.metrics.evidence != "value") and not any(row.status == R.DIVERGED for row in in_rows)
-    # one precision on both sides, here and upstream: where the runs compute in different dtypes
-    # (autocast, or the model's own casts) the precision rules decide (precision.py, kernels.py)
-    one_precision = all(_one_precision(row) for row, _, _ in call_rows if row.status in R.PAIRED) and all(
-        _one_precision(row) for row, _, _ in forward_items if row.status in R.PAIRED)
     changed = None if strict else _changed_input(call_rows, input_kind)
-    untouched = [row for row in in_rows if row.status == R.DIVERGED and row.envelope is not None
-                 and row.envelope["family"] == "untouched"]
+    known = family(head.op) is not None or bool(baseline and any(row.key_a in baseline for row, _, _ in call_rows))
+    call = _Call(call_rows, forward_items, cols_a) if known else None
     for row, ra, _ in call_rows:
         if row.io != "out" or row.status not in R.PAIRED or ra is None:
             continue
         found = error_band(row)
-        out = operand(cols_a, ra, row)
-        if found is None or out is None:
+        if found is None:
             continue
-        dtype = tolerance_dtype(row.dtype_a, row.dtype_b)
-        env = op_envelope(head.op, head.phase, row.slot, out, inputs, forward, values, dtype)
+        env = call.envelope(head, row, ra, baseline) if call is not None else None
+        if env is not None:
+            _annotate(row, env, found, call.divergent)
+        if strict or found[1] == 0:
+            continue
+        if changed is not None:  # whatever the op: a copy rounds nothing
+            _enters_here(row, changed)
+        elif env is not None:
+            _apply(row, env, found, call)
+
+
+class _Call:
+    """What the envelope rules read of one call pair: its inputs as Operands, and whether they agree."""
+
+    def __init__(self, call_rows, forward_items, cols_a: dict):
+        self.cols_a = cols_a
+        self.inputs, self.values, self.forward = {}, {}, {}
+        for row, ra, _ in call_rows:
+            if row.io != "in" or row.status not in R.PAIRED:
+                continue
+            if row.metrics is not None and row.metrics.evidence == "value":
+                self.values[row.slot] = _value(row.metrics.value_a or "")
+            elif (found := operand(cols_a, ra, row)) is not None:
+                self.inputs[row.slot] = found
+        for row, ra, _ in forward_items:
+            if row.status in R.PAIRED and (found := operand(cols_a, ra, row)) is not None:
+                self.forward[row.slot] = found
+        in_rows = [row for row, _, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
+        self.tensor_in = [row for row in in_rows if row.metrics is not None and row.metrics.evidence != "value"]
+        forward_tensors = [row for row, _, _ in forward_items if row.status in R.PAIRED and row.metrics is not None
+                           and row.metrics.evidence != "value"]
+        self.divergent = {row.slot for row in in_rows if row.status == R.DIVERGED} | {
+            f"forward.{row.slot}" for row in forward_tensors if row.status == R.DIVERGED}
+        # every input's difference is one a correct run may have (rounding, or accepted
+        # upstream), not a difference hidden under the absolute floor
+        self.agree = all(is_accepted(row) for row in self.tensor_in + forward_tensors) and not any(
+            row.status == R.DIVERGED for row in in_rows)
+        # one precision on both sides, here and upstream: where the runs compute in different
+        # dtypes (autocast, or the model's own casts) the precision rules decide
+        self.one_precision = all(_one_precision(row) for row, _, _ in call_rows if row.status in R.PAIRED) and all(
+            _one_precision(row) for row, _, _ in forward_items if row.status in R.PAIRED)
+        self.untouched = [row for row in in_rows if row.status == R.DIVERGED and row.envelope is not None
+                          and row.envelope["family"] == "untouched"]
+
+    def envelope(self, head, row, ra, baseline) -> Envelope | None:
+        out = operand(self.cols_a, ra, row)
+        if out is None:
+            return None
+        env = op_envelope(head.op, head.phase, row.slot, out, self.inputs, self.forward, self.values,
+                          tolerance_dtype(row.dtype_a, row.dtype_b))
         if baseline is not None and row.key_a in baseline:
             env = with_baseline(env, baseline[row.key_a])
-        if env is None:
-            continue
-        low, seen, high = found
-        verdict = env.judge(low, high)
-        expected = env.expected_without(divergent)  # what rounding alone makes, here and upstream
-        row.envelope = dict(env.to_dict(), expected=expected, seen=seen, low=low,
-                            high=high if math.isfinite(high) else None, gap=env.gap(seen, expected), verdict=verdict,
-                            text=expected_text(expected, seen), divergent_inputs=sorted(divergent))
-        if strict:
-            continue
-        if changed is not None and seen > 0:
-            _enters_here(row, changed)
-            continue
-        if untouched and seen > 0 and row.status in (R.MATCH, R.CHANGED):
-            source = untouched[0]
-            row.status, row.divergence, row.origin = R.DIVERGED, R.OUTPUT, R.INTRODUCED
-            row.cause = (f"parameter {source.slot} ({source.key}) differs before anything computed it "
-                         f"(||a - b|| {sci(source.envelope['seen'])}, below the tolerance; rounding makes none): "
-                         f"the difference enters here ({row.envelope['text']})")
-            row.reasons.append(f"reads {source.slot}, which differs beyond its rounding envelope")
-            continue
-        if not inputs_agree or not one_precision:
-            continue
-        if row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == "within":
-            explain(row, f"rounding: {row.envelope['text']} ({env.describe()}); its own error is within "
-                         f"{FACTOR:g}x what rounding alone makes", ROUNDING)
-        elif row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == UNCERTAIN:
-            explain(row, f"uncertain: {row.envelope['text']} ({env.describe()}); the estimate's band "
-                         f"[{sci(low)}, {sci(high)}] straddles {FACTOR:g}x the rounding envelope: dump this op as "
-                         f"a tensor to decide, with the config line {tensor_line(row)}", UNCERTAIN)
-        elif row.status in (R.MATCH, R.CHANGED) and verdict == "beyond" and row.divergence == "" and tensor_in \
-                and low > (row.atol or 0.0) * math.sqrt(max(row.metrics.numel, 0)):
-            row.status = R.DIVERGED
-            row.divergence = R.OUTPUT
-            row.origin = R.INTRODUCED
-            row.cause = (f"beyond its rounding envelope within tolerance: {row.envelope['text']} "
-                         f"({env.describe()}); its inputs agree, so the op itself computed differently")
-            row.reasons.append(f"beyond its rounding envelope: {row.envelope['text']}")
-        elif row.status == R.DIVERGED and verdict == "beyond":
-            row.cause = f"{row.cause}; {row.envelope['text']}" if row.cause else row.envelope["text"]
+        return env
+
+
+def _annotate(row: R.RecordRow, env: Envelope, found, divergent) -> None:
+    low, seen, high = found
+    expected = env.expected_without(divergent)  # what rounding alone makes, here and upstream
+    row.envelope = dict(env.to_dict(), expected=expected, seen=seen, low=low,
+                        high=high if math.isfinite(high) else None, gap=env.gap(seen, expected),
+                        verdict=env.judge(low, high), text=expected_text(expected, seen),
+                        divergent_inputs=sorted(divergent))
+
+
+def _apply(row: R.RecordRow, env: Envelope, found, call: _Call) -> None:
+    """The rules of the module docstring, for one output with a difference."""
+    low, _, high = found
+    verdict = row.envelope["verdict"]
+    if call.untouched and row.status in (R.MATCH, R.CHANGED):
+        source = call.untouched[0]
+        row.status, row.divergence, row.origin = R.DIVERGED, R.OUTPUT, R.INTRODUCED
+        row.cause = (f"parameter {source.slot} ({source.key}) differs before anything computed it "
+                     f"(||a - b|| {sci(source.envelope['seen'])}, below the tolerance; rounding makes none): "
+                     f"the difference enters here ({row.envelope['text']})")
+        row.reasons.append(f"reads {source.slot}, which differs beyond its rounding envelope")
+        return
+    if not call.agree or not call.one_precision:
+        return
+    if row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == "within":
+        explain(row, f"rounding: {row.envelope['text']} ({env.describe()}); its own error is within "
+                     f"{FACTOR:g}x what rounding alone makes", ROUNDING)
+    elif row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == UNCERTAIN:
+        explain(row, f"uncertain: {row.envelope['text']} ({env.describe()}); the estimate's band "
+                     f"[{sci(low)}, {sci(high)}] straddles {FACTOR:g}x the rounding envelope: dump this op as "
+                     f"a tensor to decide, with the config line {tensor_line(row)}", UNCERTAIN)
+    elif row.status in (R.MATCH, R.CHANGED) and verdict == "beyond" and row.divergence == "" and call.tensor_in \
+            and low > (row.atol or 0.0) * math.sqrt(max(row.metrics.numel, 0)):
+        row.status = R.DIVERGED
+        row.divergence = R.OUTPUT
+        row.origin = R.INTRODUCED
+        row.cause = (f"beyond its rounding envelope within tolerance: {row.envelope['text']} "
+                     f"({env.describe()}); its inputs agree, so the op itself computed differently")
+        row.reasons.append(f"beyond its rounding envelope: {row.envelope['text']}")
+    elif row.status == R.DIVERGED and verdict == "beyond":
+        row.cause = f"{row.cause}; {row.envelope['text']}" if row.cause else row.envelope["text"]
 
 
 def _one_precision(row: R.RecordRow) -> bool:
