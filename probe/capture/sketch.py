@@ -107,6 +107,17 @@ def _projection_tables(where, dtype, k: int):
     return found
 
 
+def projection_tables(where, dtype, k: int):
+    """(P, S): the column and row sign tables of a size-k sketch, in dtype, on a device or
+    "numpy", made once per process."""
+    return _projection_tables(where, dtype, k)
+
+
+def fold_table(where, dtype, count: int):
+    """F, the fold signs of at least `count` super-rows, in dtype, on a device or "numpy"."""
+    return _fold_table(where, dtype, count)
+
+
 def _fold_table(where, dtype, count: int):
     """F with at least `count` entries, grown by doubling from 4096 (16M elements): the copy
     to a device (which synchronises) happens a handful of times per process, never per tensor."""
@@ -137,12 +148,13 @@ def sketch_values(tensor: torch.Tensor) -> torch.Tensor:
         accumulate = torch.float32
     else:
         accumulate = torch.float64
-    if accumulate == torch.float32 and x.device.type == "cuda" and _tf32_allowed():
+    if accumulate == torch.float32 and x.device.type == "cuda" and tf32_allowed():
         accumulate = torch.float64
     return x.reshape(-1).to(accumulate)
 
 
-def _tf32_allowed() -> bool:
+def tf32_allowed() -> bool:
+    """CUDA float32 matmuls may round their inputs to TF32 now."""
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
