@@ -54,7 +54,7 @@ from probe.capture.api_backward import hook_backward, hook_nodes
 from probe.capture.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
 from probe.capture.defaults import TABLE as _defaults_table, defaults_of as _defaults_of, signature_of as _signature_of
 from probe.capture.recorder import Recorder
-from probe.capture.write_watch import writes as _writes, written_tensors as _written_tensors
+from probe.capture.write_watch import may_write as _may_write, written_tensors as _written_tensors
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
@@ -135,7 +135,7 @@ class ApiCaptureMode(TorchFunctionMode):
         if self.in_backward:
             if not name.startswith(_COLLECTIVE_NAMES):
                 # a checkpointed block's recomputation, FSDP2's copies, a user's hook
-                _guard_writes(rec, name, args, kwargs)
+                _guard_writes(rec, func, name, args, kwargs)
                 return func(*args, **kwargs)
             module = backward_collectives.owner_path(self)
         else:
@@ -146,7 +146,7 @@ class ApiCaptureMode(TorchFunctionMode):
         if decision is None:
             decision = rec.filter.call(module, name)
         if not decision:
-            _guard_writes(rec, name, args, kwargs)
+            _guard_writes(rec, func, name, args, kwargs)
             return func(*args, **kwargs)
         frame = _getframe(1)
         try:
@@ -155,7 +155,7 @@ class ApiCaptureMode(TorchFunctionMode):
         except TypeError:  # a code object holding a slice constant (dynamo's resume code)
             mine = True
         if not mine and _from_framework(frame) and not name.startswith("distributed."):
-            _guard_writes(rec, name, args, kwargs)
+            _guard_writes(rec, func, name, args, kwargs)
             return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
@@ -194,9 +194,9 @@ def _from_framework(frame) -> bool:
     return False
 
 
-def _guard_writes(rec: Recorder, name: str, args, kwargs) -> None:
+def _guard_writes(rec: Recorder, func, name: str, args, kwargs) -> None:
     """Before a call writes tensors in place: the device bucket keeps what it holds of them."""
-    if _writes(name) or kwargs.get("out") is not None:
+    if _may_write(name, func, args, kwargs):
         written = _written_tensors(name, args, kwargs)
         if written:
             rec.before_write(written)
@@ -263,7 +263,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                     add(call, slot, "in", arg)
     track = filt.backward and _is_grad_enabled()
     edges = _grad_edges(args, kwargs) if track else None
-    _guard_writes(rec, name, args, kwargs)
+    _guard_writes(rec, func, name, args, kwargs)
     called = _clock()
     rec.busy_s += called - began
     out = func(*args, **kwargs)

@@ -88,11 +88,11 @@ class DeviceSlot:
 class DeviceBucket:
     """Tensors waiting for their statistics, and the results waiting for the host."""
 
-    def __init__(self, sketch_size: int, max_tensors: int = BUCKET_TENSORS,
-                 max_bytes: int = BUCKET_BYTES):
+    def __init__(self, sketch_size: int, max_tensors: int | None = None,
+                 max_bytes: int | None = None):
         self.k = max(int(sketch_size), 0)
-        self.max_tensors = max_tensors
-        self.max_bytes = max_bytes
+        self.max_tensors = BUCKET_TENSORS if max_tensors is None else max_tensors
+        self.max_bytes = BUCKET_BYTES if max_bytes is None else max_bytes
         self._held: list = []  # [tensor, version, slot]
         self._storages: dict = {}  # storage address -> held entries over it
         self._bytes = 0

@@ -7,11 +7,14 @@ does it for every call it sees; at module level, where no mode records calls,
 cheap for the calls that write nothing (a cached look-up of the call's name).
 
 Writing calls: in-place methods and functions (``add_``, ``torch._foreach_mul_``,
-``Tensor.__setitem__``, ``__iadd__``...), anything given ``out=``, and every collective of
-torch.distributed (they write their buffers without bumping the autograd version).
+``Tensor.__setitem__``, ``__iadd__``...), torch.nn.functional calls told ``inplace=True``,
+anything given ``out=``, and every collective of torch.distributed (they write their buffers
+without bumping the autograd version).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -37,11 +40,41 @@ def writes(name: str) -> bool:
     return found
 
 
+_inplace_positions: dict = {}
+
+
+def _inplace_flag(func, args: tuple, kwargs: dict) -> bool:
+    """A torch.nn.functional call told to work in place (``F.relu(x, inplace=True)``,
+    ``F.dropout(x, p, training, True)``)."""
+    if kwargs.get("inplace") is True:
+        return True
+    try:
+        position = _inplace_positions.get(func, -2)
+    except TypeError:
+        return False
+    if position == -2:
+        try:
+            names = list(inspect.signature(func).parameters)
+            position = names.index("inplace") if "inplace" in names else -1
+        except (TypeError, ValueError):
+            position = -1
+        _inplace_positions[func] = position
+    return 0 <= position < len(args) and args[position] is True
+
+
+def may_write(name: str, func, args: tuple, kwargs: dict) -> bool:
+    """The call may write one of its tensor arguments (see written_tensors)."""
+    if writes(name) or kwargs.get("out") is not None:
+        return True
+    return name.startswith("functional.") and _inplace_flag(func, args, kwargs)
+
+
 def written_tensors(name: str, args: tuple, kwargs: dict) -> list:
     """The tensors a call may write: its first argument (a tensor or a list of them) for an
-    in-place op, an ``out=`` buffer, and every tensor argument of a collective."""
+    in-place op or a functional call with ``inplace=True``, an ``out=`` buffer, and every
+    tensor argument of a collective. Call it for calls may_write accepted."""
     found: list = []
-    if writes(name):
+    if writes(name) or name.startswith("functional."):
         arguments = args if name.startswith("distributed.") else args[:1]
         for arg in arguments:
             _collect(arg, found)
@@ -78,7 +111,7 @@ class WriteWatchMode(TorchFunctionMode):
             name = naming.op_name(func)
         except TypeError:
             name = None
-        if name is not None and (kwargs.get("out") is not None or writes(name)):
+        if name is not None and may_write(name, func, args, kwargs):
             written = written_tensors(name, args, kwargs)
             if written:
                 self.recorder.before_write(written)
