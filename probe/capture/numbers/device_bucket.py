@@ -291,10 +291,11 @@ class _Layout:
         self.table = index[2 * rows + 2 * tensors:]
         every_row = torch.arange(rows, device=device)
         self.owners = torch.zeros(tensors, rows, dtype=_F64, device=device)
-        self.owners[owner_t, every_row] = 1.0
+        # values as device tensors: a Python number would be copied from the host
+        self.owners.index_put_((owner_t, every_row), torch.ones((), dtype=_F64, device=device))
         fold_signs = sketch.fold_sign_table(device, accumulate, self.widest)[place_t]
         self.fold = torch.zeros(tensors, rows, dtype=accumulate, device=device)
-        self.fold[owner_t, every_row] = fold_signs
+        self.fold.index_put_((owner_t, every_row), fold_signs)
         self.valid_last = torch.arange(SPAN, device=device).unsqueeze(0) < tails_t.unsqueeze(1)
         self.tensors = tensors
         self.nbytes = tensors * rows * (8 + self.fold.element_size()) + tensors * SPAN
