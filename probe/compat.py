@@ -458,3 +458,12 @@ def local_tensor(tensor):
     """A DTensor's local shard (the tensor its in-place ops write), any other tensor itself."""
     local = getattr(tensor, "_local_tensor", None)
     return tensor if local is None else local
+
+
+def copy_tensors(tensors: list) -> list:
+    """Copies of the tensors; floating ones of one device in one multi-tensor call
+    (``torch._foreach_mul(..., 1)``: x * 1 is x exactly, NaN, Inf and -0.0 included)."""
+    if len(tensors) > 1 and all(t.is_floating_point() for t in tensors) \
+            and len({t.device for t in tensors}) == 1:
+        return list(torch._foreach_mul(tensors, 1))
+    return [t.clone() for t in tensors]

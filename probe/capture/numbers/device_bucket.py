@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from probe.capture.numbers import sketch
-from probe.compat import flatten_dense_tensors, local_tensor, tensor_version as _version_of
+from probe.compat import copy_tensors, flatten_dense_tensors, local_tensor, tensor_version as _version_of
 
 #: flush when a bucket holds this many tensors or bytes (bounds the device memory it pins)
 BUCKET_TENSORS = 256
@@ -133,29 +133,37 @@ class DeviceBucket:
 
     def before_write(self, tensors) -> None:
         """The capture is about to let a call write these tensors: keep what the bucket holds
-        of them as it is now."""
+        of them as it is now. Tensors held as the same view are copied (one multi-tensor copy
+        for a list: an optimizer's foreach step); a write through another view of a held
+        tensor's storage flushes the bucket."""
         if not self._held:
             return
         storages = self._storages
+        matched: dict = {}
         for tensor in tensors:
             tensor = local_tensor(tensor)
-            entries = storages.get(_address(tensor))
-            if entries is None:
+            address = _address(tensor)
+            entries = storages.get(address)
+            if entries is None or address in matched:
                 continue
-            if len(tensors) == 1 and all(_same_view(entry[0], tensor) for entry in entries):
-                self._copy_in_place_of(tensor, entries)
-            else:
+            if not all(_same_view(entry[0], tensor) for entry in entries):
                 self.flush()
                 return
+            matched[address] = (tensor, entries)
+        if matched:
+            self._copy_in_place_of(list(matched.items()))
 
-    def _copy_in_place_of(self, tensor: torch.Tensor, entries: list) -> None:
-        """One copy of a tensor about to be overwritten takes its place in the bucket."""
+    def _copy_in_place_of(self, matched: list) -> None:
+        """Copies of tensors about to be overwritten take their places in the bucket."""
         with torch.no_grad():
-            copy = tensor.detach().clone()
-        del self._storages[_address(tensor)]
-        for entry in entries:
-            entry[0], entry[1], entry[3] = copy, _version_of(copy), copy
-        self._storages[_address(copy)] = entries
+            copies = copy_tensors([tensor.detach() for _, (tensor, _) in matched])
+        storages = self._storages
+        for (address, (_, entries)), copy in zip(matched, copies):
+            del storages[address]
+            version = _version_of(copy)
+            for entry in entries:
+                entry[0], entry[1], entry[3] = copy, version, copy
+            storages.setdefault(_address(copy), []).extend(entries)
 
     # ------------------------------------------------------------------ flush
 
