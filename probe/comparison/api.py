@@ -146,7 +146,8 @@ def compare(
     result.notes.extend(precision.notes())
     apply_drift(result)
     rank_entering(result)
-    result.envelope = envelope_summary.summarize(result, strict, baseline)
+    result.envelope = envelope_summary.summarize(result.rows, result.notes, strict,
+                                                 os.fspath(baseline) if baseline is not None else None)
     if same_model is not None:
         result.notes.insert(0, same_model)
     return result

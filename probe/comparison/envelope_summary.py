@@ -19,11 +19,11 @@ from probe.comparison.envelope import FACTOR
 NAMED = 3
 
 
-def summarize(result, strict: bool = False, baseline=None) -> dict | None:
+def summarize(rows, notes: list, strict: bool = False, baseline=None) -> dict | None:
     """{largest_gap, at, step, rank, differ, outputs, rounding, uncertain, beyond, strict,
     rounding_only, baseline}; None when no output has an envelope (ops the model does not
     know, dumps of values only)."""
-    judged = [row for row in result.rows if row.envelope is not None and row.status in R.PAIRED]
+    judged = [row for row in rows if row.envelope is not None and row.status in R.PAIRED]
     if not judged:
         return None
     # outputs the judge explained by their inputs' accepted differences through the op's
@@ -32,7 +32,7 @@ def summarize(result, strict: bool = False, baseline=None) -> dict | None:
               and not (row.status == R.EXPLAINED and row.origin == R.AMPLIFIED)]
     worst = max(gapped, key=lambda row: row.envelope["gap"], default=None)
     differ = any(row.envelope["seen"] > 0 for row in judged) or any(
-        row.metrics is not None and row.metrics.bit_equal is False for row in result.rows if row.status in R.PAIRED)
+        row.metrics is not None and row.metrics.bit_equal is False for row in rows if row.status in R.PAIRED)
     uncertain = [row for row in judged if row.status == R.EXPLAINED and row.origin == "uncertain"]
     beyond = [row for row in judged if row.envelope["verdict"] == "beyond"]
     # the claim "rounding only" needs every size known from above (a statistics lower bound
@@ -58,7 +58,7 @@ def summarize(result, strict: bool = False, baseline=None) -> dict | None:
         shown = "; ".join(f"{row.key} at step {row.step} rank {row.rank} ({row.envelope['text']})"
                           for row in uncertain[:NAMED])
         more = f" and {len(uncertain) - NAMED} more" if len(uncertain) > NAMED else ""
-        result.notes.append(
+        notes.append(
             f"{len(uncertain)} output{'s are' if len(uncertain) != 1 else ' is'} uncertain: beyond the fixed "
             f"tolerance, and the sketch's band straddles {'their' if len(uncertain) != 1 else 'its'} rounding "
             f"envelope (not counted as divergences): {shown}{more}; the cause of each names the config line "

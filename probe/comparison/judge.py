@@ -76,8 +76,10 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, strict
             explain_different_kernels([row for row, _, _ in call_rows])
             explain_module_by_its_calls([row for row, _, _ in call_rows], rows)
             _check_amplified(call_rows, measured)
-            rounding.judge_envelopes(call_rows, forward_items.get(_call_key(call_rows), ()) if pair.phase == "backward"
-                                     else (), aligned.records_a.columns, input_kind, strict, baseline)
+            cols_a = aligned.records_a.columns
+            rounding.judge_envelopes(_with_stats(call_rows, cols_a), _with_stats(
+                forward_items.get(_call_key(call_rows), ()), cols_a) if pair.phase == "backward" else (),
+                input_kind, strict, baseline)
             calls.append(([row for row, _, _ in call_rows], forward))
         rows.extend(row for row, _, _ in call_rows)
     rows.sort(key=lambda row: row.order)
@@ -249,6 +251,16 @@ def _call_key(call_rows) -> tuple | None:
         return None
     head = call_rows[0][0]
     return head.module, head.op, head.index
+
+
+#: A's statistics the envelope rules read (rounding.operand)
+_STATS = ("min", "max", "mean", "norm", "numel", "shape", "dtype")
+
+
+def _with_stats(call_rows, cols_a: dict) -> list:
+    """[(RecordRow, A's statistics by name or None)]: what the envelope rules read of a call."""
+    return [(row, {name: cols_a[name][ra] for name in _STATS} if ra is not None else None)
+            for row, ra, _ in call_rows]
 
 
 def _forward_rows(pairs, per_pair, items: bool = False) -> dict:

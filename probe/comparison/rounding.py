@@ -86,16 +86,17 @@ def _proven_bound(m) -> float:
     return min(proven, m.err_l2) if math.isfinite(proven) else 0.0
 
 
-def operand(cols: dict, index: int | None, row: R.RecordRow) -> Operand | None:
-    """A's recorded tensor with the high end of B's difference (what may propagate)."""
-    if index is None or row.metrics is None or row.metrics.evidence == "value":
+def operand(stats, row: R.RecordRow) -> Operand | None:
+    """A's recorded tensor (stats: its statistics by name, None when A has no record) with the
+    high end of B's difference (what may propagate)."""
+    if stats is None or row.metrics is None or row.metrics.evidence == "value":
         return None
     found = error_band(row)
     err = found[2] if found is not None else math.inf
-    dtype = tolerance_dtype(row.dtype_a, row.dtype_b) if row.dtype_a and row.dtype_b else cols["dtype"][index]
-    return Operand(numel=int(cols["numel"][index]), norm=_finite(cols["norm"][index]), min=float(cols["min"][index]),
-                   max=float(cols["max"][index]), mean=float(cols["mean"][index]),
-                   shape=parse_shape(cols["shape"][index]), dtype=dtype, err=err)
+    dtype = tolerance_dtype(row.dtype_a, row.dtype_b) if row.dtype_a and row.dtype_b else stats["dtype"]
+    return Operand(numel=int(stats["numel"]), norm=_finite(stats["norm"]), min=float(stats["min"]),
+                   max=float(stats["max"]), mean=float(stats["mean"]), shape=parse_shape(stats["shape"]),
+                   dtype=dtype, err=err)
 
 
 def _finite(value) -> float:
@@ -141,27 +142,27 @@ def with_baseline(env: Envelope | None, measured: float) -> Envelope:
                     max(env.rounding, measured), env.propagated, env.parts)
 
 
-def judge_envelopes(call_rows, forward_items, cols_a: dict, input_kind, strict: bool = False,
-                    baseline: dict | None = None) -> None:
+def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False, baseline: dict | None = None) -> None:
     """Give every paired output of one call pair its envelope and apply the rules above.
 
-    call_rows: [(RecordRow, A's row, B's row)] of the call pair; forward_items: the same for
-    the forward call of a backward one (() otherwise); input_kind(row) -> (kind, producer row);
+    call_rows: [(RecordRow, A's statistics by name or None)] of the call pair: min, max, mean,
+    norm, numel, shape, dtype; forward_items: the same for the forward call of a backward one
+    (() otherwise); input_kind(row) -> (kind, producer row);
     baseline: A's output key -> what a trusted second run differs from A by there (with it,
     B - A is judged against C - A, see with_baseline)."""
     if not call_rows:
         return
     head = call_rows[0][0]
     changed = None if strict else _changed_input(call_rows, input_kind)
-    known = family(head.op) is not None or bool(baseline and any(row.key_a in baseline for row, _, _ in call_rows))
-    call = _Call(call_rows, forward_items, cols_a) if known else None
-    for row, ra, _ in call_rows:
-        if row.io != "out" or row.status not in R.PAIRED or ra is None:
+    known = family(head.op) is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
+    call = _Call(call_rows, forward_items) if known else None
+    for row, stats in call_rows:
+        if row.io != "out" or row.status not in R.PAIRED or stats is None:
             continue
         found = error_band(row)
         if found is None:
             continue
-        env = call.envelope(head, row, ra, baseline) if call is not None else None
+        env = call.envelope(head, row, stats, baseline) if call is not None else None
         if env is not None:
             _annotate(row, env, found, call.divergent)
         if strict or found[1] == 0:
@@ -175,22 +176,21 @@ def judge_envelopes(call_rows, forward_items, cols_a: dict, input_kind, strict: 
 class _Call:
     """What the envelope rules read of one call pair: its inputs as Operands, and whether they agree."""
 
-    def __init__(self, call_rows, forward_items, cols_a: dict):
-        self.cols_a = cols_a
+    def __init__(self, call_rows, forward_items):
         self.inputs, self.values, self.forward = {}, {}, {}
-        for row, ra, _ in call_rows:
+        for row, stats in call_rows:
             if row.io != "in" or row.status not in R.PAIRED:
                 continue
             if row.metrics is not None and row.metrics.evidence == "value":
                 self.values[row.slot] = _value(row.metrics.value_a or "")
-            elif (found := operand(cols_a, ra, row)) is not None:
+            elif (found := operand(stats, row)) is not None:
                 self.inputs[row.slot] = found
-        for row, ra, _ in forward_items:
-            if row.status in R.PAIRED and (found := operand(cols_a, ra, row)) is not None:
+        for row, stats in forward_items:
+            if row.status in R.PAIRED and (found := operand(stats, row)) is not None:
                 self.forward[row.slot] = found
-        in_rows = [row for row, _, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
+        in_rows = [row for row, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
         self.tensor_in = [row for row in in_rows if row.metrics is not None and row.metrics.evidence != "value"]
-        forward_tensors = [row for row, _, _ in forward_items if row.status in R.PAIRED and row.metrics is not None
+        forward_tensors = [row for row, _ in forward_items if row.status in R.PAIRED and row.metrics is not None
                            and row.metrics.evidence != "value"]
         self.divergent = {row.slot for row in in_rows if row.status == R.DIVERGED} | {
             f"forward.{row.slot}" for row in forward_tensors if row.status == R.DIVERGED}
@@ -200,13 +200,13 @@ class _Call:
             row.status == R.DIVERGED for row in in_rows)
         # one precision on both sides, here and upstream: where the runs compute in different
         # dtypes (autocast, or the model's own casts) the precision rules decide
-        self.one_precision = all(_one_precision(row) for row, _, _ in call_rows if row.status in R.PAIRED) and all(
-            _one_precision(row) for row, _, _ in forward_items if row.status in R.PAIRED)
+        self.one_precision = all(_one_precision(row) for row, _ in call_rows if row.status in R.PAIRED) and all(
+            _one_precision(row) for row, _ in forward_items if row.status in R.PAIRED)
         self.untouched = [row for row in in_rows if row.status == R.DIVERGED and row.envelope is not None
                           and row.envelope["family"] == "untouched"]
 
-    def envelope(self, head, row, ra, baseline) -> Envelope | None:
-        out = operand(self.cols_a, ra, row)
+    def envelope(self, head, row, stats, baseline) -> Envelope | None:
+        out = operand(stats, row)
         if out is None:
             return None
         env = op_envelope(head.op, head.phase, row.slot, out, self.inputs, self.forward, self.values,
@@ -275,7 +275,7 @@ def expected_text(expected: float, seen: float) -> str:
 def _changed_input(call_rows, input_kind):
     """(input row, its producer, their bands) of an input that differs by more than the output
     that made it, with nothing computed in between; None when there is none."""
-    for row, _, _ in call_rows:
+    for row, _ in call_rows:
         if row.io != "in" or row.status not in R.WITHIN or row.metrics is None or row.metrics.evidence == "value":
             continue
         kind, producer = input_kind(row)
