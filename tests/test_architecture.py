@@ -15,7 +15,7 @@ LAYERS = [
     {"seed", "data"},
     {"dump"},
     {"capture", "perturb", "nonfinite", "nonfinite_cause"},
-    {"comparison", "determinism"},
+    {"comparison", "determinism", "fingerprint"},
     {"report", "replay"},
     {"compare_and_replay", "debugger", "step_files", "write_results", "autoattach", "integrations"},
     {"commands"},
