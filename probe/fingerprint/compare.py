@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from probe.config import KEYS
 from probe.errors import CompareError
 from probe.fingerprint import envelope
 from probe.fingerprint.file import Fingerprints
@@ -94,14 +95,18 @@ class FingerprintResult:
         step = self.jump_step if self.jump_step is not None else self.parting_step
         if step is None:
             return None
-        return _dump_config(self.config_a, step, "a"), _dump_config(self.config_b, step, "b")
+        a, b = _dump_config(self.config_a, step), _dump_config(self.config_b, step)
+        if a["dump_path"] == b["dump_path"]:  # both runs used one dump_path: one folder each
+            a["dump_path"] += "_a"
+            b["dump_path"] += "_b"
+        return a, b
 
     def to_dict(self) -> dict:
         focus = self.jumped[0] if self.jumped else None
         first = None
         if focus is not None:
-            first = {"step": self.jump_step, "rank": self.rank, "key": focus.name, "module": _param_of(focus.name),
-                     "op": None, "phase": focus.kind, "slot": focus.kind, "origin": "jump",
+            first = {"step": self.jump_step, "rank": self.rank, "key": focus.name, **_place(focus),
+                     "origin": "jump",
                      "metrics": {"rel_l2": focus.gap, "low": focus.low, "high": focus.high,
                                  "allowed": focus.allowed}}
         configs = self.dump_configs()
@@ -125,16 +130,28 @@ class FingerprintResult:
         }
 
 
-def _param_of(name: str) -> str:
-    parts = name.split("/")
-    return parts[1] if len(parts) > 1 else name
+def _place(tensor: TensorStep) -> dict:
+    """first_divergence's module/op/phase/slot for a tensor of the fingerprint: a gradient is
+    made by backward, a parameter or a state tensor by the optimizer step; the slot names it
+    as a step file's param records do ("param.bias", "param_grad.bias", "state.exp_avg.bias")."""
+    parts = tensor.name.split("/")
+    param = parts[1] if len(parts) > 1 else tensor.name
+    module, _, leaf = param.rpartition(".")
+    slot = {"param": f"param.{leaf}", "grad": f"param_grad.{leaf}"}.get(
+        tensor.kind, f"state.{parts[-1]}.{leaf}")
+    return {"module": module, "param": param, "op": None,
+            "phase": "backward" if tensor.kind == "grad" else "optimizer", "slot": slot}
 
 
-def _dump_config(config: dict, step: int, side: str) -> dict:
-    out = dict(config)
-    out.pop("fingerprint", None)
-    out.pop("reference", None)
-    out.pop("stop_on_divergence", None)
+#: keys a full dump of one step leaves out of the run's config
+_NOT_FOR_THE_DUMP = ("fingerprint", "reference", "stop_on_divergence", "writer")
+
+
+def _dump_config(config: dict, step: int) -> dict:
+    """The run's own config (the keys it set), with only ``step``, in full, in a folder of
+    its own: the capture that reproduces that step where the run is deterministic."""
+    out = {key: value for key, value in config.items()
+           if key in KEYS and key not in _NOT_FOR_THE_DUMP and value != KEYS[key].default}
     base = str(config.get("dump_path", "./probe_dump")).rstrip("/\\") or "./probe_dump"
     out.update({"task": "tensor", "level": "mix", "step": [step], "dump_path": f"{base}_step{step}",
                 "overwrite": True})

@@ -4,7 +4,7 @@ and optimizer-state tensor (torch; never h5py).
 The numbers are capture's own (capture/stats.py, capture/sketch.py, capture/bulk_stats.py),
 so a fingerprint's sketch and a step file's sketch of the same tensor are the same numbers.
 
-* CPU tensors of more than SMALL elements: ``stats.host_stats_and_sketch`` per tensor
+* CPU tensors (of more than SMALL elements, when a step has BULK_MIN smaller ones): ``stats.host_stats_and_sketch`` per tensor
   (numpy passes over the values, no torch dispatch per statistic).
 * Other devices, and small CPU tensors: ``bulk_stats.bulk_device_stats`` for all of them at once, a
   fixed handful of launches per (device, dtype), then one non-blocking copy of the whole
@@ -127,20 +127,25 @@ def _unpacked(packed: bytes | None, k: int) -> np.ndarray:
     return values if values.shape[0] == k else _nan_sketch(k)
 
 
-#: CPU tensors up to this many elements go through the bulk path with the device tensors (a
-#: fixed number of torch calls for all of them): one by one, Python's overhead per tensor is
-#: most of their cost (measured: 294 small tensors of DeepMLP, 46 ms one by one, 25 ms in bulk)
+#: CPU tensors up to SMALL elements go through the bulk path with the device tensors (a fixed
+#: number of torch calls for all of them) when a step has at least BULK_MIN of them: one by
+#: one, Python's overhead per tensor is most of their cost (measured on a loaded 2-core
+#: machine: DeepMLP's 294 small tensors, 46 ms one by one, 25 ms in bulk), but the bulk path's
+#: fixed cost (about 2.5 ms) is more than 16 small tensors cost one by one
 SMALL = 16384
+BULK_MIN = 64
 
 
 def take(step: int, tensors: list[tuple[str, torch.Tensor]], k: int) -> PendingPrint:
     """Statistics and sketches of ``tensors`` [(name, tensor)], without waiting for a device."""
     pending = PendingPrint(step, k)
     bulk = []
+    small = sum(1 for _, tensor in tensors if tensor.device.type == "cpu" and tensor.numel() <= SMALL)
+    threshold = SMALL if small >= BULK_MIN else -1
     for name, tensor in tensors:
         if tensor.numel() == 0:
             pending._host.append((name, stats.EMPTY_STATS, None))
-        elif tensor.device.type == "cpu" and tensor.numel() > SMALL:
+        elif tensor.device.type == "cpu" and tensor.numel() > threshold:
             numbers, packed = stats.host_stats_and_sketch(tensor, k)
             pending._host.append((name, numbers, packed))
         else:
