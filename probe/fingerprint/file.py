@@ -1,10 +1,10 @@
 """Fingerprint files on disk: an append-only writer and the readers (h5py; never torch).
 
 The layout is schema.py's. The writer holds the file open in SWMR mode for the whole run and
-appends one step at a time: rows first, the step table last, each dataset flushed. A reader
-opens with ``swmr=True``, which also opens the file of a process that was killed (its
-"open for writing" mark still set), and counts only the steps of the step table: a step the
-writer had not finished is not there. ``Follower`` re-reads a file another process is still
+appends one step at a time: its tensors' rows and its step row in one write, then a flush.
+A reader opens with ``swmr=True``, which also opens the file of a process that was killed
+(its "open for writing" mark still set), and counts only finished steps (finished_steps): a
+step the writer had not finished is not there. ``Follower`` re-reads a file another process is still
 writing, step by step (the live reference).
 """
 
@@ -20,7 +20,6 @@ from probe.errors import DumpError, DumpFormatError
 from probe.fingerprint import schema
 
 _CHUNK_ROWS = 256
-_CHUNK_STEPS = 256
 
 
 class FingerprintWriter:
@@ -51,18 +50,19 @@ class FingerprintWriter:
 
         self._names_text = grow(schema.NAMES_TEXT, "uint8", chunk=4096)
         self._names_ends = grow(schema.NAMES_ENDS, "int64", chunk=256)
-        self._rows = grow(schema.ROWS, "float64", schema.ROW_FIXED + k)
-        self._steps = grow(schema.STEPS, "float64", len(schema.STEP_COLUMNS), chunk=_CHUNK_STEPS)
+        self._rows = f.create_dataset(schema.ROWS, shape=(0, schema.ROW_FIXED + k), dtype="float64",
+                                      maxshape=(None, schema.ROW_FIXED + k), fillvalue=np.nan,
+                                      chunks=(_CHUNK_ROWS, schema.ROW_FIXED + k))
         f.swmr_mode = True  # from here on nothing is created, datasets only grow
         self._text_size = 0
         self._names = 0
         self._row_count = 0
-        self._step_count = 0
 
     def append(self, step: int, loss: float, described: list[dict], rows: np.ndarray) -> None:
         """One finished step: ``described`` the tensors seen for the first time (their
-        descriptions, in index order), then ``rows`` (tensors, ROW_FIXED + k) with the
-        tensor indices in column 1 (column 0, the step, is filled here)."""
+        descriptions, in index order), then ``rows`` (tensors + 1, ROW_FIXED + k): the
+        tensors' rows with their indices in column 1, and a last row left for the step row
+        (filled here, as is column 0, the step)."""
         if described:
             blobs = [json.dumps(entry, separators=(",", ":")).encode() for entry in described]
             ends = self._text_size + np.cumsum([len(b) for b in blobs])
@@ -71,12 +71,10 @@ class FingerprintWriter:
             self._text_size = int(ends[-1])
             self._names += len(blobs)
         rows[:, 0] = step
+        rows[-1, 1:] = np.nan
+        rows[-1, 1:1 + len(schema.STEP_ROW) - 1] = (schema.STEP_MARK, loss, len(rows) - 1, self._names)
         _extend(self._rows, self._row_count, rows)
         self._row_count += len(rows)
-        # the step's row last: a reader counts the steps in /steps, so a step is all or nothing
-        _extend(self._steps, self._step_count,
-                np.array([[step, loss, self._row_count, self._names]], dtype=np.float64))
-        self._step_count += 1
 
     def close(self) -> None:
         if self._file is not None:
@@ -148,7 +146,7 @@ def _attrs(handle) -> dict:
 
 
 def _check(path: str, handle) -> None:
-    for name in (schema.STEPS, schema.ROWS, schema.NAMES_ENDS):
+    for name in (schema.ROWS, schema.NAMES_ENDS):
         if name not in handle:
             raise DumpFormatError(f"{path}: not a fingerprint file (no /{name}); "
                                   "expected a file written with \"fingerprint\": true")
@@ -161,26 +159,43 @@ def _descriptions(handle, count: int) -> list[dict]:
     return [json.loads(text[int(s):int(e)]) for s, e in zip(starts, ends)]
 
 
+def finished_steps(rows: np.ndarray, offset: int = 0) -> list[tuple]:
+    """(step, loss, first row, end row, descriptions) of every finished step in ``rows``
+    (which start at row ``offset`` of the file), in file order. A step is finished when its
+    step row is there and every tensor row before it carries its step number; the scan stops
+    at the first step that is not (a write the process did not live to finish)."""
+    found = []
+    marks = np.flatnonzero(rows[:, 1] == schema.STEP_MARK)
+    start = 0
+    for mark in marks:
+        step, _, loss, count, names = rows[mark, :5]
+        count = int(count)
+        if mark - count != start or not np.all(rows[start:mark, 0] == step) or not np.all(rows[start:mark, 1] >= 0):
+            break
+        found.append((int(step), float(loss), offset + start, offset + int(mark), int(names)))
+        start = int(mark) + 1
+    return found
+
+
 def read(path: str) -> Fingerprints:
     """Every finished step of a fingerprint file (a killed run's too)."""
     with _open(path) as handle:
         _check(path, handle)
-        table = handle[schema.STEPS][:]
-        count = len(table)
-        rows_end = int(table[-1, 2]) if count else 0
-        tensors = _descriptions(handle, int(table[-1, 3]) if count else 0)
-        rows = handle[schema.ROWS][:rows_end]
+        rows = handle[schema.ROWS][:]
+        steps_found = finished_steps(rows)
+        tensors = _descriptions(handle, steps_found[-1][4] if steps_found else 0)
         attrs = _attrs(handle)
-    steps = table[:, 0].astype(np.int64)
+    count = len(steps_found)
     k = rows.shape[1] - schema.ROW_FIXED
-    position = {int(s): i for i, s in enumerate(steps)}
     grid_numbers = np.full((count, len(tensors), len(schema.NUMBERS)), np.nan)
     grid_sketch = np.full((count, len(tensors), k), np.nan)
-    where = np.array([position[int(s)] for s in rows[:, 0]], dtype=np.int64)
-    which = rows[:, 1].astype(np.int64)
-    grid_numbers[where, which] = rows[:, 2:schema.ROW_FIXED]
-    grid_sketch[where, which] = rows[:, schema.ROW_FIXED:]
-    return Fingerprints(path=path, attrs=attrs, tensors=tensors, steps=steps, loss=table[:, 1],
+    for position, (_, _, start, end, _) in enumerate(steps_found):
+        which = rows[start:end, 1].astype(np.int64)
+        grid_numbers[position, which] = rows[start:end, 2:schema.ROW_FIXED]
+        grid_sketch[position, which] = rows[start:end, schema.ROW_FIXED:]
+    return Fingerprints(path=path, attrs=attrs, tensors=tensors,
+                        steps=np.array([s[0] for s in steps_found], dtype=np.int64),
+                        loss=np.array([s[1] for s in steps_found]),
                         numbers=grid_numbers, sketch=grid_sketch,
                         index={entry["name"]: t for t, entry in enumerate(tensors)})
 
@@ -206,27 +221,28 @@ class Follower:
         self._handle = _open(path)
         _check(path, self._handle)
         self.attrs = _attrs(self._handle)
-        self._steps = np.zeros(0, dtype=np.int64)
-        self._table = np.zeros((0, len(schema.STEP_COLUMNS)))
+        self._found: list[tuple] = []  # finished_steps() of the rows read so far
         self._positions: dict = {}
         self._tensors: list[dict] = []
         self._refresh()
 
     @property
     def last_step(self) -> int | None:
-        return int(self._steps[-1]) if len(self._steps) else None
+        return self._found[-1][0] if self._found else None
 
     def _refresh(self) -> None:
         handle = self._handle
-        for name in (schema.STEPS, schema.ROWS, schema.NAMES_ENDS, schema.NAMES_TEXT):
+        for name in (schema.ROWS, schema.NAMES_ENDS, schema.NAMES_TEXT):
             handle[name].refresh()
-        table = handle[schema.STEPS][:]
-        if len(table) == len(self._steps):
+        start = self._found[-1][3] + 1 if self._found else 0
+        rows = handle[schema.ROWS][start:]
+        found = finished_steps(rows, offset=start)
+        if not found:
             return
-        self._table = table
-        self._steps = table[:, 0].astype(np.int64)
-        self._positions = {int(s): i for i, s in enumerate(self._steps)}
-        names = int(table[-1, 3])
+        for entry in found:
+            self._positions[entry[0]] = len(self._found)
+            self._found.append(entry)
+        names = found[-1][4]
         if names > len(self._tensors):
             self._tensors = _descriptions(handle, names)
 
@@ -236,13 +252,12 @@ class Follower:
         position = self._positions.get(step)
         if position is None:
             return None
-        end = int(self._table[position, 2])
-        start = int(self._table[position - 1, 2]) if position else 0
+        _, loss, start, end, _ = self._found[position]
         rows = self._handle[schema.ROWS][start:end]
         found = {}
         for row in rows:
             found[self._tensors[int(row[1])]["name"]] = (row[2:schema.ROW_FIXED], row[schema.ROW_FIXED:])
-        return StepPrint(step=step, loss=float(self._table[position, 1]), tensors=found)
+        return StepPrint(step=step, loss=loss, tensors=found)
 
     def description(self, name: str) -> dict | None:
         for entry in self._tensors:
@@ -294,7 +309,7 @@ def is_fingerprint_run(path: str) -> bool:
             import h5py
 
             with h5py.File(path, "r", swmr=True) as handle:
-                return schema.STEPS in handle and schema.ROWS in handle
+                return schema.ROWS in handle and schema.NAMES_ENDS in handle
         except OSError:
             return False
     if not os.path.isdir(path) or not ranks_in(path):

@@ -23,6 +23,7 @@ comparison needs its verdict before the step's full capture is kept or dropped).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -55,8 +56,11 @@ class FingerprintRecorder:
         self._new: list[dict] = []  # descriptions not written yet
         #: name -> description of every tensor seen
         self.described: dict[str, dict] = {}
-        self._optimizers: list = []
-        self._open: take_module.PendingPrint | None = None  # taken, its step not ended
+        #: optimizer -> its number in unnamed tensors' names (weak: a dropped optimizer is freed)
+        self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._optimizer_count = 0
+        self._open: dict = {}  # id(optimizer) -> PendingPrint taken in the step not ended yet
+        self._open_step: int | None = None
         self._pending: take_module.PendingPrint | None = None  # ended, waiting for its device copy
         self._loss_sum = None
         self._loss_count = 0
@@ -80,26 +84,34 @@ class FingerprintRecorder:
         self._loss_count += 1
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        names = self._names_of()
+        if names and not any(id(param) in names for group in optimizer.param_groups for param in group["params"]):
+            return  # an optimizer of another model than the debugger's: not this run's training
         step = self._step_of()
-        if optimizer not in self._optimizers:
-            self._optimizers.append(optimizer)
-        tensors = take_module.optimizer_tensors(optimizer, self._names_of(),
-                                                f"opt{self._optimizers.index(optimizer)}")
+        number = self._optimizers.get(optimizer)
+        if number is None:
+            number = self._optimizers[optimizer] = self._optimizer_count
+            self._optimizer_count += 1
+        tensors = take_module.optimizer_tensors(optimizer, names, f"opt{number}")
         self._describe(tensors)
         taken = take_module.take(step, [(name, tensor) for name, *_, tensor in tensors], self.k)
-        if self._open is not None and self._open.step == step:
-            self._open.extend(taken)  # a second optimizer in the same step (GAN-style loops)
-            return
-        self.end_step()  # an earlier step nobody ended (no step() call): it is finished now
-        self._open = taken
+        if self._open and self._open_step != step:
+            self.end_step()  # an earlier step nobody ended (no step() call): it is finished now
+        self._open_step = step
+        # one part per optimizer (GAN-style loops step two); an optimizer that steps again in
+        # the same step replaces its part: the step ends with its last state
+        self._open[id(optimizer)] = taken
 
     def end_step(self) -> None:
         """The step is over (the debugger's step()): write its fingerprint, now on the CPU or
         when asked to be immediate, else at the next end_step() (its device copy is done by
         then)."""
-        taken, self._open = self._open, None
-        if taken is None:
+        parts, self._open = list(self._open.values()), {}
+        if not parts:
             return
+        taken = parts[0]
+        for part in parts[1:]:
+            taken.extend(part)
         if self._loss_count:
             taken.loss = self._loss_sum / self._loss_count
         self._loss_sum, self._loss_count = None, 0
@@ -131,7 +143,7 @@ class FingerprintRecorder:
             self.path = self._path_of()
             self._writer = FingerprintWriter(self.path, self._attrs, self.k)
         described, self._new = self._new, []
-        table = np.empty((len(rows), schema.ROW_FIXED + self.k))
+        table = np.empty((len(rows) + 1, schema.ROW_FIXED + self.k))  # + the step row
         for position, (name, numbers, sketch) in enumerate(rows):
             table[position, 1] = self._index[name]
             table[position, 2:schema.ROW_FIXED] = numbers

@@ -6,10 +6,12 @@ writer (``file.FingerprintWriter``) and the reader (``file.read``) import them f
 This module imports neither torch nor h5py.
 
 The file is written in HDF5's single-writer/multiple-reader mode (SWMR): every dataset
-exists from the start and only grows; a step is one write to /rows and then one to /steps,
-each flushed. A reader (a later ``probe compare``, or a live run reading
-its reference) counts only the steps in the step table, so a process killed mid-step leaves
-every finished step readable and the step in flight invisible::
+exists from the start and only grows. A step is one append to /rows (its tensors' rows, then
+its step row) and one flush: one write per step, since each write and flush of an HDF5
+dataset costs about as much as the whole step's numbers. A reader trusts a step only when
+its step row is there and the rows before it carry its step number, so a process killed
+mid-step leaves every finished step readable and the step in flight invisible (rows not yet
+written read as the fill value, NaN)::
 
     /                     root attributes ROOT_ATTRS (run_id, probe and torch versions,
                           rank, sketch size k, the run's config as JSON)
@@ -18,18 +20,16 @@ every finished step readable and the step in flight invisible::
                           step that has it
     /names/ends           int64: end offset of each description in /names/text; tensor t
                           is text[ends[t-1]:ends[t]]
-    /rows                 float64 (rows, ROW_FIXED + k), one row per tensor per step: the
-                          step, the tensor's index (its description), min, max, mean, L2
-                          norm, NaN count, Inf count (NUMBERS), then the tensor's k-number
+    /rows                 float64 (rows, ROW_FIXED + k), fill value NaN. A tensor row: the
+                          step, the tensor's index (its description, >= 0), min, max, mean,
+                          L2 norm, NaN count, Inf count (NUMBERS), then the tensor's k-number
                           random-projection sketch (probe/capture/sketch.py; NaN where it
-                          has none). One dataset, so a step is one write
-    /steps                float64 (steps, 4), one row per step, written last (STEP_COLUMNS):
-                          the optimizer step (the debugger's step counter), its loss (NaN
-                          where none was seen), the end (exclusive) of its rows in /rows and
-                          how many tensor descriptions exist after it
+                          has none). After a step's tensor rows, its step row (STEP_ROW):
+                          the step, STEP_MARK, the loss (NaN where none was seen), how many
+                          tensor rows the step has, how many descriptions exist after it
 
-Bytes per step: ``row_bytes(k)`` per tensor (192 with k = 16) plus ``STEP_BYTES``, plus the
-one-time description of each tensor. Integers in the float64 tables are exact (below 2**53).
+Bytes per step: ``row_bytes(k)`` per tensor and one more row for the step (192 bytes each
+with k = 16), plus the one-time description of each tensor. Integers in the float64 tables are exact (below 2**53).
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ SUFFIX = ".h5"
 NAMES_TEXT = "names/text"
 NAMES_ENDS = "names/ends"
 ROWS = "rows"
-STEPS = "steps"
 #: the statistics columns of /rows, after the step and the tensor index
 NUMBERS = ("min", "max", "mean", "norm", "nan_count", "inf_count")
 #: /rows columns before the sketch
 ROW_FIXED = 2 + len(NUMBERS)
-#: the columns of /steps
-STEP_COLUMNS = ("step", "loss", "rows_end", "names_end")
+#: column 1 of a step row (tensor rows hold the tensor's index there, >= 0)
+STEP_MARK = -1.0
+#: the columns of a step row
+STEP_ROW = ("step", "mark", "loss", "tensor_rows", "names_end")
 #: the keys of a tensor's description: its name ("grad/fc1.weight"), what it is ("param",
 #: "grad" or "state"), the parameter it belongs to, the optimizer state's key ("exp_avg";
 #: "" otherwise), dtype, shape and numel
@@ -58,11 +59,9 @@ KINDS = ("param", "grad", "state")
 ROOT_ATTRS = ("fingerprint_version", "probe_version", "torch_version", "run_id", "rank",
               "sketch_size", "config")
 
-STEP_BYTES = 8 * len(STEP_COLUMNS)
-
-
 def row_bytes(k: int) -> int:
-    """Bytes one tensor adds to a step: step, tensor index, six numbers, k sketch numbers."""
+    """Bytes one tensor (or the step row) adds to a step: step, tensor index, six numbers, k
+    sketch numbers."""
     return 8 * (ROW_FIXED + k)
 
 

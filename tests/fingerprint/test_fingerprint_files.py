@@ -24,8 +24,8 @@ def _write(path, steps, gap_of):
     base = np.random.default_rng(1).normal(size=(steps, len(TENSORS), K))
     writer = file.FingerprintWriter(path, {"config": json.dumps({"dump_path": os.path.dirname(path)})}, K)
     for step in range(steps):
-        rows = np.zeros((len(TENSORS), 8 + K))
-        rows[:, 1] = range(len(TENSORS))
+        rows = np.zeros((len(TENSORS) + 1, 8 + K))  # + the step row
+        rows[:-1, 1] = range(len(TENSORS))
         rows[:, 5] = 1.0  # the norm
         for t in range(len(TENSORS)):
             shift = 0.0 if gap_of is None else gap_of(step, t)
@@ -64,7 +64,7 @@ def test_a_written_file_reads_back_step_by_step_and_whole(tmp_path):
 def test_a_reader_sees_the_steps_a_live_writer_adds(tmp_path):
     path = str(tmp_path / "growing.h5")
     writer = file.FingerprintWriter(path, {}, K)
-    rows = np.zeros((1, 8 + K))
+    rows = np.zeros((2, 8 + K))
     writer.append(0, 1.0, TENSORS[:1], rows.copy())
     follower = file.Follower(path)
     assert follower.get(1) is None

@@ -110,10 +110,10 @@ def test_a_reference_with_missing_steps_and_an_early_end_is_reported_not_crashed
     writer = file.FingerprintWriter(shortened, {"config": "{}"}, full.k)
     names = [entry for entry in full.tensors]
     for position in [*range(50), *range(55, 100)]:
-        rows = np.zeros((len(names), 8 + full.k))
-        rows[:, 1] = range(len(names))
-        rows[:, 2:8] = full.numbers[position]
-        rows[:, 8:] = full.sketch[position]
+        rows = np.zeros((len(names) + 1, 8 + full.k))  # + the step row
+        rows[:-1, 1] = range(len(names))
+        rows[:-1, 2:8] = full.numbers[position]
+        rows[:-1, 8:] = full.sketch[position]
         writer.append(position, float(full.loss[position]), names if position == 0 else [], rows)
     writer.close()
     training.train(str(tmp_path / "candidate"), 120, reference=str(tmp_path / "short"))
