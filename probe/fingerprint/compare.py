@@ -176,7 +176,7 @@ def compare(a: Fingerprints, b: Fingerprints, rank: int = 0) -> FingerprintResul
         numbers_a, numbers_b = a.numbers[rows_a, ta], b.numbers[rows_b, tb]
         present = ~np.isnan(numbers_a[:, 4]) & ~np.isnan(numbers_b[:, 4])  # a row on both sides
         gaps = envelope.measure(numbers_a, a.sketch[rows_a, ta], numbers_b, b.sketch[rows_b, tb],
-                                entry["dtype"], int(entry["numel"]))
+                                entry["dtype"], int(entry["numel"]), envelope.recent_norms(numbers_a[:, 3]))
         limit = envelope.allowed(gaps.fresh, envelope.recent_max(gaps.high))
         jumped = gaps.nonfinite | (gaps.low > limit)
         outside = gaps.outside

@@ -3,6 +3,9 @@
 The gap of tensor t at step s is ||a - b|| / ||a||, a the reference run's tensor, measured
 from the two fingerprints' sketches (comparison/sketch.py: an estimate with a chi-square
 band, +-52% at k = 16, and a rounding floor below which the sketches see no difference).
+||a|| is the largest norm of the reference's tensor over the last WINDOW steps and this one
+(recent_norms): a gradient whose sum nearly cancels has a tiny norm for a step, but its
+rounding stays the size of its usual terms.
 
 Two questions, two rules:
 
@@ -67,15 +70,18 @@ class Gaps:
 
 
 def measure(numbers_a: np.ndarray, sketch_a: np.ndarray, numbers_b: np.ndarray, sketch_b: np.ndarray,
-            dtype: str, numel: int) -> Gaps:
+            dtype: str, numel: int, recent: np.ndarray | None = None) -> Gaps:
     """The gaps between two runs' fingerprints of one tensor over S steps: numbers (S, 6) as
-    min, max, mean, norm, NaN count, Inf count; sketches (S, k), NaN where none."""
+    min, max, mean, norm, NaN count, Inf count; sketches (S, k), NaN where none. ``recent``:
+    the norm the gap is relative to where it is larger than the step's own (recent_norms)."""
     numbers_a, numbers_b = np.atleast_2d(numbers_a), np.atleast_2d(numbers_b)
     sketch_a, sketch_b = np.atleast_2d(sketch_a), np.atleast_2d(sketch_b)
     norm_a, norm_b = numbers_a[:, 3], numbers_b[:, 3]
     nonfinite = np.any(numbers_a[:, 4:6] != numbers_b[:, 4:6], axis=1)
     with np.errstate(all="ignore"):
         scale = np.where(np.isfinite(norm_a) & (norm_a != 0), np.abs(norm_a), np.abs(norm_b))
+        if recent is not None:
+            scale = np.maximum(scale, np.nan_to_num(np.abs(recent)))
         usable = np.isfinite(scale) & (scale > 0)
         scale = np.where(usable, scale, 1.0)
         k = sketch_a.shape[1]
@@ -98,6 +104,15 @@ def measure(numbers_a: np.ndarray, sketch_a: np.ndarray, numbers_b: np.ndarray, 
     return Gaps(estimate, low, high, fresh, nonfinite)
 
 
+def recent_norms(norms: np.ndarray, window: int = WINDOW) -> np.ndarray:
+    """Entry s: the reference tensor's largest norm over steps s - window .. s, what its gap
+    is relative to. A gradient whose sum nearly cancels at one step has a small norm there,
+    but its rounding error is still the size of its usual terms: relative to that small norm
+    the same absolute difference would look like a jump."""
+    norms = np.nan_to_num(np.abs(np.asarray(norms, dtype=np.float64)))
+    return np.maximum(norms, recent_max(norms, window))
+
+
 def allowed(fresh: np.ndarray, recent_high: np.ndarray, growth: float = GROWTH) -> np.ndarray:
     """The most rounding allows: the fresh floor, or GROWTH x the recent high end."""
     return np.maximum(fresh, growth * recent_high)
@@ -113,12 +128,22 @@ def recent_max(high: np.ndarray, window: int = WINDOW) -> np.ndarray:
 
 
 class Tracker:
-    """The same rule one step at a time (the live comparison): each tensor's recent high ends."""
+    """The same rules one step at a time (the live comparison): each tensor's recent high
+    ends and recent norms."""
 
     def __init__(self, growth: float = GROWTH, window: int = WINDOW) -> None:
         self.growth = growth
         self.window = window
         self._recent: dict[str, list[float]] = {}
+        self._norms: dict[str, list[float]] = {}
+
+    def recent_norm(self, name: str, norm: float) -> float:
+        """recent_norms for this step of this tensor (call once per step, before measure)."""
+        norms = self._norms.setdefault(name, [])
+        norms.append(abs(norm) if math.isfinite(norm) else 0.0)
+        if len(norms) > self.window + 1:
+            del norms[0]
+        return max(norms)
 
     def judge(self, name: str, gaps: Gaps) -> tuple[bool, bool, float]:
         """(outside, jumped, allowed) of a one-step Gaps."""
@@ -132,5 +157,5 @@ class Tracker:
         return bool(gaps.outside[0]), jumped, limit
 
 
-__all__ = ["Gaps", "Tracker", "measure", "allowed", "recent_max", "GROWTH", "WINDOW", "FRESH_ULPS",
+__all__ = ["Gaps", "Tracker", "measure", "allowed", "recent_max", "recent_norms", "GROWTH", "WINDOW", "FRESH_ULPS",
            "unit_roundoff"]

@@ -68,8 +68,9 @@ class LiveReference:
                     self._say(f"the reference {self.path} has no tensor {name}; it is not compared")
                 continue
             entry = described[name]
+            recent = self._tracker.recent_norm(name, float(theirs[0][3]))
             gaps = envelope.measure(theirs[0], theirs[1], np.asarray(numbers), np.asarray(sketch),
-                                    entry["dtype"], int(entry["numel"]))
+                                    entry["dtype"], int(entry["numel"]), np.asarray([recent]))
             outside, jumped, allowed = self._tracker.judge(name, gaps)
             if outside:
                 result.outside.append((name, float(gaps.estimate[0]), allowed))
