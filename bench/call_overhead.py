@@ -93,7 +93,7 @@ B = load(branch_dir)
 for tree, path in ((A, base_dir), (B, branch_dir)):
     print("lazy imports resolve to", os.path.relpath(lazy_import_check(tree, path)), flush=True)
 models = B["examples.models"]
-cls_of = {tree_name: (m["probe.config"].Config, m["probe.debugger"].PrecisionDebugger)
+cls_of = {tree_name: (m["probe.config"].Config, m["probe.debugger.debugger"].PrecisionDebugger)
           for tree_name, m in (("base", A), ("branch", B))}
 trees = {"base": A, "branch": B}
 torch.set_num_threads(1)

@@ -41,7 +41,7 @@ Columns:
                      an untimed step; ops ratio = api / plain
   kernels plain/api  with --device cuda: CUDA kernels (and copies) of the same two steps
   bulk api, kernels bulk   with --device cuda: stats api with recorder.BULK_STATS on (a
-                     bucket's statistics in a few launches, probe/capture/bulk_stats.py)
+                     bucket's statistics in a few launches, probe/capture/numbers/bulk_stats.py)
   msprobe L1/L0      where mindstudio-probe is installed (else "-"): msprobe's statistics dump
                      at API level (L1) and module level (L0), every step, the same step
                      boundaries, timed in the same rounds (bench/msprobe_variants.py says how
@@ -93,7 +93,7 @@ def _time_sketches() -> None:
     sketch goes through sketch.array_sketch (one tensor, now), sketch.fold_into (a larger
     tensor's fold at record time, its product deferred) or host_batch._arena_sketches (the
     products of a batch)."""
-    from probe.capture import host_batch, sketch
+    from probe.capture.numbers import host_batch, sketch
 
     def timed(inner):
         def call(*args, **kwargs):
@@ -119,7 +119,7 @@ class Variant:
                  select=True, synchronize=None, bulk=False):
         from examples.models import train_step
         from probe.config import Config
-        from probe.debugger import PrecisionDebugger
+        from probe.debugger.debugger import PrecisionDebugger
 
         self.name = name
         self._train = lambda: train_step(model, optimizer, *batch)

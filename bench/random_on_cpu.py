@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from probe.capture.random_on_cpu import RandomOnCpu  # noqa: E402
+from probe.seed.random_on_cpu import RandomOnCpu  # noqa: E402
 from examples.models import MLP  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """What sketching a DTensor shard at its logical positions costs, against the plain sketch of
-a tensor of the same size: the numbers probe/capture/shard_sketch.py is chosen by.
+a tensor of the same size: the numbers probe/capture/numbers/shard_sketch.py is chosen by.
 
     python bench/shard_sketch.py              # about 2 s
     python bench/shard_sketch.py --repeats 15 --threads 2
@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from probe.capture import shard_sketch as shards  # noqa: E402
-from probe.capture.sketch import host_sketch  # noqa: E402
-from probe.capture.stats import host_stats_and_sketch  # noqa: E402
+from probe.capture.numbers import shard_sketch as shards  # noqa: E402
+from probe.capture.numbers.sketch import host_sketch  # noqa: E402
+from probe.capture.numbers.stats import host_stats_and_sketch  # noqa: E402
 
 #: (name, logical shape, local shape, offset)
 LAYOUTS = [

@@ -126,7 +126,7 @@ def _rank_main(args):
     shutil.rmtree(out, ignore_errors=True)
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # gloo's threads can outlive the process group (tests/test_distributed.py)
+    os._exit(0)  # gloo's threads can outlive the process group (tests/capture/test_distributed.py)
 
 
 def main():

@@ -51,7 +51,7 @@ class Variant:
     def __init__(self, name, model, optimizer, batch, dump_root, writer=None):
         from examples.models import train_step
         from probe.config import Config
-        from probe.debugger import PrecisionDebugger
+        from probe.debugger.debugger import PrecisionDebugger
 
         self.name = name
         self._train = lambda: train_step(model, optimizer, *batch)

@@ -51,15 +51,15 @@ __all__ = [
 _LAZY = {
     "seed_all": ("probe.seed", "seed_all"),
     "SeedReport": ("probe.seed", "SeedReport"),
-    "dataloader_kwargs": ("probe.data", "dataloader_kwargs"),
-    "seed_worker": ("probe.data", "seed_worker"),
-    "PrecisionDebugger": ("probe.debugger", "PrecisionDebugger"),
+    "dataloader_kwargs": ("probe.seed.data", "dataloader_kwargs"),
+    "seed_worker": ("probe.seed.data", "seed_worker"),
+    "PrecisionDebugger": ("probe.debugger.debugger", "PrecisionDebugger"),
     "load_config": ("probe.config", "load"),
     "Config": ("probe.config", "Config"),
     "load": ("probe.dump.reader", "load"),
     "compare": ("probe.compare_and_replay", "compare"),
-    "first_nonfinite": ("probe.nonfinite", "first_nonfinite"),
-    "compile": ("probe.capture.graph_taps", "compile"),
+    "first_nonfinite": ("probe.analysis.nonfinite", "first_nonfinite"),
+    "compile": ("probe.capture", "compile"),
 }
 
 

@@ -4,16 +4,33 @@ probe supports torch 2.4 to 2.15 (setup.cfg). What differs across that range, an
 difference means for a user, is in docs/torch-versions.md; this module is the one place the
 code deals with it, so a new torch release is checked here first. Nothing here imports h5py.
 
-Private torch API used (present, with the same meaning, in every supported version):
+Private torch API used (present, with the same meaning, in every supported version); no
+other module of probe names a private torch attribute:
   * torch._C.DisableTorchFunction: run torch calls inside a hook without re-entering the mode;
   * torch._C._current_graph_task_id (2.1+): one id per backward pass;
   * Node._sequence_nr(): autograd numbers nodes in creation order;
   * torch.overrides._get_current_function_mode_stack, torch._C._pop_torch_function_stack,
-    torch._C._push_on_torch_function_stack: take one mode out of the middle of the stack.
+    torch._C._push_on_torch_function_stack: take one mode out of the middle of the stack;
+  * torch.utils._device.DeviceContext and torch._GLOBAL_DEVICE_CONTEXT: where a factory call
+    without ``device=`` allocates;
+  * torch._C._is_any_autocast_enabled, torch._C._are_functorch_transforms_active: cheap
+    checks on the hot path (absent: the slower public check, or "no transform");
+  * Tensor._version (in-place writes bump it), torch._foreach_norm, torch._C._to_dlpack,
+    the sparse ``_values()``;
+  * nn.Module._modules (children without the generator of named_children) and
+    ``_compiled_call_impl`` (what ``module.compile()`` calls);
+  * DTensor._local_tensor and ._spec, compute_local_shape_and_global_offset (the shard a
+    rank holds and where it sits);
+  * torch.autograd._make_grads, ._tensor_or_tensors_to_tuple, graph._engine_run_backward:
+    a backward pass started the way torch.autograd.backward starts it;
+  * a module's forward hook dicts (``_forward_hooks``, ...), to give a hook a shared key;
+  * dynamo: ``_torchdynamo_orig_callable``, OptimizeContext, config, lookup_backend, torch._TorchCompileInductorWrapper
+    and a graph input's ``_dynamo_source``;
+  * torch._C._nn: the module of F.* C functions (replay looks ops up there).
 Used in place, with the same meaning on every supported version (the suite checks them on
 each version CI runs): Node.next_functions and AccumulateGrad's ``variable`` (the composite
-walk in capture/api_mode.py), and the ``__module__`` of torch's C functions (torch._C._nn,
-torch._C._linalg, ...), which capture/naming.py turns into op names.
+walk in capture/eager/api_mode.py), and the ``__module__`` of torch's C functions (torch._C._nn,
+torch._C._linalg, ...), which capture/eager/naming.py turns into op names.
 
 Behaviour that changed:
   * autograd node wrappers (see NodeSet): up to 2.12 a C++ node does not keep its Python
@@ -31,6 +48,7 @@ Behaviour that changed:
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -58,6 +76,136 @@ def pop_function_mode() -> None:
 
 def push_function_mode(mode) -> None:
     torch._C._push_on_torch_function_stack(mode)
+
+
+#: the active TorchFunctionModes, innermost last, as torch keeps them (no copy: the hot path)
+current_function_modes = torch.overrides._get_current_function_mode_stack
+
+
+def device_context_class():
+    """The mode class of ``with torch.device(...)``."""
+    from torch.utils._device import DeviceContext
+
+    return DeviceContext
+
+
+def global_device_context():
+    """torch.set_default_device's DeviceContext, or None."""
+    return getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+
+
+#: whether autocast is on for any device, in one call; None where torch lacks it
+any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+#: whether a functorch transform (vmap, grad) is active
+functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+#: a tensor's version counter: every in-place write bumps it
+tensor_version = operator.attrgetter("_version")
+#: C-level DLPack capsule of a tensor, without Tensor.__dlpack__'s Python checks; None if absent
+to_dlpack = getattr(torch._C, "_to_dlpack", None)
+#: the module of the C functions behind torch.nn.functional
+C_NN = torch._C._nn
+
+
+def foreach_norm(tensors, ord, dtype):
+    """One multi-tensor norm call over a list of tensors."""
+    return torch._foreach_norm(tensors, ord, dtype=dtype)
+
+
+def sparse_values(tensor):
+    """The stored values of a sparse COO tensor (coalesced or not)."""
+    return tensor._values()
+
+
+def child_modules(module) -> dict:
+    """A module's direct children by attribute name (the dict itself: cheap, not a copy)."""
+    return module._modules
+
+
+def compiled_call(module):
+    """What ``module.compile()`` made the module call instead of its forward, or None."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module, function) -> None:
+    module._compiled_call_impl = function
+
+
+def dtensor_local_and_spec(dtensor) -> tuple:
+    """(the rank's local tensor, the DTensor's spec: mesh and placements)."""
+    return dtensor._local_tensor, dtensor._spec
+
+
+def local_shape_and_global_offset(shape, mesh, placements) -> tuple:
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
+def dynamo_compiling_context_type():
+    """dynamo's context of a function torch.compile compiles; () where there is none."""
+    try:
+        from torch._dynamo.eval_frame import OptimizeContext
+    except ImportError:
+        return ()
+    return OptimizeContext
+
+
+def dynamo_config():
+    """torch._dynamo.config, or None where dynamo does not import."""
+    try:
+        import torch._dynamo.config as config
+    except ImportError:
+        return None
+    return config
+
+
+def lookup_backend(name: str):
+    from torch._dynamo import lookup_backend as lookup
+
+    return lookup(name)
+
+
+def inductor_backend(mode, options, dynamic):
+    """The backend torch.compile builds for ``backend="inductor"`` with a mode or options."""
+    return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+
+
+#: what torch.autograd.backward does before it starts the engine, and the engine's entry
+#: (backward_collectives.py runs them itself); None where this torch lacks one
+engine_run_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+make_grads = getattr(torch.autograd, "_make_grads", None)
+tensor_or_tensors_to_tuple = getattr(torch.autograd, "_tensor_or_tensors_to_tuple", None)
+
+
+def dynamo_original(function):
+    """The function a torch.compile'd function wraps, or None: not compiled."""
+    return getattr(function, "_torchdynamo_orig_callable", None)
+
+
+#: a module's forward hook dicts by kind, with and without kwargs
+_HOOK_DICTS = {"pre": ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
+               "post": ("_forward_hooks", "_forward_hooks_with_kwargs")}
+
+
+def forward_hook_dicts(module, kind: str) -> list:
+    """The dicts a module keeps its forward hooks of ``kind`` ("pre"/"post") in, by handle id."""
+    return [hooks for hooks in (getattr(module, name, None) for name in _HOOK_DICTS[kind])
+            if hooks is not None]
+
+
+def has_input_source(node) -> bool:
+    return hasattr(node, "_dynamo_source")
+
+
+def input_source(node):
+    """The ``_dynamo_source`` of a graph placeholder."""
+    return node._dynamo_source
+
+
+def set_input_source(node, source) -> None:
+    node._dynamo_source = source
 
 
 def has_dtype(name: str) -> bool:
@@ -174,7 +322,7 @@ VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")
 
 
 def added_input_source(name: str):
-    """The ``_dynamo_source`` of a graph input a backend adds (capture/grad_taps.py's zeros).
+    """The ``_dynamo_source`` of a graph input a backend adds (capture/compiled/grad_taps.py's zeros).
 
     AOTAutograd reads a source from every placeholder of a dynamo graph. From torch 2.8 it
     takes None for an input that no user frame holds; 2.4 asserts that all sources differ, so

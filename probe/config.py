@@ -51,7 +51,7 @@ WRITE_ERROR_POLICIES = ("raise", "warn")
 WRITERS = ("auto", "process", "inline")
 #: a config file larger than this is refused before it is parsed (a 120 MB file took 50 s)
 MAX_CONFIG_BYTES = 1 << 20
-#: sketch_size: numbers per tensor of the random-projection sketch (probe/capture/sketch.py)
+#: sketch_size: numbers per tensor of the random-projection sketch (probe/capture/numbers/sketch.py)
 SKETCH_SIZE_MAX = 1024
 EXTENSIONS = (".json", ".yaml", ".yml")
 #: ``probe run`` exports the absolute config path under this name; the debugger reads it.

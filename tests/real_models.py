@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from probe.config import from_dict
-from probe.debugger import PrecisionDebugger
+from probe.debugger.debugger import PrecisionDebugger
 
 
 class Block(nn.Module):

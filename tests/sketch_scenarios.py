@@ -1,5 +1,5 @@
 """Fault scenarios for the sketch tests: each makes a reference and a faulty training step
-of a small model, dumped by the real debugger with a chosen task (tests/test_sketch_compare.py)."""
+of a small model, dumped by the real debugger with a chosen task (tests/compare/test_sketch_compare.py)."""
 
 import torch
 import torch.nn as nn
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from examples.models import DeepMLP, ResidualBlock, SmallConvNet, make_batch, train_step
 from probe.config import from_dict
-from probe.debugger import PrecisionDebugger
+from probe.debugger.debugger import PrecisionDebugger
 
 WIDTH = 32
 

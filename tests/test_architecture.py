@@ -12,12 +12,12 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS = [
     {"_version", "errors"},
     {"compat", "config", "config_values"},
-    {"seed", "data"},
+    {"seed"},
     {"dump"},
-    {"capture", "perturb", "nonfinite", "nonfinite_cause"},
-    {"comparison", "determinism", "fingerprint"},
+    {"capture", "perturb", "analysis"},
+    {"comparison", "fingerprint"},
     {"report", "replay"},
-    {"compare_and_replay", "debugger", "step_files", "write_results", "autoattach", "integrations"},
+    {"compare_and_replay", "debugger", "autoattach", "integrations"},
     {"commands"},
     {"cli", "__main__", "__init__"},
 ]
@@ -174,4 +174,110 @@ def test_lower_layers_never_reach_the_higher_one(lower, higher):
     the replay import the comparison, not the reverse."""
     reached = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if _top(m) == lower
                      for t in targets if _top(t) == higher)
+    assert not reached, reached
+
+
+#: private names of the standard library probe may use (sys._getframe: the caller's frame,
+#: cheaper than inspect's; a namedtuple's _fields)
+STDLIB_PRIVATE = {"_getframe", "_fields"}
+
+
+def _trees() -> dict[str, ast.AST]:
+    trees = {}
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as handle:
+            trees[module] = ast.parse(handle.read(), path)
+    return trees
+
+
+TREES = _trees()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _probe_private_names() -> set[str]:
+    """Every private name probe itself defines: functions, classes, variables, attributes
+    it sets (``self._x = ...``) and slot names."""
+    names = set()
+    for module, tree in TREES.items():
+        if module == "probe.compat":  # what compat names is torch's
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                                      for t in node.targets):
+                names.update(e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant))
+    return {name for name in names if _private(name)}
+
+
+def test_no_module_imports_or_reads_another_modules_private_names():
+    wrong = []
+    for module, tree in TREES.items():
+        imported_modules = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("probe"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if full in MODULES:
+                        imported_modules[alias.asname or alias.name] = full
+                    elif _private(alias.name) and node.module != module:
+                        wrong.append(f"{module}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in MODULES and alias.asname:
+                        imported_modules[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in imported_modules):
+                wrong.append(f"{module}: {imported_modules[node.value.id]}.{node.attr}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_private_torch_api_is_used_in_compat_only():
+    """probe/compat.py is the one place that names torch's private API: a new torch release is
+    checked there. Elsewhere a private attribute must be one probe defines itself."""
+    own = _probe_private_names() | STDLIB_PRIVATE
+    wrong = []
+    for module, tree in TREES.items():
+        if module == "probe.compat":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("probe"):
+                named = node.module.split(".") + [alias.name for alias in node.names]
+                wrong += [f"{module}: from {node.module} import ..." for part in named[:1]
+                          if any(_private(p) for p in named)]
+            elif isinstance(node, ast.Import):
+                wrong += [f"{module}: import {alias.name}" for alias in node.names
+                          if any(_private(p) for p in alias.name.split("."))]
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                wrong.append(f"{module}:{node.lineno}: .{node.attr}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                  and _private(node.args[1].value) and not node.args[1].value.startswith("_probe")
+                  and node.args[1].value not in STDLIB_PRIVATE):
+                wrong.append(f"{module}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_root_of_probe_shows_the_layers_in_at_most_nine_files():
+    files = sorted(name for name in os.listdir(ROOT) if name.endswith(".py"))
+    assert len(files) <= 9, files
+
+
+@pytest.mark.parametrize("wing, never", [("eager", {"compiled"}), ("numbers", {"eager", "compiled", "recorder"})])
+def test_capture_wings_import_one_way(wing, never):
+    """compiled/ names its calls with eager/'s naming; eager/ never needs compiled/, and
+    numbers/ turns tensors into numbers without knowing who asked (docs/architecture.md)."""
+    reached = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith(f"probe.capture.{wing}.")
+                     for t in targets if t.split(".")[2:3] and t.split(".")[2] in never)
     assert not reached, reached

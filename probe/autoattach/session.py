@@ -40,7 +40,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optimizer_hooks
 
-from probe.debugger import PrecisionDebugger
+from probe.debugger.debugger import PrecisionDebugger
 
 _SESSION: "AutoCapture | None" = None
 

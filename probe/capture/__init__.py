@@ -1,0 +1,37 @@
+"""Capture: what a PrecisionDebugger installs to record a step, in three wings and a recorder.
+
+* ``eager/`` sees eager calls: module hooks (module_hooks.py), the API-level TorchFunctionMode
+  (api_mode.py, api_backward.py, backward_collectives.py), how a call is named, filtered and
+  described (naming.py, filters.py, values.py, defaults.py, autocast.py, placement.py,
+  wrappers.py), and how hooks and mode stay out of compiled code (compiled_regions.py,
+  compiled_functions.py);
+* ``compiled/`` sees inside compiled graphs: a dynamo backend that taps a graph's values
+  (graph_taps.py) and gradients (grad_taps.py), named as the eager run names the same calls
+  (graph_names.py, graph_marks.py, graph_events.py);
+* ``numbers/`` turns tensors into statistics and sketches: per tensor (stats.py, sketch.py),
+  a CPU batch at a time (host_batch.py, host_view.py), a device bucket at a time
+  (bulk_stats.py), per DTensor shard (shard_sketch.py);
+* ``recorder.py`` makes the records both wings hand it, with the numbers of numbers/.
+
+The names below are what the debugger, the replay and ``probe.compile`` use; code outside
+capture imports them from here.
+"""
+
+from probe.capture.recorder import Recorder
+from probe.capture.eager.api_mode import ApiCaptureMode
+from probe.capture.eager.compiled_regions import Gate
+from probe.capture.eager.defaults import bound_values
+from probe.capture.eager.filters import CaptureFilter
+from probe.capture.eager.module_hooks import ModuleHooks
+from probe.capture.eager.values import SourceLocator, flatten
+from probe.capture.eager.wrappers import user_modules
+from probe.capture.numbers.host_batch import HostBatch
+from probe.capture.compiled.graph_taps import activate as activate_graph_taps
+from probe.capture.compiled.graph_taps import compile
+from probe.capture.compiled.graph_taps import deactivate as deactivate_graph_taps
+
+__all__ = [
+    "Recorder", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules", "activate_graph_taps",
+    "deactivate_graph_taps", "compile", "CaptureFilter", "HostBatch", "SourceLocator", "flatten",
+    "bound_values",
+]

@@ -30,20 +30,23 @@ import weakref
 
 import torch
 
-from probe.capture import stats
-from probe.capture.bulk_stats import bulk_device_stats
-from probe.capture.host_view import host_read_view
-from probe.capture.placement import dtensor_class, local_and_placement
-from probe.capture.shard_sketch import shard_layout, shard_sketch
-from probe.capture.sketch import pack as pack_sketch
-from probe.capture.host_batch import SMALL_MAX, HostBatch, HostSlot
-from probe.capture.stats import host_stats_and_sketch
-from probe.capture.filters import BY_KEY, CaptureFilter
-from probe.capture.naming import Namer
-from probe.capture.values import SourceLocator, describe_value, flatten
+from probe import compat
+from probe.capture.numbers import stats
+from probe.capture.numbers.bulk_stats import bulk_device_stats
+from probe.capture.numbers.host_view import host_read_view
+from probe.capture.eager.placement import dtensor_class, local_and_placement
+from probe.capture.numbers.shard_sketch import shard_layout, shard_sketch
+from probe.capture.numbers.sketch import pack as pack_sketch
+from probe.capture.numbers.host_batch import SMALL_MAX, HostBatch, HostSlot
+from probe.capture.numbers.stats import host_stats_and_sketch
+from probe.capture.eager.filters import BY_KEY, CaptureFilter
+from probe.capture.eager.naming import Namer
+from probe.capture.eager.values import SourceLocator, describe_value, flatten
 from probe.config import Config
 from probe.dump.schema import COLUMN_NAMES
 from probe.errors import DumpError, ProbeError
+
+_version_of = compat.tensor_version  # bumped by every in-place write
 
 Tensor = torch.Tensor
 NAN = float("nan")
@@ -95,7 +98,7 @@ class Recorder:
         self.filter = capture_filter or CaptureFilter(config)
         self.decisions = self.filter.decisions  # (module, op) -> decision, for the hot path
         self.writer = None
-        self._open_writer = open_writer
+        self.open_writer = open_writer
         self.namer = Namer()
         self.locate = locate or SourceLocator()
         self.module_stack: list[str] = []
@@ -109,7 +112,7 @@ class Recorder:
         self.active = False
         self.generation = 0
         self.calls = 0  # captured API and module calls (for the benchmark)
-        #: [first_seq, last_seq, dtype] runs of API calls made under autocast (capture/autocast.py);
+        #: [first_seq, last_seq, dtype] runs of API calls made under autocast (capture/eager/autocast.py);
         #: the debugger points it at the step's root attribute "autocast"
         self.autocast_runs: list = []
         self.autocast_last = [-1]  # seq of the previous API call
@@ -163,11 +166,11 @@ class Recorder:
         if isinstance(value, Tensor):
             placed = ""
             try:
-                version = value._version
+                version = _version_of(value)
                 if type(value) is self._dtensor:  # a shard: its local values and placement
                     # DTensor's in-place ops bump the wrapper's version, not the local one's
                     value, placed = local_and_placement(value)
-                    version = (version, value._version)
+                    version = (version, _version_of(value))
                 cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
                                   version))
             except (RuntimeError, NotImplementedError, AttributeError):
@@ -338,9 +341,9 @@ class Recorder:
             return -1  # storing stopped at the first failed write (disk full, ...)
         try:
             if self.writer is None:
-                if self._open_writer is None:
+                if self.open_writer is None:
                     return -1
-                self.writer = self._open_writer()
+                self.writer = self.open_writer()
             return self.writer.add_tensor(tensor.detach().clone())
         except DumpError as error:
             # never raise inside the user's forward/backward/optimizer step: remember it,
@@ -429,7 +432,7 @@ def _stored_values(tensor: Tensor) -> Tensor:
     """Sparse and other non-strided layouts: the stored values (docs/capture.md)."""
     try:
         if tensor.layout == torch.sparse_coo:
-            return tensor._values()
+            return compat.sparse_values(tensor)
         return tensor.values()
     except (RuntimeError, NotImplementedError, AttributeError):
         return tensor.new_empty(0)

@@ -3,7 +3,7 @@
 Each run is a fresh process started the way ``probe run`` starts one (PYTHONHASHSEED, and
 PROBE_CONFIG pointing at a copy of the config forced to task "checksum" with its own
 dump_path), so the script's ``PrecisionDebugger()`` seeds and dumps alike in every run. The
-dumps are then compared bit for bit (probe/determinism.py). This module does not import torch.
+dumps are then compared bit for bit (probe/analysis/determinism.py). This module does not import torch.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import tempfile
 
 import click
 
-from probe.commands.run import _check_executable, build_env, run_child
+from probe.commands.run import check_executable, build_env, run_child
 from probe.config import Config, load
-from probe.determinism import bit_compare, format_report, nothing_recorded
+from probe.analysis.determinism import bit_compare, format_report, nothing_recorded
 from probe.errors import DumpFormatError, NothingRecordedError, ProbeError
 
 USAGE = ("probe determinism [-c config.json] [--runs 2] [--dump DIR] [--hash-seed same|vary] "
@@ -74,7 +74,7 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, as_json, command) -
     if not command:
         raise ProbeError(f"determinism: no command given after --; usage: {USAGE}")
     base = load(config_path) if config_path is not None else Config()
-    _check_executable(command[0], dict(os.environ), "determinism")
+    check_executable(command[0], dict(os.environ), "determinism")
     folder = os.path.abspath(dump_dir) if dump_dir else tempfile.mkdtemp(prefix="probe-determinism-")
     try:
         dumps = [_run(command, base, folder, run, runs, hash_seed) for run in range(1, runs + 1)]
@@ -124,7 +124,7 @@ def _run(command, base: Config, folder: str, run: int, runs: int, hash_seed: str
     env = build_env(load(config_file), None, dict(os.environ))
     if hash_seed == "vary":
         env["PYTHONHASHSEED"] = str((forced.seed + run - 1) % _HASH_SEEDS)
-    _check_executable(command[0], env, "determinism")
+    check_executable(command[0], env, "determinism")
     shown = " ".join(command)
     click.echo(f"probe determinism: run {run} of {runs}: {shown}", err=True)
     sys.stderr.flush()

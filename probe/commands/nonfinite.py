@@ -7,7 +7,7 @@ import json
 import click
 
 from probe.dump.reader import load
-from probe.nonfinite import find_nonfinite
+from probe.analysis.nonfinite import find_nonfinite
 
 
 @click.command("nonfinite", short_help="Find the first NaN/Inf in one dump.")

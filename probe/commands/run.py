@@ -49,7 +49,7 @@ def _terminal_delivers_sigint() -> bool:
         return False
 
 
-def _check_executable(program: str, env: dict[str, str], caller: str = "run") -> None:
+def check_executable(program: str, env: dict[str, str], caller: str = "run") -> None:
     """Fail with one line before anything is printed or started when ``program`` cannot run.
     ``caller``: the probe command whose message it is ("run", "determinism")."""
     if os.sep in program or (os.altsep and os.altsep in program):
@@ -202,7 +202,7 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
         from probe.autoattach import attach_env
 
         env = attach_env(env)
-    _check_executable(command[0], env)
+    check_executable(command[0], env)
     if not quiet:
         shown = ("PYTHONHASHSEED", ENV_SEED, ENV_CONFIG, "CUBLAS_WORKSPACE_CONFIG",
                  "HCCL_DETERMINISTIC", "PROBE_ATTACH")

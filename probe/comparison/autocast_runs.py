@@ -1,5 +1,5 @@
 """Whether both runs computed under autocast, read from their step files' root attribute
-``autocast`` (probe/capture/autocast.py): then every record from the first autocast call on
+``autocast`` (probe/capture/eager/autocast.py): then every record from the first autocast call on
 carries that dtype's rounding (measure.py judges it at that dtype's tolerance at least).
 Torch-free.
 """

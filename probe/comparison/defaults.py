@@ -1,7 +1,7 @@
 """Pair an argument one run left at its default with the same argument the other run spelled out.
 
 Capture records a call's defaults that choose the function at ``default.<name>``
-(probe/capture/defaults.py), what the call passed at ``kwarg.<name>``. ``F.gelu(x)`` in A and
+(probe/capture/eager/defaults.py), what the call passed at ``kwarg.<name>``. ``F.gelu(x)`` in A and
 ``F.gelu(x, approximate="tanh")`` in B then compare as ``kwarg.approximate``: "none" in A,
 "tanh" in B, a changed argument. A default whose name the other run did not pass by keyword
 is not compared (both runs recorded it alike, or the other passed it by position), so dumps

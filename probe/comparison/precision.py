@@ -4,7 +4,7 @@ A lower dtype on one side is judged at that dtype's tolerance, so its rounding a
 fails a compare; without this module such an op passed in silence. The rules, per paired
 API forward call whose floating output has a coarser dtype on one side (``X``):
 
-* the call ran under autocast on X (root attribute ``autocast``, probe/capture/autocast.py):
+* the call ran under autocast on X (root attribute ``autocast``, probe/capture/eager/autocast.py):
   expected, autocast chose that precision. Counted in a note, not a divergence.
 * the runs compute in different dtypes throughout (their most common output dtypes differ:
   a float32 run against a ``model.double()`` one): a choice of the whole run, listed under

@@ -1,7 +1,7 @@
 """Normalize stage: the records of every rank of one step -> records of logical tensors.
 
 FSDP2 and tensor parallel record each DTensor as the rank's local shard plus its placement
-(the ``placement`` column, probe/capture/placement.py). A shard pairs with nothing in a run
+(the ``placement`` column, probe/capture/eager/placement.py). A shard pairs with nothing in a run
 sharded differently, or not at all: what pairs is the logical tensor. ``merge_ranks`` takes
 the records of all ranks of one step file set and gives each rank a view in which every
 sharded record stands for its logical tensor:
@@ -10,7 +10,7 @@ sharded record stands for its logical tensor:
   offset; min and max of the copies' extremes, the sum from each shard's mean and numel,
   the norm from the shards' squared norms, NaN and Inf counts added; shape and numel are
   the logical tensor's. The sketch is the sum of the shards' sketches: capture takes each
-  with the projection entries of the shard's logical positions (capture/shard_sketch.py),
+  with the projection entries of the shard's logical positions (capture/numbers/shard_sketch.py),
   so the sum is the logical tensor's sketch; where a shard has none (a placement without an
   offset; a column block in a dump of a version that sketched row shards only), the logical
   record has none. There is no checksum of the logical tensor; where

@@ -1,6 +1,6 @@
 """Measure ||a - b|| / ||a|| of a record pair from the two runs' sketches (no tensors needed).
 
-Each record of a schema-2 dump carries a sketch y = R x (probe/capture/sketch.py): k inner
+Each record of a schema-2 dump carries a sketch y = R x (probe/capture/numbers/sketch.py): k inner
 products of the tensor's values with fixed +-1 vectors, the same in every run and on every
 device. So y_a - y_b = R (a - b), and for each of the k rows E[(R d)_j^2] = ||d||^2:
 
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 #: two-sided confidence of the band reports give
 CONFIDENCE = 0.95
-#: the capture's row length and rows per super-row (probe.capture.sketch; a test ties them)
+#: the capture's row length and rows per super-row (probe.capture.numbers.sketch; a test ties them)
 BLOCK = 251
 GROUPS = 16
 #: the rounding floor in units of eps * sqrt(BLOCK) * norm, per side
@@ -131,7 +131,7 @@ def band_percent(k: int, confidence: float = CONFIDENCE) -> float:
 
 
 def accumulation_eps(dtype: str) -> float:
-    """Unit roundoff of the arithmetic the capture sketched a dtype in (capture/sketch.py):
+    """Unit roundoff of the arithmetic the capture sketched a dtype in (capture/numbers/sketch.py):
     float64 for float64, complex128, integers and bool; float32 for every other float."""
     if dtype in ("float64", "complex128") or not (dtype.startswith("float") or dtype.startswith("complex")
                                                    or dtype in ("half", "bfloat16")):
@@ -181,7 +181,7 @@ def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dty
              numel: int = 0) -> SketchEstimate | None:
     """The estimate from two sketches (sequences of floats), or None when either is missing,
     empty or not finite (a NaN/Inf in the tensor: the NaN/Inf counts speak then). Sketches
-    of two sizes compare on their common prefix (capture/sketch.py keeps prefixes stable)."""
+    of two sizes compare on their common prefix (capture/numbers/sketch.py keeps prefixes stable)."""
     if sketch_a is None or sketch_b is None:
         return None
     k = min(len(sketch_a), len(sketch_b))

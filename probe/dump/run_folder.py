@@ -33,7 +33,7 @@ from probe.dump import schema
 from probe.errors import DumpError, RunExistsError
 
 #: when this module was imported: the fallback for the process start time (it is imported when
-#: probe.debugger is, before any debugger is constructed)
+#: probe.debugger.debugger is, before any debugger is constructed)
 _IMPORTED_AT = time.time()
 
 

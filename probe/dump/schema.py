@@ -14,7 +14,7 @@ Layout of one file, ``{dump_path}/step{N}/rank{R}.h5``::
     /record_text_ends      int64: end offset of each string in /record_text (exclusive);
                            string c is record_text[ends[c-1]:ends[c]], starting at 0 for c = 0
     /records/sketch        schema 2, optional: float64 of shape (records, k), row i = record
-                           i's random-projection sketch (probe/capture/sketch.py); a row of
+                           i's random-projection sketch (probe/capture/numbers/sketch.py); a row of
                            NaN where the record has none (a non-tensor, an empty tensor).
                            Absent when config sketch_size is 0, and in schema-1 files.
     /tensors/<tensor_id>   task "tensor" only: one dataset per distinct tensor of the step,
@@ -79,8 +79,8 @@ gives them their "absent" value for files without them, and the writer accepts r
                shape and the first index of this rank's shard in it. The record's statistics,
                shape and numel are the local shard's; a shard's ("S(d)") sketch is taken
                at its logical positions, so the shards' sketches add up to the logical
-               tensor's (probe/capture/shard_sketch.py).
-               "" for every other record (probe/capture/placement.py).
+               tensor's (probe/capture/numbers/shard_sketch.py).
+               "" for every other record (probe/capture/eager/placement.py).
 
 Schema history: 1 = the first release; 2 adds /records/sketch, the optional column value_type,
 the root attribute run_id and unique partial names; all of them are optional on read, so a
@@ -156,7 +156,7 @@ ALL_COLUMNS: tuple[tuple[str, str], ...] = RECORD_COLUMNS + tuple((n, k) for n, 
 SKETCH = "sketch"
 SKETCH_DTYPE = "float64"
 #: a record row as the capture side hands it to the writer: the ALL_COLUMNS values, then the
-#: sketch: its k float64 numbers as bytes in the machine's order (probe/capture/sketch.py,
+#: sketch: its k float64 numbers as bytes in the machine's order (probe/capture/numbers/sketch.py,
 #: pack), a sequence of k floats, or None. Narrower rows are accepted too (row_layout).
 ROW_WIDTH = len(ALL_COLUMNS) + 1
 

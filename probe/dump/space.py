@@ -16,7 +16,7 @@ import os
 #: (object headers, B-tree nodes, heaps; ~0.5-1 KiB per dataset) is allocated as it goes
 RESERVE_SLACK = 32 << 10
 #: estimated HDF5 metadata per dataset and per attribute, on top of their data bytes
-#: (tests/test_dump_writer.py checks HDF5 never outgrows the reservation)
+#: (tests/dump/test_dump_writer.py checks HDF5 never outgrows the reservation)
 DATASET_OVERHEAD = 1024
 ATTR_OVERHEAD = 128
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)

@@ -23,7 +23,7 @@ written read as the fill value, NaN)::
     /rows                 float64 (rows, ROW_FIXED + k), fill value NaN. A tensor row: the
                           step, the tensor's index (its description, >= 0), min, max, mean,
                           L2 norm, NaN count, Inf count (NUMBERS), then the tensor's k-number
-                          random-projection sketch (probe/capture/sketch.py; NaN where it
+                          random-projection sketch (probe/capture/numbers/sketch.py; NaN where it
                           has none). After a step's tensor rows, its step row (STEP_ROW):
                           the step, STEP_MARK, the loss (NaN where none was seen), how many
                           tensor rows the step has, how many descriptions exist after it

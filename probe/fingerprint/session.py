@@ -22,7 +22,7 @@ import torch
 
 from probe import config as config_module
 from probe._version import __version__
-from probe.capture import sketch as sketch_module
+from probe.capture.numbers import sketch as sketch_module
 from probe.errors import ConfigError, DivergenceError, DumpError, DumpFormatError, RunExistsError
 from probe.fingerprint import schema
 from probe.fingerprint.live import LiveReference, LiveStep

@@ -1,7 +1,7 @@
 """Taking one step's fingerprint: statistics and the sketch of every parameter, gradient
 and optimizer-state tensor (torch; never h5py).
 
-The numbers are capture's own (capture/stats.py, capture/sketch.py, capture/bulk_stats.py),
+The numbers are capture's own (capture/numbers/: stats.py, sketch.py, bulk_stats.py),
 so a fingerprint's sketch and a step file's sketch of the same tensor are the same numbers.
 
 * CPU tensors (of more than SMALL elements, when a step has BULK_MIN smaller ones): ``stats.host_stats_and_sketch`` per tensor
@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from probe.capture import bulk_stats, stats
+from probe.capture.numbers import bulk_stats, stats
 from probe.fingerprint import schema
 
 _NAN_SKETCH: dict = {}

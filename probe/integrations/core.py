@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from probe.debugger import PrecisionDebugger
+from probe.debugger.debugger import PrecisionDebugger
 
 
 class OptimizerStepCapture:

@@ -1,7 +1,7 @@
 """Whether the two sides called the same function: their non-tensor arguments, by name.
 
 Replay binds each side's recorded arguments to the function's signature, defaults filled in
-(probe/capture/defaults.py), so ``F.gelu(x)`` and ``F.gelu(x, approximate="tanh")`` differ in
+(probe/capture/eager/defaults.py), so ``F.gelu(x)`` and ``F.gelu(x, approximate="tanh")`` differ in
 ``approximate`` and ``F.layer_norm(x, s, w, b, 1e-3)`` against ``eps=1e-5`` in ``eps``.
 Where a tensor lives or which dtype a cast names is not a different function (precision is
 judged on its own), so placement and dtype arguments are left out.

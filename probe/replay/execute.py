@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from probe.capture.defaults import bound_values
+from probe.capture import bound_values
 from probe.replay import ops
 from probe.replay.calls import Call, StepSource, epsilon, is_checked, is_float, rebuild_arguments, to_float64_dtype
 from probe.replay.ops import NotReplayable
@@ -181,7 +181,7 @@ def _signs(shape: tuple) -> Tensor:
 def _output_slots(result, name: str = "output") -> dict:
     if isinstance(result, Tensor):
         return {f"{name}.0": result}
-    from probe.capture.values import flatten  # capture's walk names the slots the same way
+    from probe.capture import flatten  # capture's walk names the slots the same way
 
     return {slot: leaf for slot, leaf in flatten(result, name, []) if isinstance(leaf, Tensor)}
 

@@ -1,6 +1,6 @@
 """Recorded op name -> the torch callable that replays it, or why it cannot be replayed.
 
-The names are capture's (probe.capture.naming): ``functional.gelu`` -> torch.nn.functional.gelu,
+The names are capture's (probe.capture.eager.naming): ``functional.gelu`` -> torch.nn.functional.gelu,
 ``torch.conv2d`` -> torch.conv2d, ``linalg.vector_norm`` -> torch.linalg.vector_norm,
 ``Tensor.add`` -> torch.Tensor.add (called with the tensor as first argument), ``ops.aten.mm.default``
 -> torch.ops.aten.mm.default. An in-place op (``Tensor.add_``, ``Tensor.__iadd__``) replays out of
@@ -16,6 +16,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from probe import compat
 
 #: ops whose output is a random draw: replaying them says nothing about the recorded kernel
 RANDOM_OPS = frozenset({
@@ -51,7 +53,7 @@ CASTS = frozenset({"Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.dou
 
 _NAMESPACES = {
     "torch": (torch,),
-    "functional": (F, torch._C._nn),
+    "functional": (F, compat.C_NN),
     "linalg": (torch.linalg,),
     "fft": (torch.fft,),
     "special": (torch.special,),

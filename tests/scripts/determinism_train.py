@@ -1,4 +1,4 @@
-"""A tiny training loop for tests/test_determinism.py, run by `probe determinism`.
+"""A tiny training loop for tests/analysis/test_determinism.py, run by `probe determinism`.
 
     python tests/scripts/determinism_train.py [--steps 2] [--unseeded-noise] [--hash-order]
                                               [--fail CODE] [--no-debugger]

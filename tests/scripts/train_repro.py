@@ -2,7 +2,7 @@
 
 Every random source a real training loop touches is in play: dropout, a shuffled DataLoader
 with two workers that draw numpy and Python random numbers, and numpy/Python randomness in the
-loop itself. Run by tests/test_seed.py in separate processes.
+loop itself. Run by tests/seed/test_seed.py in separate processes.
 
     python tests/scripts/train_repro.py --runs none,3,4 --mode true --steps 20
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from probe.data import dataloader_kwargs  # noqa: E402
+from probe.seed.data import dataloader_kwargs  # noqa: E402
 from probe.seed import seed_all  # noqa: E402
 
 

@@ -33,7 +33,7 @@ def _scale_qkv(model):
 
 
 def _conv_net():
-    from tests.test_compare_different_models import TinyConv
+    from tests.compare.test_compare_different_models import TinyConv
 
     return TinyConv()
 

@@ -1,4 +1,4 @@
-"""Subprocess scenarios for tests/test_crash_safety.py: python writer_child.py MODE DUMP_PATH [N].
+"""Subprocess scenarios for tests/dump/test_crash_safety.py: python writer_child.py MODE DUMP_PATH [N].
 
   hang N         finish steps 0..N-1, then keep writing tensors of step N forever after
                  printing "in step N" (the parent SIGKILLs it)

@@ -1,0 +1,120 @@
+"""Functions compiled with ``@torch.compile`` that an eager model calls.
+
+Such a function is a compiled region too: dynamo evaluates its frame under the
+TorchFunctionMode stack of the moment, so probe's api mode on that stack would be traced (a
+graph break, or worse) and its coming and going would fail the compiled code's guard on the
+stack (a recompile). A model's ``forward`` reaches these functions through the globals of the
+file that defines it, or as methods of its class: probe finds them there and, while a capture
+is on, has each one's dynamo context take probe's modes off the stack around the call, the way
+compiled_regions.Gate does around a compiled module.
+
+The gate is an entry of the context's ``enter_exit_hooks``: dynamo runs them before it
+evaluates the function's frame and runs what they return after the call, exceptions included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from probe import compat
+
+_MAX_CLASSES = 4096  # module classes looked at per model: a bound on a pathological model
+
+
+def _compiling_context_type():
+    """dynamo's context of a function that torch.compile compiles (not of one that
+    torch.compiler.disable keeps eager: that one's ops run eagerly and are recorded)."""
+    return compat.dynamo_compiling_context_type()
+
+
+#: the module classes of a model -> (the contexts found, ((namespace, ids of its values), ...)):
+#: start() runs every step, and a model's classes and the files defining them seldom change;
+#: a global added or rebound since (a function compiled later) changes the ids
+_found: dict = {}
+_FOUND_LIMIT = 64
+
+
+def find(model: torch.nn.Module, modules=None) -> list:
+    """The dynamo contexts of the compiled functions that ``model``'s classes reach: the
+    globals of the files defining their ``forward`` and the functions in the classes.
+    ``modules``: the model's modules when the caller has walked them already."""
+    kind = _compiling_context_type()
+    if not kind:
+        return []
+    key = frozenset(type(module) for module in (model.modules() if modules is None else modules))
+    known = _found.get(key)
+    if known is not None and all(_ids(namespace) == ids for namespace, ids in known[1]):
+        return known[0]
+    contexts: dict = {}
+    classes: set = set()
+    namespaces: dict = {}
+    for module_class in key:
+        for cls in module_class.__mro__:
+            if cls in classes or cls is torch.nn.Module or cls is object:
+                continue
+            classes.add(cls)
+            if len(classes) > _MAX_CLASSES:
+                return list(contexts.values())
+            for value in list(vars(cls).values()):
+                _collect(value, contexts, kind)
+            forward = getattr(vars(cls).get("forward"), "__globals__", None)
+            if forward is not None and id(forward) not in namespaces:
+                namespaces[id(forward)] = forward
+                for value in list(forward.values()):
+                    _collect(value, contexts, kind)
+    found = list(contexts.values())
+    if len(_found) < _FOUND_LIMIT:
+        _found[key] = (found, tuple((namespace, _ids(namespace)) for namespace in namespaces.values()))
+    return found
+
+
+def _ids(namespace: dict) -> tuple:
+    return tuple(map(id, namespace.values()))
+
+
+def _collect(value, contexts: dict, kind) -> None:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, torch.nn.Module) or not callable(value):
+        return
+    try:
+        if compat.dynamo_original(value) is None:
+            return
+        cells = getattr(value, "__closure__", None) or ()
+    except Exception:  # an object whose attribute lookup raises: not a compiled function
+        return
+    for cell in cells:
+        try:
+            context = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(context, kind) \
+                and isinstance(getattr(context, "enter_exit_hooks", None), list):
+            contexts[id(context)] = context
+
+
+class FunctionGates:
+    """The gate on every compiled function a model reaches, from install() to remove()."""
+
+    def __init__(self, gate) -> None:
+        self.gate = gate
+        self._hooked: list = []
+
+    def install(self, model: torch.nn.Module, modules=None) -> None:
+        gate = self.gate
+
+        def around_call():
+            gate.enter()
+            return gate.leave
+
+        for context in find(model, modules):
+            context.enter_exit_hooks.append(around_call)
+            self._hooked.append((context, around_call))
+
+    def remove(self) -> None:
+        hooked, self._hooked = self._hooked, []
+        for context, hook in hooked:
+            try:
+                context.enter_exit_hooks.remove(hook)
+            except ValueError:
+                pass

@@ -1,0 +1,104 @@
+"""A function compiled with @torch.compile and called from an eager model is a compiled region:
+probe's modes are off the stack while it runs, so capture causes no graph break, recompile or
+dynamo warning there, and the eager code around it is recorded as usual."""
+
+import contextlib
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import probe
+import torch_versions
+
+pytestmark = torch_versions.needs_compiled_capture()
+
+
+@torch.compile(backend="aot_eager")
+def gated_gelu(x, weight):
+    return torch.nn.functional.gelu(x) * weight + x.sin()
+
+
+class Net(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.fc(gated_gelu(self.fc(x), self.weight)).sum()
+
+
+def _train(tmp_path, level, captured):
+    """Three steps, the middle one captured; (step file, graph breaks, graphs, messages)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    debugger = probe.PrecisionDebugger({"level": level, "dump_path": str(tmp_path / level),
+                                        "writer": "inline", "step": [1]})
+    stderr = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(stderr):
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with debugger.capture(model) if captured else contextlib.nullcontext():
+                model(x).backward()
+    debugger.close()
+    messages = [str(w.message) for w in caught] + [stderr.getvalue()]
+    return (debugger.last_file, sum(counters["graph_break"].values()),
+            counters["stats"].get("unique_graphs", 0), messages)
+
+
+@pytest.mark.parametrize("level", ["api", "mix"])
+def test_a_compiled_function_called_by_an_eager_model_runs_compiled_under_capture(tmp_path,
+                                                                                  level):
+    _, _, graphs_without_probe, _ = _train(tmp_path / "plain", level, captured=False)
+    path, breaks, graphs, messages = _train(tmp_path, level, captured=True)
+    torch._dynamo.reset()
+    assert breaks == 0
+    assert graphs == graphs_without_probe == 1  # the mode's coming and going recompiles nothing
+    assert not [m for m in messages if "dynamo" in m.lower() or "recompil" in m.lower()]
+    keys = {record["key"] for record in probe.load(path).records()}
+    assert "fc/functional.linear#1/forward/output.0" in keys  # the eager code after the call
+    assert not any("gelu" in key for key in keys)  # inside the compiled function: not traced
+
+
+def test_the_gate_on_a_compiled_function_is_removed_at_stop(tmp_path):
+    from probe.capture.eager import compiled_functions
+
+    model = Net()
+    contexts = compiled_functions.find(model)
+    assert len(contexts) == 1
+    before = list(contexts[0].enter_exit_hooks)
+    debugger = probe.PrecisionDebugger({"level": "api", "dump_path": str(tmp_path / "d")})
+    debugger.start(model)
+    assert len(contexts[0].enter_exit_hooks) == len(before) + 1
+    debugger.stop()
+    debugger.close()
+    assert contexts[0].enter_exit_hooks == before
+
+
+def test_a_function_compiled_after_an_earlier_start_is_found_at_the_next_one():
+    """start() remembers what it found per set of module classes; a function compiled into
+    the defining file's globals later is found all the same."""
+    import types
+
+    from probe.capture.eager.compiled_functions import find
+
+    namespace = types.ModuleType("late_compiled_model")
+    exec("import torch\n"
+         "class Late(torch.nn.Module):\n"
+         "    def forward(self, x):\n"
+         "        return helper(x)\n"
+         "def helper(x):\n"
+         "    return x + 1\n", namespace.__dict__)
+    model = namespace.Late()
+    assert find(model) == []
+    namespace.helper = torch.compile(namespace.helper, backend="aot_eager")
+    assert len(find(model)) == 1
+    assert len(find(model, list(model.modules()))) == 1
