@@ -10,8 +10,8 @@
 3. Both runs again, that one update step dumped in full (task tensor, level mix), and probe
    compare on the two dumps: the op, or "rounding only".
 
-    python examples/reinforcement_learning/where_they_part.py            # ~2 minutes on 2 CPU cores
-    python examples/reinforcement_learning/where_they_part.py --smoke    # CI size
+    python examples/reinforcement_learning/where_they_part.py            # 20 updates, a few minutes on 2 CPU cores
+    python examples/reinforcement_learning/where_they_part.py --smoke    # 6 updates
 Needs gymnasium (pip install 'precision-probe[examples]').
 """
 
@@ -78,11 +78,12 @@ def training(dump_path, updates, settings, device, other, full_step=None):
 
 
 def main():
-    parser = example_parser(__doc__, "rl_where_they_part", "12 updates of 128 steps")
-    parser.add_argument("--updates", type=int, default=25)
+    parser = example_parser(__doc__, "rl_where_they_part", "6 updates")
+    parser.add_argument("--updates", type=int, default=20, help="rollouts of 128 steps, 8 minibatch updates each")
     args = parser.parse_args()
-    settings = PPOSettings(rollout_steps=128, minibatch=64) if args.smoke else PPOSettings()
-    updates = 12 if args.smoke else args.updates
+    # short rollouts: other_rounding sums every reduction in Python-chosen order, slow per call
+    settings = PPOSettings(rollout_steps=128, minibatch=64)
+    updates = 6 if args.smoke else args.updates
     shutil.rmtree(args.out, ignore_errors=True)
     runs = {side: os.path.join(args.out, side) for side in ("cpu", "other")}
     other_words = f"{args.device}" if args.device != "cpu" else "CPU with other_rounding (another summation order)"
