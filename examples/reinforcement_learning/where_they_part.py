@@ -101,7 +101,7 @@ def main():
     print("\n2. probe compare on the fingerprints")
     primary, results = command.run(runs["cpu"], runs["other"])
     for line in report.terminal(primary).splitlines():
-        print(f"   {line}")
+        print(f"   {line}".rstrip())
     step = primary.jump_step if primary.jump_step is not None else primary.parting_step
     if step is None:
         print("   the runs never part: nothing to dump")
@@ -117,6 +117,8 @@ def main():
     html = os.path.join(args.out, "report.html")
     result.write_html(html)
     print_compare_summary(result, list(dumps.values()), html)
+    if result.verdict == "pass":
+        print("   rounding only: no op of that update step differs beyond its tolerance")
     return 0
 
 
