@@ -131,3 +131,23 @@ def test_with_fingerprints_on_an_empty_step_list_captures_no_step_in_full():
     assert from_dict({}).wants_step(5)
     assert not from_dict({"fingerprint": True}).wants_step(5)
     assert from_dict({"fingerprint": True, "step": [5]}).wants_step(5)
+
+
+def test_a_step_of_many_small_tensors_in_bulk_gives_each_tensors_own_statistics_and_sketch():
+    """take() sends a step's small CPU tensors through the bulk path (capture's
+    bulk_device_stats, as on a device): the numbers must be each tensor's own."""
+    import torch
+
+    from probe.capture.numbers import stats
+    from probe.fingerprint import take
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(3 + 7 * i, generator=generator) * (i + 1)) for i in range(take.BULK_MIN + 6)]
+    _, rows = take.take(0, tensors, K).resolve()
+    by_name = {name: (numbers, sketch) for name, numbers, sketch in rows}
+    for name, tensor in tensors:
+        numbers, packed = stats.host_stats_and_sketch(tensor, K)
+        got_numbers, got_sketch = by_name[name]
+        assert np.allclose(got_numbers, numbers, rtol=1e-5, atol=1e-6), name
+        expected = np.frombuffer(packed)  # the same linear map, summed in another order: float32 rounding
+        assert np.abs(got_sketch - expected).max() <= 1e-5 * np.linalg.norm(expected), name
