@@ -138,21 +138,21 @@ class FingerprintRecorder:
             self._write(pending)
 
     def _write(self, pending: take_module.PendingPrint) -> None:
-        loss, rows = pending.resolve()
+        loss, names, numbers, sketches = pending.resolve()
         if self._writer is None:
             self.path = self._path_of()
             self._writer = FingerprintWriter(self.path, self._attrs, self.k)
         described, self._new = self._new, []
-        table = np.empty((len(rows) + 1, schema.ROW_FIXED + self.k))  # + the step row
-        for position, (name, numbers, sketch) in enumerate(rows):
-            table[position, 1] = self._index[name]
-            table[position, 2:schema.ROW_FIXED] = numbers
-            table[position, schema.ROW_FIXED:] = sketch
+        count = len(names)
+        table = np.empty((count + 1, schema.ROW_FIXED + self.k))  # + the step row
+        table[:count, 1] = [self._index[name] for name in names]
+        table[:count, 2:schema.ROW_FIXED] = numbers
+        table[:count, schema.ROW_FIXED:] = sketches
         loss = float(loss) if loss is not None else math.nan
         self._writer.append(pending.step, loss, described, table)
         self.steps_written += 1
         if self._on_step is not None:
-            self._on_step(pending.step, loss, rows, self.described)
+            self._on_step(pending.step, loss, list(zip(names, numbers, sketches)), self.described)
 
     def close(self) -> None:
         """Write what waits, close the file and remove the hook (idempotent)."""

@@ -71,7 +71,8 @@ def optimizer_tensors(optimizer, names: dict, prefix: str) -> list[tuple[str, st
 
 class PendingPrint:
     """One step's fingerprint, maybe still on its way from the device: ``resolve()`` gives
-    (loss, [(name, numbers (6,), sketch (k,))])."""
+    (loss, names, numbers (tensors, 6), sketches (tensors, k)), numpy arrays made whole (a
+    step of a large model has thousands of tensors: nothing is done per tensor here)."""
 
     def __init__(self, step: int, k: int) -> None:
         self.step = step
@@ -91,40 +92,34 @@ class PendingPrint:
         self._host.extend(other._host)
         self._more.append(other)
 
-    def resolve(self) -> tuple[float, list]:
-        rows = [(name, np.asarray(numbers, dtype=np.float64), _unpacked(packed, self.k))
-                for name, numbers, packed in self._host]
-        if self._device is not None:
-            rows.extend(self._device_rows())
-        for other in self._more:
-            if other._device is not None:
-                rows.extend(PendingPrint._device_rows(other))
+    def resolve(self) -> tuple[float, list, np.ndarray, np.ndarray]:
+        k = self.k
+        names = [name for name, _, _ in self._host]
+        numbers = [np.array([entry[1] for entry in self._host], dtype=np.float64).reshape(-1, 6)]
+        missing = _nan_sketch(k).tobytes()
+        blob = b"".join(packed if packed is not None and len(packed) == 8 * k else missing
+                        for _, _, packed in self._host)
+        sketches = [np.frombuffer(blob, dtype=np.float64).reshape(-1, k)]
+        for part in (self, *self._more):
+            if part._device is not None:
+                part_names, part_numbers, part_sketches = part._device_rows()
+                names += part_names
+                numbers.append(part_numbers)
+                sketches.append(part_sketches)
         loss = self.loss
         if isinstance(loss, torch.Tensor):
             loss = float(loss)
-        return loss, rows
+        return loss, names, np.concatenate(numbers), np.concatenate(sketches)
 
-
-    def _device_rows(self) -> list:
+    def _device_rows(self) -> tuple[list, np.ndarray, np.ndarray]:
         names, numels, values, counts, event = self._device
         if event is not None:
             event.synchronize()
-        width = 4 + self.k
-        rows = []
-        for position, (name, numel) in enumerate(zip(names, numels)):
-            row = values[position]
-            low, high, total, norm = row[:4].tolist()
-            nans, infs = counts[position].tolist()
-            sketched = row[4:width] if row.shape[0] >= width else _nan_sketch(self.k)
-            rows.append((name, np.array([low, high, total / numel, norm, nans, infs]), sketched))
-        return rows
-
-
-def _unpacked(packed: bytes | None, k: int) -> np.ndarray:
-    if packed is None:
-        return _nan_sketch(k)
-    values = np.frombuffer(packed, dtype=np.float64)
-    return values if values.shape[0] == k else _nan_sketch(k)
+        numbers = np.empty((len(names), 6))
+        numbers[:, :4] = values[:, :4]
+        numbers[:, 2] /= np.asarray(numels, dtype=np.float64)  # the sum -> the mean
+        numbers[:, 4:] = counts
+        return list(names), numbers, values[:, 4:4 + self.k]
 
 
 #: CPU tensors up to SMALL elements go through the bulk path with the device tensors (a fixed

@@ -143,8 +143,8 @@ def test_a_step_of_many_small_tensors_in_bulk_gives_each_tensors_own_statistics_
 
     generator = torch.Generator().manual_seed(0)
     tensors = [(f"t{i}", torch.randn(3 + 7 * i, generator=generator) * (i + 1)) for i in range(take.BULK_MIN + 6)]
-    _, rows = take.take(0, tensors, K).resolve()
-    by_name = {name: (numbers, sketch) for name, numbers, sketch in rows}
+    _, names, numbers_found, sketches_found = take.take(0, tensors, K).resolve()
+    by_name = {name: (numbers, sketch) for name, numbers, sketch in zip(names, numbers_found, sketches_found)}
     for name, tensor in tensors:
         numbers, packed = stats.host_stats_and_sketch(tensor, K)
         got_numbers, got_sketch = by_name[name]
