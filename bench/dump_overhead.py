@@ -40,8 +40,9 @@ Columns:
                      and in one stats api step (start to step()), counted by torch.profiler in
                      an untimed step; ops ratio = api / plain
   kernels plain/api  with --device cuda: CUDA kernels (and copies) of the same two steps
-  bulk api, kernels bulk   with --device cuda: stats api with recorder.BULK_STATS on (a
-                     bucket's statistics in a few launches, probe/capture/numbers/bulk_stats.py)
+  syncs api          with --device cuda: host synchronisations between start() and stop() of
+                     one stats api step (torch.cuda.set_sync_debug_mode("warn"), warnings
+                     counted); the device path's target is 0
   msprobe L1/L0      where mindstudio-probe is installed (else "-"): msprobe's statistics dump
                      at API level (L1) and module level (L0), every step, the same step
                      boundaries, timed in the same rounds (bench/msprobe_variants.py says how
@@ -74,13 +75,21 @@ sys.path.insert(0, REPO)
 
 from bench import msprobe_variants  # noqa: E402  (needs REPO on the path)
 
+_GPT2S = {"d_model": 768, "n_heads": 12, "n_layers": 12, "max_len": 512}
+
 MODELS = {
-    # name: (constructor name, batch size, label)
-    "mlp": ("MLP", 32, "MLP 256-512-10 (batch 32)"),
-    "convnet": ("SmallConvNet", 32, "SmallConvNet (batch 32)"),
-    "deepmlp": ("DeepMLP", 32, "DeepMLP 48 blocks (batch 32)"),
-    "gpt": ("TinyGPT", 8, "GPT-small (TinyGPT, batch 8)"),
+    # name: (constructor name, batch size, label, constructor and batch sizes, autocast dtype)
+    "mlp": ("MLP", 32, "MLP 256-512-10 (batch 32)", {}, None),
+    "convnet": ("SmallConvNet", 32, "SmallConvNet (batch 32)", {}, None),
+    "deepmlp": ("DeepMLP", 32, "DeepMLP 48 blocks (batch 32)", {}, None),
+    "gpt": ("TinyGPT", 8, "GPT-small (TinyGPT, batch 8)", {}, None),
+    # GPT-2 small's shape: 12 layers, d 768, T 512 (vocab 1000): GPU runs; slow on a CPU
+    "gpt2s": ("TinyGPT", 8, "GPT-2-small shape (12x768, T 512, batch 8)", _GPT2S, None),
+    "gpt2s-bf16": ("TinyGPT", 8, "GPT-2-small shape, bf16 autocast", _GPT2S, "bfloat16"),
 }
+#: the models run when --models is not given (the gpt2s rows need a GPU to finish in minutes)
+DEFAULT_MODELS = {"cpu": ("mlp", "convnet", "deepmlp", "gpt"),
+                  "cuda": ("mlp", "convnet", "deepmlp", "gpt", "gpt2s", "gpt2s-bf16")}
 TENSOR_MODELS = ("mlp", "convnet")
 
 
@@ -116,16 +125,25 @@ class Variant:
     """One way of running a step: baseline, or with a debugger in some configuration."""
 
     def __init__(self, name, model, optimizer, batch, dump_root, config=None, construct=False,
-                 select=True, synchronize=None, bulk=False):
+                 select=True, synchronize=None, autocast=None):
         from examples.models import train_step
         from probe.config import Config
         from probe.debugger.debugger import PrecisionDebugger
 
         self.name = name
-        self._train = lambda: train_step(model, optimizer, *batch)
+        if autocast is None:
+            self._train = lambda: train_step(model, optimizer, *batch)
+        else:
+            import torch
+
+            device_type, dtype = batch[0].device.type, getattr(torch, autocast)
+
+            def train_under_autocast():
+                with torch.autocast(device_type, dtype=dtype):
+                    return train_step(model, optimizer, *batch)
+            self._train = train_under_autocast
         #: torch.cuda.synchronize on a GPU (a step's time is its kernels' time), else nothing
         self._sync = synchronize or (lambda: None)
-        self._bulk = bulk  # recorder.BULK_STATS during this variant's steps
         self.model = model
         self.debugger = None
         self.calls = 0
@@ -143,10 +161,7 @@ class Variant:
     def run(self) -> float:
         """One step; returns seconds. self.last_capture: the same without step()'s file write."""
         debugger = self.debugger
-        from probe.capture import recorder
-
         _SKETCH_TIME[0] = 0.0
-        recorder.BULK_STATS = self._bulk
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
@@ -159,7 +174,6 @@ class Variant:
             self._train()
         self._sync()
         elapsed = time.perf_counter() - start
-        recorder.BULK_STATS = False
         self.last_sketch = _SKETCH_TIME[0]
         if not self._captures:
             self.last_capture = elapsed
@@ -194,6 +208,27 @@ def count_dispatches(variant: Variant, device: str) -> tuple[int, int | None]:
     return operators, (kernels if device == "cuda" else None)
 
 
+def count_syncs(variant: Variant) -> int:
+    """Host synchronisations between start() and stop() of one captured CUDA step: CUDA's
+    sync debug mode warns at each one."""
+    import warnings
+
+    import torch
+
+    debugger = variant.debugger
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        debugger.start(variant.model)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            variant._train()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            debugger.stop()
+    debugger.step()
+    return sum(1 for warning in caught if "synchroniz" in str(warning.message).lower())
+
+
 def _dump_ratio(path: str) -> float:
     from probe.dump.reader import open_step_file
 
@@ -211,14 +246,17 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
 
     import examples.models as models
 
-    constructor, batch_size, label = MODELS[key]
+    constructor, batch_size, label, sizes, autocast = MODELS[key]
     torch.manual_seed(0)
-    model = getattr(models, constructor)().to(device)
+    model = getattr(models, constructor)(**sizes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batch = models.make_batch(key, batch_size, generator=torch.Generator().manual_seed(0), device=device)
+    batch_kind = "gpt" if constructor == "TinyGPT" else key
+    batch = models.make_batch(batch_kind, batch_size, generator=torch.Generator().manual_seed(0),
+                              device=device, **sizes)
     sync = torch.cuda.synchronize if device == "cuda" else None
     folder = os.path.join(dump_root, key)  # one dump_path per model and variant: one run each
-    make = lambda name, **kw: Variant(name, model, optimizer, batch, folder, synchronize=sync, **kw)  # noqa: E731
+    make = lambda name, **kw: Variant(name, model, optimizer, batch, folder, synchronize=sync,  # noqa: E731
+                                      autocast=autocast, **kw)
     variants = [
         make("baseline"),
         make("stats api", config={"level": "api"}),
@@ -228,8 +266,6 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         variants[1:1] = [make("not started", construct=True),
                          make("unselected", config={"level": "api"}, select=False)]
         variants += [make("stats module", config={"level": "module"}), make("stats mix", config={"level": "mix"})]
-    if device != "cpu":  # the bulk statistics path only serves deferred records
-        variants.append(make("bulk api", config={"level": "api"}, bulk=True))
     if with_tensor and not sketch_only:
         variants.append(make("tensor api", config={"level": "api", "task": "tensor"}))
     if msprobe and not sketch_only:
@@ -271,9 +307,8 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         result.update(ops_plain=plain_ops, ops_captured=ops, ops_ratio=ops / max(plain_ops, 1),
                       kernels_plain=plain_kernels, kernels_captured=kernels,
                       kernels_ratio=None if kernels is None else kernels / max(plain_kernels, 1))
-        if "bulk api" in by_name:
-            _, bulk_kernels = count_dispatches(by_name["bulk api"], device)
-            result["kernels_bulk"] = bulk_kernels
+        if device == "cuda":
+            result["syncs_api"] = count_syncs(by_name["stats api"])
         if "msprobe L1" in by_name:
             result["ops_msprobe_L1"], result["kernels_msprobe_L1"] = count_dispatches(by_name["msprobe L1"], device)
     for variant in variants[1:]:
@@ -318,8 +353,7 @@ COLUMNS = [
     ("kernels ratio", "{:.1f}x", "kernels_ratio"),
     ("ops msprobe L1", "{}", "ops_msprobe_L1"),
     ("kernels msprobe L1", "{}", "kernels_msprobe_L1"),
-    ("bulk api", "{:.2f}x", "bulk api"),
-    ("kernels bulk", "{}", "kernels_bulk"),
+    ("syncs api", "{}", "syncs_api"),
     ("us/call", "{:.1f}", "us_per_call"),
     ("(no write)", "{:.1f}", "us_per_call_capture"),
     ("dump/distinct", "{:.3f}x", "dump_over_distinct"),
@@ -357,8 +391,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated subset of {', '.join(MODELS)} (default: "
+                             f"{', '.join(DEFAULT_MODELS['cpu'])}; on cuda also gpt2s, gpt2s-bf16)")
     parser.add_argument("--repeats", type=int, default=15, help="timed steps per variant (>= 10)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: mlp and convnet, 5 repeats (numbers are rough)")
@@ -375,7 +410,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-msprobe", action="store_true",
                         help="leave out the msprobe columns even where mindstudio-probe is installed")
     args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
+    models = [m for m in (args.models or ",".join(DEFAULT_MODELS[args.device])).split(",") if m]
     repeats = args.repeats
     if args.quick:
         models = [m for m in models if m in ("mlp", "convnet")] or ["mlp"]

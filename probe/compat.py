@@ -425,7 +425,8 @@ def sharded_capture_gap() -> str | None:
 _warned_sharded = False
 
 
-def _is_sharded(model) -> bool:
+def is_sharded(model) -> bool:
+    """The model has FSDP2 modules or DTensor parameters."""
     # by class name: the FSDP2 and DTensor modules moved between torch versions
     if any(any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
            for module in model.modules()):
@@ -440,7 +441,29 @@ def warn_sharded_capture_gap(model) -> None:
     if _warned_sharded or model is None:
         return
     gap = sharded_capture_gap()
-    if gap is None or not _is_sharded(model):
+    if gap is None or not is_sharded(model):
         return
     _warned_sharded = True
     warnings.warn(f"probe: {gap}; see docs/torch-versions.md", TorchVersionWarning, stacklevel=4)
+
+
+def flatten_dense_tensors(tensors: list):
+    """One flat tensor of the tensors' values, one after another, in one dispatched call
+    (the C++ helper DDP's bucketing uses: no Python-level view per tensor). All tensors
+    must share a dtype and device."""
+    return torch._C._nn.flatten_dense_tensors(tensors)
+
+
+def local_tensor(tensor):
+    """A DTensor's local shard (the tensor its in-place ops write), any other tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return tensor if local is None else local
+
+
+def copy_tensors(tensors: list) -> list:
+    """Copies of the tensors; floating ones of one device in one multi-tensor call
+    (``torch._foreach_mul(..., 1)``: x * 1 is x exactly, NaN, Inf and -0.0 included)."""
+    if len(tensors) > 1 and all(t.is_floating_point() for t in tensors) \
+            and len({t.device for t in tensors}) == 1:
+        return list(torch._foreach_mul(tensors, 1))
+    return [t.clone() for t in tensors]

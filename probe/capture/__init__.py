@@ -3,14 +3,15 @@
 * ``eager/`` sees eager calls: module hooks (module_hooks.py), the API-level TorchFunctionMode
   (api_mode.py, api_backward.py, backward_collectives.py), how a call is named, filtered and
   described (naming.py, filters.py, values.py, defaults.py, autocast.py, placement.py,
-  wrappers.py), and how hooks and mode stay out of compiled code (compiled_regions.py,
+  wrappers.py), which calls write tensors in place (write_watch.py), and how hooks and mode
+  stay out of compiled code (compiled_regions.py,
   compiled_functions.py);
 * ``compiled/`` sees inside compiled graphs: a dynamo backend that taps a graph's values
   (graph_taps.py) and gradients (grad_taps.py), named as the eager run names the same calls
   (graph_names.py, graph_marks.py, graph_events.py);
 * ``numbers/`` turns tensors into statistics and sketches: per tensor (stats.py, sketch.py),
-  a CPU batch at a time (host_batch.py, host_view.py), a device bucket at a time
-  (bulk_stats.py), per DTensor shard (shard_sketch.py);
+  a CPU batch at a time (host_batch.py, host_view.py), a device bucket at a time, read by the
+  host once per step (device_bucket.py), per DTensor shard (shard_sketch.py);
 * ``recorder.py`` makes the records both wings hand it, with the numbers of numbers/.
 
 The names below are what the debugger, the replay and ``probe.compile`` use; code outside
@@ -23,9 +24,11 @@ from probe.capture.eager.compiled_regions import Gate
 from probe.capture.eager.defaults import bound_values
 from probe.capture.eager.filters import CaptureFilter
 from probe.capture.eager.module_hooks import ModuleHooks
+from probe.capture.eager.write_watch import WriteWatchMode
 from probe.capture.eager.values import SourceLocator, flatten
 from probe.capture.eager.wrappers import user_modules
 from probe.capture.numbers.host_batch import HostBatch
+from probe.capture.numbers.device_bucket import DeviceBucket, device_path_on_cpu
 from probe.capture.compiled.graph_taps import activate as activate_graph_taps
 from probe.capture.compiled.graph_taps import compile
 from probe.capture.compiled.graph_taps import deactivate as deactivate_graph_taps
@@ -33,5 +36,5 @@ from probe.capture.compiled.graph_taps import deactivate as deactivate_graph_tap
 __all__ = [
     "Recorder", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules", "activate_graph_taps",
     "deactivate_graph_taps", "compile", "CaptureFilter", "HostBatch", "SourceLocator", "flatten",
-    "bound_values",
+    "bound_values", "DeviceBucket", "WriteWatchMode", "device_path_on_cpu",
 ]

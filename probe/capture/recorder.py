@@ -20,8 +20,11 @@ Python's garbage collector during the step (measured: docs/performance.md).
 
 Rows are tuples in schema.ALL_COLUMNS order followed by the record's sketch (a tuple of
 config.sketch_size floats, or None; schema.ROW_WIDTH). On CPU the statistics and the sketch
-are computed at once; on other devices they stay on the device (stats.device_stats) and are
-filled in by ``resolve()`` with one host copy per batch.
+are computed at once; on other devices (and on the CPU with PROBE_DEVICE_PATH=1) the
+tensors wait in a DeviceBucket (device_bucket.py), whose statistics stay on the device until
+``resolve()`` copies them to the host once per step. A call that is about to write a tensor
+in place tells the recorder first (``before_write``), so the bucket keeps its values as they
+were recorded.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from probe import compat
 from probe.capture.numbers import stats
-from probe.capture.numbers.bulk_stats import bulk_device_stats
+from probe.capture.numbers.device_bucket import DTYPES as _BUCKET_DTYPES, DeviceBucket, DeviceSlot, device_path_on_cpu
 from probe.capture.numbers.host_view import host_read_view
 from probe.capture.eager.placement import dtensor_class, local_and_placement
 from probe.capture.numbers.shard_sketch import shard_layout, shard_sketch
@@ -56,18 +59,7 @@ _STATS_END = _STATS_AT + 6
 _UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
 #: resolve pending device statistics after this many records (bounds device memory)
 PENDING_LIMIT = 20_000
-#: opt-in until measured on a GPU: deferred (device) statistics through
-#: bulk_stats.bulk_device_stats. Each record's values are frozen by one copy at record time
-#: (a later in-place write must not change them) and a bucket's statistics are computed
-#: together when it reaches BUCKET_TENSORS tensors or BUCKET_BYTES bytes, or at resolve().
-BULK_STATS = False
-BUCKET_TENSORS = 256
-BUCKET_BYTES = 64 << 20
 _ref = weakref.ref
-#: what the bulk path reads (bulk_stats: segment reductions); others take device_stats
-_BULK_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-                          torch.bool, torch.complex64, torch.complex128))
 _STRIDED = torch.strided
 #: small float32/float64 CPU tensors' statistics and sketches a batch at a time (host_batch.py)
 HOST_BATCH = True
@@ -90,8 +82,9 @@ class Recorder:
 
     def __init__(self, config: Config, open_writer=None, *, defer_stats: bool | None = None,
                  capture_filter: CaptureFilter | None = None,
-                 locate: SourceLocator | None = None, bulk_stats: bool | None = None,
-                 host_batch: HostBatch | bool | None = None):
+                 locate: SourceLocator | None = None,
+                 host_batch: HostBatch | bool | None = None,
+                 device_bucket: DeviceBucket | None = None):
         self.config = config
         self.task = config.task
         # both keep caches that stay valid across steps: the debugger passes the same ones
@@ -118,11 +111,20 @@ class Recorder:
         self.autocast_last = [-1]  # seq of the previous API call
         #: the first DumpError of this step's tensor writes; storing stops after it
         self.write_error: DumpError | None = None
-        self._defer = defer_stats  # None: defer on non-CPU devices only
+        # None: the device path for non-CPU tensors, and for CPU ones with PROBE_DEVICE_PATH=1
+        self._defer = True if defer_stats is None and device_path_on_cpu() else defer_stats
         self._pending: list[tuple[int, tuple]] = []
-        self._bulk = BULK_STATS if bulk_stats is None else bulk_stats
-        self._bucket: list[tuple[Tensor, list]] = []  # (frozen copy, its pending slot)
-        self._bucket_bytes = 0
+        # a DeviceBucket the caller keeps across steps (its layouts are reused), or a new one
+        if device_bucket is None:
+            device_bucket = DeviceBucket(getattr(config, "sketch_size", 0))
+        self._bucket = device_bucket
+        self._stale_before = self._bucket.stale
+        #: the DTensor whose local shard is being described (its version is the one to watch)
+        self._watched = None
+        #: device-to-host copies made for this step's numbers (the step file's cost)
+        self.host_transfers = 0
+        #: seconds spent in probe's code on the training thread during this step
+        self.busy_s = 0.0
         self._cache: dict = {}
         #: DTensor's class once torch.distributed.tensor is imported (None matches no type)
         self._dtensor = dtensor_class()
@@ -169,6 +171,7 @@ class Recorder:
                 version = _version_of(value)
                 if type(value) is self._dtensor:  # a shard: its local values and placement
                     # DTensor's in-place ops bump the wrapper's version, not the local one's
+                    self._watched = value
                     value, placed = local_and_placement(value)
                     version = (version, _version_of(value))
                 cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
@@ -184,6 +187,7 @@ class Recorder:
                 # address comes back for a gradient while that storage object lives on
                 if entry is None or fresh or entry[0]() is not _lifetime(value):
                     entry = self._describe(value, cache_key)
+            self._watched = None
             rows = self.rows
             sketched = entry[3]
             if placed and "S(" in placed:
@@ -283,8 +287,8 @@ class Recorder:
             numbers = stats.EMPTY_STATS
         elif self._defer if self._defer is not None else not tensor.is_cpu:
             numbers = _UNKNOWN_STATS
-            if self._bulk and values.dtype in _BULK_DTYPES:
-                pending = self._queue(values, numel)
+            if values.dtype in _BUCKET_DTYPES and values.layout is _STRIDED:
+                pending = self._bucket.add(values, self._watched)
             else:
                 values_t, counts_t = stats.device_stats(values, self._sketch_size)
                 pending = (values_t, counts_t, numel)
@@ -315,24 +319,15 @@ class Recorder:
             return None
         return batch.add(array)
 
-    def _queue(self, values: Tensor, numel: int) -> list:
-        """A pending slot [values, counts, numel] that _flush_bucket fills (bulk path)."""
-        slot = [None, None, numel]
-        copy = values.detach().clone()  # frozen now: one copy instead of ~14 launches
-        self._bucket.append((copy, slot))
-        self._bucket_bytes += numel * copy.element_size()
-        if len(self._bucket) >= BUCKET_TENSORS or self._bucket_bytes >= BUCKET_BYTES:
-            self._flush_bucket()
-        return slot
+    def copy_when_recorded(self, on: bool) -> None:
+        """Device path: copy each tensor when it is recorded instead of reading it at the
+        flush (sharded models: FSDP2 frees storage unseen; device_bucket.py)."""
+        self._bucket.copy_on_add = on
 
-    def _flush_bucket(self) -> None:
-        """Statistics of the queued copies in a few calls; the copies are freed."""
-        if not self._bucket:
-            return
-        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
-        pairs = bulk_device_stats([copy for copy, _ in bucket], self._sketch_size)
-        for (_, slot), (values_t, counts_t) in zip(bucket, pairs):
-            slot[0], slot[1] = values_t, counts_t
+    def before_write(self, tensors) -> None:
+        """A call is about to write these tensors in place: what the device bucket holds of
+        them is kept as recorded (device_bucket.DeviceBucket.before_write)."""
+        self._bucket.before_write(tensors)
 
     def _store(self, tensor: Tensor) -> int:
         if not _storable(tensor):
@@ -354,7 +349,10 @@ class Recorder:
     # ------------------------------------------------------------------ step end
 
     def _resolve_pending(self) -> None:
-        self._flush_bucket()
+        bucket = self._bucket
+        transfers = bucket.host_transfers
+        bucket.resolve()
+        self.host_transfers += bucket.host_transfers - transfers
         if self._host_batch is not None:
             self._host_batch.compute()
         if not self._pending:
@@ -365,11 +363,14 @@ class Recorder:
         unique: dict[int, int] = {}
         batch = []
         for _, item in pending:
-            if type(item) is not HostSlot and id(item) not in unique:
+            if type(item) is not HostSlot and type(item) is not DeviceSlot and id(item) not in unique:
                 unique[id(item)] = len(batch)
                 batch.append(item)
-        numbers = stats.resolve_device_stats(batch) if batch else []
-        results = {id(item): item.result if type(item) is HostSlot else numbers[unique[id(item)]]
+        numbers = []
+        if batch:  # tensors the bucket does not read (complex, float8): one copy per device
+            numbers = stats.resolve_device_stats(batch)
+            self.host_transfers += 2 * len({item[0].device for item in batch})
+        results = {id(item): numbers[unique[id(item)]] if id(item) in unique else item.result
                    for _, item in pending}
         rows = self.rows
         for position, item in pending:
@@ -396,12 +397,21 @@ class Recorder:
         rows = self.rows
         for items in by_device.values():
             values = torch.stack([found for _, found in items]).cpu().numpy()
+            self.host_transfers += 1
             for (position, _), numbers in zip(items, values):
                 rows[position] = rows[position][:-1] + (pack_sketch(numbers),)
 
     def resolve(self) -> None:
         """Fill in the statistics still on a device (one host copy per device)."""
         self._resolve_pending()
+
+    def cost(self) -> dict:
+        """What capturing this step cost (the step file's ``cost`` attribute): device-to-host
+        copies, milliseconds in probe's code on the training thread, and records whose tensor
+        changed unseen before its statistics were read (reported unknown)."""
+        return {"host_transfers": self.host_transfers,
+                "capture_ms": round(self.busy_s * 1e3, 3),
+                "stale_records": self._bucket.stale - self._stale_before}
 
     def end_step(self) -> None:
         """Forget everything step-local: counters, cache, module stack."""

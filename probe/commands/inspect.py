@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import click
@@ -84,6 +85,32 @@ def summary_line(step_file: reader.StepDump) -> str:
     )
 
 
+def step_cost(step_file: reader.StepDump) -> dict:
+    """What capturing the step cost: the file's ``cost`` attribute (host_transfers,
+    capture_ms, stale_records; None in files written before probe recorded it) and its bytes
+    on disk."""
+    recorded = step_file.attrs.get("cost")
+    cost = {"host_transfers": None, "capture_ms": None, "stale_records": None}
+    if isinstance(recorded, dict):
+        cost.update(recorded)
+    try:
+        cost["bytes"] = os.path.getsize(step_file.path)
+    except OSError:
+        cost["bytes"] = None
+    return cost
+
+
+def cost_line(cost: dict) -> str:
+    def shown(value, unit: str) -> str:
+        return "?" if value is None else f"{value}{unit}"
+
+    line = (f"  cost: {shown(cost['host_transfers'], '')} device-to-host copies, "
+            f"{shown(cost['capture_ms'], ' ms')} in probe, {shown(cost['bytes'], ' bytes')}")
+    if cost.get("stale_records"):
+        line += f", {cost['stale_records']} record(s) changed before they were read (unknown)"
+    return line
+
+
 @click.command("inspect")
 @click.argument("dump", type=click.Path())
 @click.option("--step", "step", type=int, default=None, help="Only this step.")
@@ -96,8 +123,8 @@ def inspect(dump, step, rank, key, limit, as_json):
     """List the steps, ranks and records of a dump.
 
     DUMP is a dump folder, one step folder (step3/) or one step file (step3/rank0.h5).
-    Prints a summary per step file (records, tensors, task, level, torch, device, seed)
-    and a table of records with their statistics. Incomplete step files (*.h5.partial,
+    Prints a summary per step file (records, tensors, task, level, torch, device, seed),
+    what capturing it cost (device-to-host copies, milliseconds in probe, bytes) and a table of records with their statistics. Incomplete step files (*.h5.partial,
     left by a process killed mid-step) are reported on stderr and skipped.
 
     \b
@@ -137,7 +164,8 @@ def inspect(dump, step, rank, key, limit, as_json):
             files.append({
                 "step": file_step, "rank": file_rank, "path": step_file.path,
                 "record_count": len(step_file.records), "tensor_count": step_file.tensor_count,
-                "attrs": step_file.attrs, "summary": summary_line(step_file), "records": keep,
+                "attrs": step_file.attrs, "cost": step_cost(step_file),
+                "summary": summary_line(step_file), "records": keep,
             })
             shown.extend(keep)
 
@@ -159,6 +187,7 @@ def inspect(dump, step, rank, key, limit, as_json):
     for entry in files:
         click.echo(f"\nstep {entry['step']} rank {entry['rank']}  {entry['path']}")
         click.echo(entry["summary"])
+        click.echo(cost_line(entry["cost"]))
         if entry["records"]:
             click.echo("")
             for text in format_table(entry["records"]):

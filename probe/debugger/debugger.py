@@ -42,6 +42,7 @@ import difflib
 import os
 import secrets
 import sys
+import time
 import warnings
 import weakref
 
@@ -50,7 +51,8 @@ import torch
 from probe import compat
 from probe import config as config_module
 from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, activate_graph_taps,
-                           deactivate_graph_taps, user_modules)
+                           deactivate_graph_taps, WriteWatchMode, device_path_on_cpu,
+                           user_modules)
 from probe.dump import run_folder
 from probe.dump.schema import COLUMN_NAMES
 from probe.errors import CaptureError, DumpError, ProbeError
@@ -180,6 +182,7 @@ class PrecisionDebugger:
             self._random = random_on_cpu.install()
         if not self._selected():
             return
+        began = time.perf_counter()
         try:
             self._warn_if_scope_selects_nothing()
             recorder = self._recorder or self._open_step()
@@ -187,6 +190,7 @@ class PrecisionDebugger:
             level = self.config.level
             gate = Gate()
             targets = None  # the model's modules, walked once for every part below
+            recorder.copy_when_recorded(self._model is not None and compat.is_sharded(self._model))
             if self._model is not None:
                 compat.warn_sharded_capture_gap(self._model)
                 self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"),
@@ -199,11 +203,17 @@ class PrecisionDebugger:
                 self._mode = ApiCaptureMode(recorder, targets=targets)
                 self._mode.__enter__()
                 gate.mode = self._mode
+            elif _statistics_read_later(self._model):
+                # module level on the device path: no mode records calls, one must still
+                # tell the device bucket before a tensor it holds is written in place
+                self._mode = WriteWatchMode(recorder)
+                self._mode.__enter__()
             activate_graph_taps(recorder, self._model, level, targets)
         except BaseException:
             self._uninstall()
             self._started = False
             raise
+        recorder.busy_s += time.perf_counter() - began
 
     def start_inside_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict):
         """start(model) from a forward pre-hook of ``model``'s call that is already running
@@ -221,10 +231,12 @@ class PrecisionDebugger:
                 "call start() first"
             )
         self._started = False
+        began = time.perf_counter()
         problem = self._uninstall()
         if self._recorder is not None:
             self._recorder.active = False
             self._recorder.resolve()
+            self._recorder.busy_s += time.perf_counter() - began
         if problem is not None:
             raise problem
 
@@ -394,6 +406,18 @@ class PrecisionDebugger:
         state = "started" if self._started else "stopped"
         return (f"PrecisionDebugger(task={cfg.task!r}, level={cfg.level!r}, "
                 f"dump_path={cfg.dump_path!r}, step={self.current_step}, {state})")
+
+
+def _statistics_read_later(model) -> bool:
+    """The recorder will read this model's tensors at the end of the step, not when recorded:
+    on an accelerator, or on the CPU with PROBE_DEVICE_PATH=1 (device_bucket.py)."""
+    if device_path_on_cpu():
+        return True
+    if model is None:
+        return False
+    for param in model.parameters():
+        return param.device.type != "cpu"
+    return False
 
 
 def _remove_mode(mode) -> None:

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from probe._version import __version__
-from probe.capture import CaptureFilter, HostBatch, Recorder, SourceLocator
+from probe.capture import CaptureFilter, DeviceBucket, HostBatch, Recorder, SourceLocator
 from probe.capture import recorder as recorder_module
 from probe.dump.schema import SCHEMA_VERSION, step_file_path
 from probe.errors import DumpError
@@ -36,6 +36,8 @@ class StepFiles:
         self._locate = SourceLocator()
         # arenas of small CPU tensors' statistics, reused step after step (capture/numbers/host_batch.py)
         self._host_batch = HostBatch(config.sketch_size) if recorder_module.HOST_BATCH else None
+        # device tensors' statistics; its layouts are reused step after step (device_bucket.py)
+        self._device_bucket = DeviceBucket(config.sketch_size)
         self._no_process = False  # the writer process could not be started: write inline
 
     def open(self, step: int, rank: int, world_size: int) -> Recorder:
@@ -68,7 +70,8 @@ class StepFiles:
             return StepWriter(cfg.dump_path, step, rank, attrs, buffer_bytes=cfg.buffer_mb << 20)
 
         recorder = Recorder(cfg, open_writer, capture_filter=self._filter,
-                            locate=self._locate, host_batch=self._host_batch or False)
+                            locate=self._locate, host_batch=self._host_batch or False,
+                            device_bucket=self._device_bucket)
         recorder.step_attrs = attrs
         recorder.autocast_runs = attrs["autocast"]
         return recorder
@@ -87,6 +90,7 @@ class StepFiles:
         writer = recorder.writer
         attrs = recorder.step_attrs
         device = recorder.device or "cpu"
+        extra = {"device": device, "cost": recorder.cost()}
         if recorder.write_error is not None:
             if writer is not None:
                 writer.abort()
@@ -95,9 +99,9 @@ class StepFiles:
             return None
         path = None
         if writer is None and self._in_background():
-            path = self._hand_over(rows, attrs, device)
+            path = self._hand_over(rows, attrs, extra)
         if path is None:
-            path = self._write_inline(writer or recorder.open_writer(), rows, device)
+            path = self._write_inline(writer or recorder.open_writer(), rows, extra)
         return path
 
     def release_lock(self) -> None:
@@ -120,16 +124,16 @@ class StepFiles:
             choice = "process" if _usable_cpus() >= 2 else "inline"
         return choice == "process" and self.config.task != "tensor" and not self._no_process
 
-    def _write_inline(self, target, rows: list, device: str) -> str | None:
+    def _write_inline(self, target, rows: list, extra: dict) -> str | None:
         path = error = None
         try:
-            path = target.finish(rows, {"device": device})
+            path = target.finish(rows, extra)
         except DumpError as failure:
             error = failure
         self.results.written_inline(target.step, path, error)
         return path
 
-    def _hand_over(self, rows: list, attrs: dict, device: str) -> str | None:
+    def _hand_over(self, rows: list, attrs: dict, extra: dict) -> str | None:
         """Give the step to the writer process and return the path its file will have;
         None when no writer process can be started (then this debugger writes inline from now
         on, and says so once)."""
@@ -141,7 +145,7 @@ class StepFiles:
         if results.pending.full():
             results.pending.wait_oldest()  # bounds memory; its result is delivered below
         job = {"dump_path": os.path.abspath(self.config.dump_path), "step": attrs["step"],
-               "rank": attrs["rank"], "attrs": attrs, "extra": {"device": device}, "rows": rows}
+               "rank": attrs["rank"], "attrs": attrs, "extra": extra, "rows": rows}
         path = step_file_path(self.config.dump_path, attrs["step"], attrs["rank"])
         try:
             results.pending.submit(job, path)

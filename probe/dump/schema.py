@@ -202,10 +202,14 @@ ROOT_ATTRS = {
     "autocast": "JSON (optional on read): [[first_seq, last_seq, dtype], ...], the runs of API calls made "
     "while autocast was on (dtype: the one autocast computes in); [] = autocast was off for every "
     "call; absent in older files (unknown)",
+    "cost": "JSON (optional on read): what capturing the step cost: {host_transfers: device-to-host "
+    "copies made for its numbers, capture_ms: milliseconds in probe's code on the training thread, "
+    "stale_records: records whose tensor changed unseen before its statistics were read (their "
+    "statistics are unknown)}; absent in older files",
 }
 #: root attributes a reader must not require: absent in files of older schema versions.
-OPTIONAL_ATTRS = ("run_id", "autocast")
-JSON_ATTRS = ("config", "seed_report", "determinism", "autocast")
+OPTIONAL_ATTRS = ("run_id", "autocast", "cost")
+JSON_ATTRS = ("config", "seed_report", "determinism", "autocast", "cost")
 
 #: How tensor dtypes without a numpy equivalent are stored bit-exact: same-width unsigned
 #: integers holding the raw bits; the "dtype" attribute says how to read them.

@@ -122,7 +122,7 @@ def test_records_added_from_several_threads_all_get_their_own_numbers(monkeypatc
 
 
 def _recorded_rows(host_batch_on, tensors, writes):
-    recorder = Recorder(Config(), host_batch=host_batch_on)
+    recorder = Recorder(Config(), host_batch=host_batch_on, defer_stats=False)  # the host path
     for position, tensor in enumerate(tensors):
         call = recorder.call("api", "", "torch.neg", position, "forward", "", 1)
         recorder.add(call, "input.0", "in", tensor)

@@ -196,3 +196,28 @@ def test_tiny_model_dumped_through_the_debugger_inspects_and_reads_back_exactly(
     assert code == 0
     payload = json.loads(out)
     assert [record["key"] for record in payload["records"]] == ["fc2/Linear#0/forward/output.0"]
+
+
+def test_each_step_file_reports_its_cost_and_files_without_it_report_unknown(capsys, tmp_path):
+    from probe.config import Config
+    from probe.debugger import PrecisionDebugger
+
+    old = os.path.join(REPO_ROOT, "tests", "data", "gpu_dumps", "conv_gpu")  # written before
+    code, out, _ = run_cli(capsys, old, "--json", "--limit", "0")
+    assert code == 0
+    (entry,) = json.loads(out)["files"]
+    assert entry["cost"]["host_transfers"] is None and entry["cost"]["capture_ms"] is None
+    assert entry["cost"]["bytes"] == os.path.getsize(entry["path"])
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path / "new"), level="mix"))
+    with debugger.capture(model):
+        model(torch.randn(2, 4)).sum().backward()
+    debugger.close()
+    code, out, _ = run_cli(capsys, tmp_path / "new", "--json", "--limit", "0")
+    (entry,) = json.loads(out)["files"]
+    cost = entry["cost"]
+    assert cost["host_transfers"] == 0 and cost["stale_records"] == 0  # the CPU's host path
+    assert cost["capture_ms"] > 0 and cost["bytes"] == os.path.getsize(entry["path"])
+    code, out, _ = run_cli(capsys, tmp_path / "new")
+    assert f"cost: 0 device-to-host copies, {cost['capture_ms']} ms in probe, {cost['bytes']} bytes" in out

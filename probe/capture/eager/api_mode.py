@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -53,6 +54,7 @@ from probe.capture.eager.api_backward import hook_backward, hook_nodes
 from probe.capture.eager.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
 from probe.capture.eager.defaults import TABLE as _defaults_table, defaults_of as _defaults_of, signature_of as _signature_of
 from probe.capture.recorder import Recorder
+from probe.capture.eager.write_watch import may_write as _may_write, written_tensors as _written_tensors
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
@@ -133,6 +135,7 @@ class ApiCaptureMode(TorchFunctionMode):
         if self.in_backward:
             if not name.startswith(_COLLECTIVE_NAMES):
                 # a checkpointed block's recomputation, FSDP2's copies, a user's hook
+                _guard_writes(rec, func, name, args, kwargs)
                 return func(*args, **kwargs)
             module = backward_collectives.owner_path(self)
         else:
@@ -143,6 +146,7 @@ class ApiCaptureMode(TorchFunctionMode):
         if decision is None:
             decision = rec.filter.call(module, name)
         if not decision:
+            _guard_writes(rec, func, name, args, kwargs)
             return func(*args, **kwargs)
         frame = _getframe(1)
         try:
@@ -151,6 +155,7 @@ class ApiCaptureMode(TorchFunctionMode):
         except TypeError:  # a code object holding a slice constant (dynamo's resume code)
             mine = True
         if not mine and _from_framework(frame) and not name.startswith("distributed."):
+            _guard_writes(rec, func, name, args, kwargs)
             return func(*args, **kwargs)
         return _capture(rec, func, name, module, counter, decision, args, kwargs)
 
@@ -189,7 +194,19 @@ def _from_framework(frame) -> bool:
     return False
 
 
+def _guard_writes(rec: Recorder, func, name: str, args, kwargs) -> None:
+    """Before a call writes tensors in place: the device bucket keeps what it holds of them."""
+    if _may_write(name, func, args, kwargs):
+        written = _written_tensors(name, args, kwargs)
+        if written:
+            rec.before_write(written)
+
+
+_clock = time.perf_counter
+
+
 def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs):
+    began = _clock()
     filt = rec.filter
     namer = rec.namer
     counts = namer.counts
@@ -246,7 +263,11 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                     add(call, slot, "in", arg)
     track = filt.backward and _is_grad_enabled()
     edges = _grad_edges(args, kwargs) if track else None
+    _guard_writes(rec, func, name, args, kwargs)
+    called = _clock()
+    rec.busy_s += called - began
     out = func(*args, **kwargs)
+    began = _clock()
     produced = out
     written = out is None or distributed or waited
     if written:
@@ -275,6 +296,7 @@ def _capture(rec: Recorder, func, name, module, counter, decision, args, kwargs)
                                edges if filt.backward_out else None, COMPOSITE_GRAD_INPUT)
         elif isinstance(produced, (tuple, list)):
             hook_backward(rec, call, produced, edges if filt.backward_out else None, COMPOSITE_GRAD_INPUT)
+    rec.busy_s += _clock() - began
     return out
 
 

@@ -137,12 +137,13 @@ def sketch_values(tensor: torch.Tensor) -> torch.Tensor:
         accumulate = torch.float32
     else:
         accumulate = torch.float64
-    if accumulate == torch.float32 and x.device.type == "cuda" and _tf32_allowed():
+    if accumulate == torch.float32 and x.device.type == "cuda" and tf32_allowed():
         accumulate = torch.float64
     return x.reshape(-1).to(accumulate)
 
 
-def _tf32_allowed() -> bool:
+def tf32_allowed() -> bool:
+    """CUDA float32 matmuls may round their inputs to TF32 now."""
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 

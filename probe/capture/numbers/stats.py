@@ -18,11 +18,11 @@ would make two identical tensors report different means.
 NaN and Inf are counted only when the sum or the norm is not finite, so a healthy tensor
 pays nothing for them.
 
-Other devices (``device_stats``): the statistics stay on the device as two small tensors per
-record and no host synchronisation happens per tensor; ``resolve_device_stats`` copies a
-whole batch to the host at once (the debugger does it at stop()/step()).
-``bulk_stats.bulk_device_stats`` gives the same pairs for a whole bucket of tensors in a
-fixed number of torch calls (the recorder uses it when recorder.BULK_STATS is on).
+Other devices: the recorder sends most tensors through device_bucket.DeviceBucket (a whole
+bucket of tensors in a fixed number of torch calls, read by the host once per step);
+``device_stats`` is the per-tensor path for the dtypes the bucket does not read (complex,
+float8): two small tensors per record, no host synchronisation per tensor, and
+``resolve_device_stats`` copies a whole batch to the host at once.
 
 Sketches (sketch.py) are computed next to the statistics: on CPU by ``host_stats_and_sketch``
 (the sketch reads the numpy view the statistics made: one Tensor.numpy() per record), and on
