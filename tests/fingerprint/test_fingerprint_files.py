@@ -133,16 +133,17 @@ def test_with_fingerprints_on_an_empty_step_list_captures_no_step_in_full():
     assert from_dict({"fingerprint": True, "step": [5]}).wants_step(5)
 
 
-def test_a_step_of_many_small_tensors_in_bulk_gives_each_tensors_own_statistics_and_sketch():
-    """take() sends a step's small CPU tensors through the bulk path (capture's
-    bulk_device_stats, as on a device): the numbers must be each tensor's own."""
+def test_the_device_path_gives_each_tensor_its_own_statistics_and_sketch(monkeypatch):
+    """With PROBE_DEVICE_PATH=1 take() sends CPU tensors through the accelerator's path (one
+    DeviceBucket for the step, read at write time): the numbers must be each tensor's own."""
     import torch
 
     from probe.capture.numbers import stats
     from probe.fingerprint import take
 
+    monkeypatch.setenv("PROBE_DEVICE_PATH", "1")
     generator = torch.Generator().manual_seed(0)
-    tensors = [(f"t{i}", torch.randn(3 + 7 * i, generator=generator) * (i + 1)) for i in range(take.BULK_MIN + 6)]
+    tensors = [(f"t{i}", torch.randn(3 + 97 * i, generator=generator) * (i + 1)) for i in range(70)]
     _, names, numbers_found, sketches_found = take.take(0, tensors, K).resolve()
     by_name = {name: (numbers, sketch) for name, numbers, sketch in zip(names, numbers_found, sketches_found)}
     for name, tensor in tensors:
