@@ -99,7 +99,7 @@ def main():
           f"first {same}")
 
     print("\n2. probe compare on the fingerprints")
-    primary, results = command.run(runs["cpu"], runs["other"])
+    primary, _ = command.run(runs["cpu"], runs["other"])
     for line in report.terminal(primary).splitlines():
         print(f"   {line}".rstrip())
     step = primary.jump_step if primary.jump_step is not None else primary.parting_step

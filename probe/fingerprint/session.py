@@ -20,7 +20,6 @@ import sys
 
 import torch
 
-from probe import config as config_module
 from probe._version import __version__
 from probe.capture.numbers import sketch as sketch_module
 from probe.errors import ConfigError, DivergenceError, DumpError, DumpFormatError, RunExistsError
