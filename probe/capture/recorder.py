@@ -29,6 +29,8 @@ were recorded.
 
 from __future__ import annotations
 
+import functools
+import time
 import weakref
 
 import torch
@@ -419,6 +421,21 @@ class Recorder:
         self.namer.reset()
         self._cache.clear()
         self.module_stack.clear()
+
+
+def charged(function):
+    """Count a hook's time in its recorder's ``busy_s`` (the step file's capture_ms): the
+    recorder is the first argument, or its ``recorder`` attribute."""
+    clock = time.perf_counter
+
+    @functools.wraps(function)
+    def run(first, *args, **kwargs):
+        began = clock()
+        try:
+            return function(first, *args, **kwargs)
+        finally:
+            getattr(first, "recorder", first).busy_s += clock() - began
+    return run
 
 
 def _lifetime(tensor: Tensor):

@@ -17,6 +17,7 @@ import functools
 import torch
 
 from probe import compat
+from probe.capture.recorder import charged
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
@@ -228,6 +229,7 @@ def _edge_counts(found) -> dict:
     return counts
 
 
+@charged
 def _on_input_grads(rec, generation, forward_call, shared, positions, grad_inputs,
                     grad_outputs):
     """A node inside a composite call ran: the gradients it sent to the call's inputs.
@@ -281,6 +283,7 @@ def _output_tensors(produced):
             if isinstance(leaf, Tensor)]
 
 
+@charged
 def _on_backward(rec, generation, forward_call, outs, mapping, grad_inputs, grad_outputs):
     if not rec.active or rec.generation != generation:
         return

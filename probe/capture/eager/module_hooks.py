@@ -46,7 +46,7 @@ import torch.nn.modules.module as _module_hooks
 
 from probe import compat
 from probe.capture.eager import compiled_functions, compiled_regions, wrappers
-from probe.capture.recorder import Recorder
+from probe.capture.recorder import Recorder, charged
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
@@ -230,6 +230,7 @@ class ModuleHooks:
 
     # ------------------------------------------------------------------ forward
 
+    @charged
     def _pre_record(self, path, kind, user_module, module, args, kwargs):
         rec = self.recorder
         rec.module_stack.append(path)
@@ -264,6 +265,7 @@ class ModuleHooks:
         self._open_calls.setdefault(path, []).append(call)
         return replaced
 
+    @charged
     def _post(self, path, kind, module, args, output):
         rec = self.recorder
         stack = rec.module_stack
@@ -301,6 +303,7 @@ class ModuleHooks:
                     tensor.register_hook(functools.partial(
                         self._on_grad, generation, forward_call, leaf_slot, io))
 
+    @charged
     def _on_grad(self, generation, forward_call, slot, io, grad):
         rec = self.recorder
         if not rec.active or rec.generation != generation:
@@ -311,6 +314,7 @@ class ModuleHooks:
             rec.add(call, slot, io, grad)
         return None
 
+    @charged
     def _param_grad(self, path, kind, name, param):
         rec = self.recorder
         if not rec.active or not rec.filter.backward_out or param.grad is None:
