@@ -12,9 +12,11 @@ tolerance, and what the later stages need to know about its records (the parsed 
 A's content key, the parameter it holds, the statistics an in-place write check compares),
 so that no stage after measure reads a record column or parses a value again.
 
-A ``RecordRow`` is what a report shows of one aligned record; the judge stage writes its
-status and origin (and replay, the one later writer, adds its own section). Data only:
-nothing here imports torch or a stage.
+A ``RecordRow`` is what a report shows of one aligned record. Align makes it, measure adds
+its tolerance and dtype notes, the judge stage writes its status and origin; assemble's rules
+over all step files (drift, where a 16-bit error entered) may restate an origin before the
+result exists, and replay, the one later writer, adds its own section. Data only: nothing
+here imports torch or a stage.
 """
 
 from __future__ import annotations
