@@ -15,7 +15,7 @@ LAYERS = [
     {"seed"},
     {"dump"},
     {"capture", "perturb", "analysis"},
-    {"comparison"},
+    {"comparison", "fingerprint"},
     {"report", "replay"},
     {"compare_and_replay", "debugger", "autoattach", "integrations"},
     {"commands"},
