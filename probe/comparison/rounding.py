@@ -32,11 +32,10 @@ from probe.comparison import result as R
 from probe.comparison.envelope import (
     ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, family, op_envelope, parse_shape, unit_roundoff,
 )
-from probe.comparison.explain import explain, is_accepted
-from probe.comparison.kinds import PARAM_INPUT, PRODUCED
+from probe.comparison.call_rules import explain, is_accepted
 from probe.comparison.records import is_param_slot
 from probe.comparison.sketch import band as sketch_band
-from probe.comparison.sizes import sci
+from probe.comparison.structs import PARAM_INPUT, PRODUCED, sci
 from probe.comparison.tolerances import tolerance_dtype
 
 #: the origin of an output whose difference its rounding envelope explains
