@@ -25,14 +25,15 @@ LAYERS = [
 #: the compare pipeline (probe/comparison/), stage by stage: a stage may import its own
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
-    ("support", {"__init__", "structs", "records", "mapping", "tolerances", "metrics", "sketch", "result"}),
+    ("support", {"__init__", "structs", "records", "mapping", "tolerances", "metrics", "sketch", "result",
+                 "envelope"}),
     ("load", {"load", "shards"}),
     ("normalize", {"normalize"}),
     ("align", {"align", "foreach_pairing"}),
     ("measure", {"measure"}),
-    ("judge", {"record_rules", "call_rules", "recheck", "judge"}),
+    ("judge", {"record_rules", "call_rules", "recheck", "rounding", "judge"}),
     ("attribute", {"attribute"}),
-    ("result", {"assemble"}),
+    ("result", {"envelope_summary", "assemble"}),
     ("orchestration", {"engine", "api"}),
 ]
 

@@ -29,12 +29,27 @@ def attach_env(env: dict[str, str]) -> dict[str, str]:
     PYTHONPATH and PROBE_ATTACH=1. Unchanged when ``env`` says PROBE_ATTACH=0 (opt-out)."""
     if env.get(ENV_ATTACH) == "0":
         return env
+    return _with_bootstrap(env, ENV_ATTACH)
+
+
+def _with_bootstrap(env: dict[str, str], flag: str) -> dict[str, str]:
+    """``env`` with the bootstrap folder first on PYTHONPATH (once) and ``flag``=1."""
     env = dict(env)
     rest = [part for part in env.get("PYTHONPATH", "").split(os.pathsep)
             if part and os.path.abspath(part) != BOOTSTRAP_DIR]
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *rest])
-    env[ENV_ATTACH] = "1"
+    env[flag] = "1"
     return env
+
+
+#: "1": the child computes with another device's rounding (``probe run --perturb``)
+ENV_PERTURB = "PROBE_PERTURB"
+
+
+def perturb_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what makes a Python child enter probe.perturb.other_rounding() for the
+    whole process once it imports torch: the bootstrap folder on PYTHONPATH and PROBE_PERTURB=1."""
+    return _with_bootstrap(env, ENV_PERTURB)
 
 
 def wanted(environ=None) -> bool:

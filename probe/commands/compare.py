@@ -74,7 +74,12 @@ class _CompareCommand(click.Command):
 @click.option("--step", "steps", multiple=True, type=int, metavar="N", help="Compare only this step (repeatable).")
 @click.option("--rank", "ranks", multiple=True, type=int, metavar="N", help="Compare only this rank (repeatable).")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="How many top ops to list.")
-@click.option("--strict", is_flag=True, help="Records present on one side only count as a divergence.")
+@click.option("--strict", is_flag=True,
+              help="The fixed tolerances decide alone: any difference beyond them fails (no op is cleared as "
+                   "within its rounding envelope), and records present on one side only count as a divergence.")
+@click.option("--baseline", metavar="C", type=click.Path(),
+              help="A second trusted run of A's kind (another thread count, another GPU of the same type, "
+                   "probe run --perturb): B - A is judged against C - A per op.")
 @click.option("--replay", "replay_on", is_flag=True,
               help="Re-run the first divergence, the likely cause and the top ops (--replay-top) in float64 "
                    "from each side's dumped inputs (task 'tensor'): which side is right, and did the op "
@@ -85,7 +90,7 @@ class _CompareCommand(click.Command):
 @click.option("--replay-budget", "replay_budget", type=click.FloatRange(min=0, min_open=True), default=60.0,
               show_default=True, metavar="SECONDS", help="Stop replaying after this long; a note lists what was left.")
 def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_file, mapping,
-            allow_missing, steps, ranks, top, strict, replay_on, replay_top, replay_budget):
+            allow_missing, steps, ranks, top, strict, baseline, replay_on, replay_top, replay_budget):
     """Find where two dumps part: the first op beyond tolerance, introduced or inherited.
 
     A and B are dump folders (written by PrecisionDebugger) or single step files
@@ -107,14 +112,14 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     requested = {option: path for option, path in (("--csv", csv_path), ("--html", html_path))
                  if path is not None}
     destinations = {option.lstrip("-"): full for option, full in
-                    output.check_destinations(requested, inputs=(a, b)).items()}
+                    output.check_destinations(requested, inputs=(a, b) + ((baseline,) if baseline else ())).items()}
 
     bar = progress.Progress(sys.stderr)
     try:
         result = run_compare(
             a, b, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, mapping=mapping,
             allow_missing=allow_missing, steps=steps or None, ranks=ranks or None, top=top,
-            strict=strict, progress=bar, replay=replay, replay_budget=replay_budget,
+            strict=strict, baseline=baseline, progress=bar, replay=replay, replay_budget=replay_budget,
             replay_progress=_replay_progress if replay is not None else None,
         )
     finally:

@@ -164,8 +164,12 @@ class _RunCommand(click.Command):
 @click.option("--no-attach", is_flag=True,
               help="With -c: do not capture a script that builds no PrecisionDebugger "
                    "(also: PROBE_ATTACH=0 in the environment).")
+@click.option("--perturb", is_flag=True,
+              help="Compute with another device's rounding: matmul, linear, conv, sum and mean "
+                   "summed in another order (probe.perturb); a trusted second run for "
+                   "probe compare --baseline.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
+def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool, perturb: bool,
         command: tuple[str, ...]) -> int:
     """Run COMMAND with the env vars that must be set before Python and CUDA start.
 
@@ -181,6 +185,10 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
                                              captured (each optimizer.step() ends a step);
                                              one that builds a PrecisionDebugger is not
                                              changed (docs/trainers.md)
+      PROBE_PERTURB=1                        with --perturb: the same math with another
+                                             device's rounding (reductions summed in
+                                             another order; probe.perturb), entered when
+                                             the program imports torch
     Returns the command's exit code (128+N when killed by signal N); 2 for a bad config or
     a command that cannot be started.
 
@@ -189,6 +197,7 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
       probe run -c config.json -- python train.py --epochs 1
       probe run --seed 42 -- python train.py
       probe run -c config.yaml -- torchrun --nproc-per-node 2 train.py
+      probe run --perturb -c baseline.json -- python train.py
     """
     if not command:
         raise ProbeError(f"run: no command given; usage: {USAGE}")
@@ -202,10 +211,14 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
         from probe.autoattach import attach_env
 
         env = attach_env(env)
+    if perturb:
+        from probe.autoattach import perturb_env
+
+        env = perturb_env(env)
     check_executable(command[0], env)
     if not quiet:
         shown = ("PYTHONHASHSEED", ENV_SEED, ENV_CONFIG, "CUBLAS_WORKSPACE_CONFIG",
-                 "HCCL_DETERMINISTIC", "PROBE_ATTACH")
+                 "HCCL_DETERMINISTIC", "PROBE_ATTACH", "PROBE_PERTURB")
         changed = [f"{name}={env[name]}" for name in shown
                    if name in env and os.environ.get(name) != env[name]]
         click.echo(f"probe run: {' '.join(changed) or 'no variables changed'}", err=True)

@@ -18,6 +18,7 @@ from probe.comparison import load as L
 from probe.comparison import result as R
 from probe.comparison.assemble import assemble
 from probe.comparison.engine import compare_step
+from probe.comparison.rounding import measured_envelopes
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.structs import Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
@@ -42,10 +43,20 @@ def compare(
     top: int = DEFAULT_TOP,
     strict: bool = False,
     progress: Callable[[float, int], None] | None = None,
+    baseline=None,
 ) -> R.CompareResult:
-    """Compare dump A (the reference) with dump B (probe.compare documents the options)."""
+    """Compare dump A (the reference) with dump B (probe.compare documents the options).
+
+    baseline: dump C, a second trusted run of A's kind (another thread count, another GPU of
+    the same type, ``probe run --perturb``): each output's envelope is then measured, what
+    C differs from A by there (rounding.measured_envelopes), and B - A is judged against it."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise CompareError(f"top must be an integer >= 0, found {top!r}")
+    measured = None
+    if baseline is not None:
+        trusted = compare(a, baseline, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, tolerances=tolerances,
+                          mapping=mapping, allow_missing=allow_missing, steps=steps, ranks=ranks, top=top)
+        measured = measured_envelopes(trusted.rows)
     table = Tolerances.build(rtol=rtol, atol=atol, per_dtype=tol, tol_file=tol_file, overrides=tolerances)
     names = _mapping(mapping)
     path_a, path_b = os.fspath(a), os.fspath(b)
@@ -84,7 +95,8 @@ def compare(
                     same_model = L.different_models_note(share)
             step_input = StepInput(files.records_a, files.records_b, files.fetch_a, files.fetch_b, key_a[0], key_a[1],
                                    files.attrs_a.get("autocast"), files.attrs_b.get("autocast"), report)
-            outcome = compare_step(step_input, table, names, carried.get(key_a[1]))
+            outcome = compare_step(step_input, table, names, carried.get(key_a[1]), strict,
+                                   measured.get((key_a[0], key_a[1]), {}) if measured is not None else None)
             carried[key_a[1]] = Carry(outcome.content_keys, outcome.explained)
             total_bytes += outcome.tensor_bytes
             outcomes.append(outcome)
@@ -101,7 +113,7 @@ def compare(
     if sharded is not None:
         notes += sharded.notes
     return assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab,
-                    differences, same_model)
+                    differences, same_model, os.fspath(baseline) if baseline is not None else None)
 
 
 def _mapping(mapping) -> NameMapping | None:

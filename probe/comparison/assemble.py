@@ -75,6 +75,7 @@ import math
 
 from probe.comparison import result as R
 from probe.comparison.result import count_rows
+from probe.comparison.envelope_summary import summarize
 from probe.comparison.sketch import sketch_note
 from probe.comparison.structs import sci
 
@@ -96,11 +97,12 @@ def step_verdict(counts: dict, strict: bool) -> str:
 
 
 def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict,
-             devices_ab=("", ""), run_differences=(), same_model=None) -> R.CompareResult:
+             devices_ab=("", ""), run_differences=(), same_model=None, baseline=None) -> R.CompareResult:
     """The CompareResult of every step file pair's outcome, built once: every rule that looks
     across step files (the story, drift, where a low-precision error entered, the top ops)
     runs here, before it exists. run_differences: the recorded settings the runs differ in;
-    same_model: the note that the dumps record different models, or None."""
+    same_model: the note that the dumps record different models, or None; baseline: the
+    trusted third dump that measured the envelopes (--baseline), or None."""
     for info in steps_info:
         if info.get("verdict") is None:
             info["verdict"] = step_verdict(info["counts"], strict)
@@ -171,6 +173,7 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
         cause = entering_cause(first, cause, rows)
     if same_model is not None:
         notes.insert(0, same_model)
+    envelope = summarize(rows, notes, strict, baseline)
     return R.CompareResult(
         verdict=verdict,
         first_divergence=first,
@@ -189,6 +192,7 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
         op_summaries=summaries,
         run_differences=list(run_differences) + precision.differences(),
         drift=drift,
+        envelope=envelope,
     )
 
 

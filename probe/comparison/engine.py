@@ -38,15 +38,17 @@ ALIGN_REFINERS = (
 
 
 def compare_step(step_input: StepInput, tolerances: Tolerances, mapping: NameMapping | None = None,
-                 carry: Carry | None = None) -> StepOutcome:
+                 carry: Carry | None = None, strict: bool = False, baseline: dict | None = None) -> StepOutcome:
     """Normalize, align, measure, judge and attribute one pair of step files.
 
     carry: what A's previous step file of the same rank handed on (its content keys and its
-    accepted differences, StepOutcome.explained), None for the first one."""
+    accepted differences, StepOutcome.explained), None for the first one. strict: the fixed
+    tolerance decides alone (rounding envelopes are information only). baseline: A's output
+    key -> what a trusted second run differs from A by there (--baseline)."""
     carry = carry or Carry()
     normalized = normalize.normalize(step_input.records_a, step_input.records_b, mapping, NORMALIZE)
     aligned = align(normalized, ALIGN_REFINERS, step_input.step, step_input.rank)
     measured = measure(aligned, step_input.fetch_a, step_input.fetch_b, tolerances, carry.content_keys,
                        step_input.progress, shared_autocast(step_input.autocast_a, step_input.autocast_b))
-    judged = judge(measured, carry.explained, (step_input.autocast_a, step_input.autocast_b))
+    judged = judge(measured, carry.explained, (step_input.autocast_a, step_input.autocast_b), strict, baseline)
     return attribute(judged)

@@ -45,24 +45,29 @@ from probe.comparison.call_rules import (
 from probe.comparison.record_rules import (
     StaleRecords, judge_checksum_change, judge_shape, judge_tensor, judge_value,
 )
+from probe.comparison.measure import STATS
 from probe.comparison.recheck import recheck_amplified
+from probe.comparison.rounding import judge_envelopes, judge_untouched
 from probe.comparison.records import is_param_slot
 from probe.comparison.structs import (
     ABSENT, MIXED, SCALAR, SHAPE, VALUE, JudgedStep, MeasuredStep, Measurement, Slot, rel_error, sci,
 )
 
 
-def judge(measured: MeasuredStep, previous_explained: dict | None = None, autocast: tuple = (None, None)) -> JudgedStep:
+def judge(measured: MeasuredStep, previous_explained: dict | None = None, autocast: tuple = (None, None),
+          strict: bool = False, baseline: dict | None = None) -> JudgedStep:
     """Judge one measured step file pair.
 
     previous_explained: StepOutcome.explained of A's previous step file of the same rank: a
     record holding the same values as an accepted difference there (a parameter AdamW
     updated from rounding noise) carries that accepted difference.
     autocast: the step files' root attribute ``autocast`` of A and B (None where not recorded),
-    for the precision rule."""
+    for the precision rule. strict: the fixed tolerance decides alone; each output's rounding
+    envelope is information only (rounding.py). baseline: A's output key -> what a trusted
+    second run differs from A by there (--baseline)."""
     aligned = measured.aligned
     per_pair = aligned.per_pair
-    stale = _judge_records(measured, previous_explained)
+    stale = _judge_records(measured, previous_explained, strict)
     stale.resolve(lambda number: [slot.row for slot in per_pair[number]
                                   if slot.row.io == "out" and slot.paired
                                   and slot.row.metrics is not None and slot.row.metrics.evidence != "value"])
@@ -70,6 +75,7 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
     rows: list[R.RecordRow] = []
     calls = []
     forwards = _forward_rows(aligned.pairs, per_pair)
+    forward_slots = _forward_rows(aligned.pairs, per_pair, slots=True)
     # every record of A, paired or not: an input made by a call only A has names that call
     rows_of_a = {slot.a: slot.row for slots in per_pair for slot in slots if slot.a is not None}
     judged = {m.slot.a: m.row for m in measured.measurements}
@@ -94,6 +100,8 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
             explain_different_kernels(call)
             explain_module_by_its_calls(call, rows)
             recheck_amplified(slots, measured)
+            judge_envelopes(_with_stats(slots, of_row), _with_stats(forward_slots.get(_call_key(slots), ()), of_row)
+                            if pair.phase == "backward" else (), input_kind, strict, baseline)
             calls.append((call, forward))
         rows.extend(call)
     rows.sort(key=lambda row: row.order)
@@ -129,7 +137,7 @@ def _own_param(row: R.RecordRow) -> str:
     return f"{row.module}.{name}" if row.module else name
 
 
-def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> StaleRecords:
+def _judge_records(measured: MeasuredStep, previous_explained: dict | None, strict: bool = False) -> StaleRecords:
     """Judge every paired record in A's execution order; returns the in-place writes seen on
     the way, resolved once every record is judged."""
     stale = StaleRecords()
@@ -139,8 +147,10 @@ def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> S
         judge_record(item)
         stale.check(row, item.stats, item.input_stats, item.slot.number)
         _carry_accepted(item, previous_explained)
-        judge_checksum_change(row, _untouched(row, item.kind, item.order, measured.aligned.step,
-                                              measured.backward_from, differed))
+        untouched = _untouched(row, item.kind, item.order, measured.aligned.step, measured.backward_from, differed)
+        judge_checksum_change(row, untouched)
+        if untouched and not strict:
+            judge_untouched(row, item.kind)
         differed = differed or _differs(row)
     return stale
 
@@ -213,13 +223,23 @@ def _call_key(slots: list[Slot]) -> tuple | None:
     return head.module, head.op, head.index
 
 
-def _forward_rows(pairs, per_pair) -> dict:
+def _with_stats(slots, of_row: dict) -> list:
+    """[(RecordRow, A's statistics by name or None)]: what the envelope rules read of a call."""
+    found = []
+    for slot in slots:
+        m = of_row.get(id(slot.row))
+        stats = m.stats[0] if m is not None and m.stats else None
+        found.append((slot.row, dict(zip(STATS, stats)) if stats is not None else None))
+    return found
+
+
+def _forward_rows(pairs, per_pair, slots: bool = False) -> dict:
     """(module, op, index) -> RecordRows of that paired forward call: the values the call's
-    backward computes from (call_rules.judge_call counts them as carriers)."""
+    backward computes from (call_rules.judge_call counts them as carriers); slots: its Slots."""
     found: dict = {}
-    for pair, slots in zip(pairs, per_pair):
+    for pair, call in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None and pair.phase == "forward":
-            found.setdefault(_call_key(slots), [slot.row for slot in slots])
+            found.setdefault(_call_key(call), list(call) if slots else [slot.row for slot in call])
     return found
 
 

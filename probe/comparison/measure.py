@@ -175,14 +175,15 @@ def content_keys(records: Records) -> set:
     return keys
 
 
-#: what an in-place write check compares of a record (record_rules.StaleRecords)
-_STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
+#: the statistics of a record a Measurement holds (stats): what an in-place write check compares
+#: (record_rules.StaleRecords) and what the rounding envelopes read (rounding.operand)
+STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
 
 
 def _in_place_stats(cols: dict, row: int | None):
     if row is None or cols["dtype"][row] == "":
         return None
-    values = tuple(cols[name][row] for name in _STATS)
+    values = tuple(cols[name][row] for name in STATS)
     if all(isinstance(v, float) and math.isnan(v) for v in values[:4]):
         return None
     return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values)

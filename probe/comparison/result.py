@@ -56,6 +56,10 @@ class CompareResult:
     run_differences: list[dict] = field(default_factory=list)
     #: {step, rank, text} when the runs part through accumulated rounding (comparison/assemble.py)
     drift: dict | None = None
+    #: the rounding envelopes over every output: {largest_gap, at, step, rank, differ, outputs,
+    #: rounding, uncertain, beyond, strict, rounding_only, baseline} (envelope_summary.py); None
+    #: when none was judged
+    envelope: dict | None = None
 
     @property
     def diverged(self) -> bool:
@@ -84,6 +88,7 @@ class CompareResult:
             "notes": list(self.notes),
             "run_differences": list(self.run_differences),
             "drift": self.drift,
+            "envelope": self.envelope,
         }
         if rows:
             data["rows"] = [row.to_dict() for row in self.rows]
@@ -116,6 +121,7 @@ def divergence_dict(row: RecordRow | None) -> dict | None:
         "size_unknown": row.size_unknown,
         "reasons": list(row.reasons),
         "input_errors": list(row.input_errors),
+        "envelope": dict(row.envelope) if row.envelope is not None else None,
     }
     if row.metrics is not None:
         data["evidence"] = row.metrics.evidence

@@ -304,6 +304,8 @@ class RecordRow:
     reasons: list[str] = field(default_factory=list)  # why the row diverged
     notes: list[str] = field(default_factory=list)  # facts that are not errors (dtype differs)
     input_errors: list[dict] = field(default_factory=list)  # the call's inputs, for outputs
+    #: what rounding alone can make this output differ by, beside what was seen (rounding.py)
+    envelope: dict | None = None
     order: tuple = ()  # execution order within the step (A's seq)
 
     @property
@@ -359,6 +361,8 @@ class RecordRow:
             data["metrics"] = self.metrics.to_dict()
         if self.input_errors:
             data["input_errors"] = list(self.input_errors)
+        if self.envelope is not None:
+            data["envelope"] = dict(self.envelope)
         return json_safe(data)
 
 

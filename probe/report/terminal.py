@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from probe.comparison import result as R
+from probe.comparison import envelope_summary, result as R
 from probe.comparison import load
 from probe.comparison.structs import where_text
 from probe.report.fmt import err, num
@@ -36,6 +36,9 @@ def verdict_line(result: R.CompareResult) -> str:
         extra += (f"; {explained} of them beyond their own tolerance but explained (amplified rounding, "
                   "see the notes)") if explained else ""
         extra += f"; {unmatched} without partner (not compared)" if unmatched else ""
+        rounding = envelope_summary.headline(getattr(result, "envelope", None))
+        if rounding:
+            return f"PASS: {rounding}: {counts['matched']} records in {where} (evidence: {result.evidence}){extra}"
         return f"PASS: {counts['matched']} records match within tolerance in {where} (evidence: {result.evidence}){extra}"
     first = result.first_divergence
     if first is None and counts["matched"] == 0:
@@ -104,6 +107,18 @@ def _judged(row: R.RecordRow) -> str:
             f"(rtol {row.rtol:g}, atol {row.atol:g}); above 1 fails")
 
 
+def _rounding(envelope: dict) -> str:
+    """Is this gap expected? What rounding alone makes this output differ by, beside what was seen."""
+    verdict = {"within": "within its envelope", "beyond": "beyond its envelope: the op's own error",
+               "uncertain": "the estimate's band straddles the envelope",
+               "unbounded": "its inputs' share cannot be bounded from the records"}.get(envelope["verdict"], "")
+    if envelope.get("divergent_inputs") and envelope["verdict"] != "beyond":
+        verdict = f"its own error is within its envelope; the rest comes through {', '.join(envelope['divergent_inputs'])}"
+    what = f"{envelope['family']}, K={envelope['k']}" if envelope["k"] > 1 else envelope["family"]
+    return f"{envelope['text']}; {verdict} ({what}; op's own rounding {err(envelope['rounding'])}, " \
+           f"through its inputs {err(envelope['propagated'])})"
+
+
 def _came_from(item: dict) -> str:
     producer = item.get("producer")
     return {
@@ -134,6 +149,8 @@ def _describe(row: R.RecordRow, indent: str = "  ") -> list[str]:
     evidence = f" (evidence: {row.metrics.evidence})" if row.metrics else ""
     lines.append(f"{indent}error    {metrics_line(row)}{evidence}")
     lines.append(f"{indent}judged   {_judged(row)}")
+    if row.envelope is not None:
+        lines.append(f"{indent}rounding {_rounding(row.envelope)}")
     shape = row.shape_a or row.shape_b or "-"
     if row.dtype_a == row.dtype_b:
         lines.append(f"{indent}tensor   {row.dtype_a or 'value'} {shape} in both runs")

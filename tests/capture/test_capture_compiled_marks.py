@@ -142,3 +142,36 @@ def test_probe_compile_itself_warns_nothing():
         warnings.simplefilter("always")
         probe.compile(Model(), backend="aot_eager")
     assert [str(w.message) for w in caught] == []
+
+
+class Residual(nn.Module):
+    """An nn.Identity whose input also feeds a residual: two uses of one tensor."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.idn = nn.Identity()
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.out(self.idn(h) * 2 + h)
+
+
+def test_an_identity_on_a_residual_records_the_gradient_of_its_own_branch_as_eager_does(tmp_path):
+    def dump(name, wrap):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = wrap(Residual())
+        debugger = probe.PrecisionDebugger({"task": "tensor", "level": "mix", "seed": 1, "writer": "inline",
+                                            "dump_path": str(tmp_path / name)})
+        with debugger.capture(model):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+        debugger.close()
+        return debugger.last_file
+
+    result = probe.compare(dump("eager", lambda model: model),
+                           dump("compiled", lambda model: probe.compile(model, backend="aot_eager")))
+    assert result.verdict == "pass", result.to_text()[:1500]
+    rows = {row.key: row.status for row in result.rows}
+    assert rows["idn/Identity#0/backward/grad_output.0"] == "match"

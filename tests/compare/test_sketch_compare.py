@@ -84,8 +84,9 @@ def test_without_sketches_the_bf16_rotary_fault_hides_under_the_lower_bounds(dum
 
 def test_a_changed_conv_weight_is_the_source_at_the_op_that_reads_it(dumps):
     """Weight noise: the weight's sketch shows it changed, so it is a source and the conv that
-    reads it introduced the error. With lower bounds alone the weight looked unchanged, the
-    conv 'inherited', and the likely cause moved to a later, innocent op."""
+    reads it introduced the error. With lower bounds alone and the fixed tolerance (--strict)
+    the weight looked unchanged, the conv 'inherited', and the likely cause moved to a later,
+    innocent op; its rounding envelope (nothing but its initialization computed it) finds it."""
     result = compare(dumps("conv-weight-noise", "statistics", False), dumps("conv-weight-noise", "statistics", True))
     first = result.first_divergence
     assert (first.module, first.op, first.origin) == ("conv2", "torch.conv2d", "introduced")
@@ -94,8 +95,12 @@ def test_a_changed_conv_weight_is_the_source_at_the_op_that_reads_it(dumps):
     weight = [e for e in first.input_errors if e["status"] == "diverged"]
     assert weight and all(e["source"] == "param" for e in weight)
     bounded = compare(dumps("conv-weight-noise", "statistics", False, sketch_size=0),
-                      dumps("conv-weight-noise", "statistics", True, sketch_size=0))
+                      dumps("conv-weight-noise", "statistics", True, sketch_size=0), strict=True)
     assert bounded.first_divergence.origin == "inherited" and bounded.likely_cause.module != "conv2"
+    enveloped = compare(dumps("conv-weight-noise", "statistics", False, sketch_size=0),
+                        dumps("conv-weight-noise", "statistics", True, sketch_size=0))
+    assert (enveloped.likely_cause.module, enveloped.likely_cause.op) == ("conv2", "torch.conv2d")
+    assert enveloped.likely_cause.origin == "introduced"
 
 
 def test_sketch_estimates_agree_with_the_exact_errors_of_tensor_dumps(dumps):

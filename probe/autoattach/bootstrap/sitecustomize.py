@@ -1,7 +1,8 @@
 """Loaded by Python at start-up in processes ``probe run -c`` starts (probe/autoattach).
 
 Two jobs, both cheap and neither importing torch: load the sitecustomize this one shadows, and
-attach probe once the program imports torch (a one-shot finder on sys.meta_path: it lets
+attach probe once the program imports torch (with ``probe run --perturb``, $PROBE_PERTURB=1:
+first enter probe.perturb's other-device rounding for the whole process) (a one-shot finder on sys.meta_path: it lets
 torch's own loader run, then calls probe.autoattach.session.attach()). A failure to attach is
 one line on stderr; the program runs on without capture.
 """
@@ -49,7 +50,21 @@ class _AttachAfterTorch:
         return spec
 
 
+#: the other-device rounding mode ``probe run --perturb`` entered for the whole process
+_PERTURB = []
+
+
 def _attach():
+    if os.environ.get("PROBE_PERTURB") == "1" and not _PERTURB:
+        # entered first, so that the capture's own torch-function mode sits above it and
+        # records each op once, as in a plain run (probe.perturb)
+        from probe.perturb import OtherRounding
+
+        mode = OtherRounding()
+        mode.__enter__()
+        _PERTURB.append(mode)
+    if os.environ.get("PROBE_ATTACH") != "1" or not os.environ.get("PROBE_CONFIG"):
+        return
     try:
         from probe.autoattach import session
 
@@ -64,7 +79,8 @@ def _install():
         _load_shadowed_sitecustomize()
     except Exception as error:
         print(f"probe: the sitecustomize this run shadows failed: {error}", file=sys.stderr)
-    if os.environ.get("PROBE_ATTACH") != "1" or not os.environ.get("PROBE_CONFIG"):
+    attach = os.environ.get("PROBE_ATTACH") == "1" and os.environ.get("PROBE_CONFIG")
+    if not attach and os.environ.get("PROBE_PERTURB") != "1":
         return
     if "torch" in sys.modules:
         _attach()

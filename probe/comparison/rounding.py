@@ -1,0 +1,337 @@
+"""Judge stage, envelope rules: is each op's gap what rounding alone would make?
+
+For every paired output of a paired call the envelope model (envelope.py) gives what
+rounding alone can make it differ by: the op's own rounding from its dtype, reduction length
+and conditioning, plus what its inputs' measured differences make through it. Then:
+
+* an output beyond the fixed tolerance whose inputs are all within tolerance or accepted,
+  and whose own error (what its inputs do not explain) is within envelope.FACTOR x its
+  rounding, is **rounding** (status explained, origin "rounding"): "expected from rounding:
+  X, seen: Y". With sketch evidence the band of the estimate decides: the whole band within
+  is rounding, a band that straddles the limit is **uncertain** (not a divergence; the note
+  names the config line that dumps that op as a tensor), only a band whose low end is beyond
+  is an error;
+* an output within the fixed tolerance whose inputs agree (within tolerance) while its own
+  error is beyond FACTOR x its rounding, with the low end of its evidence, is a divergence
+  the op **introduced**: a well-conditioned op's envelope is tighter than the tolerance, so an
+  error that enters below the tolerance is found where it enters;
+* an input that differs by more than the output that made it, where nothing was computed in
+  between (a copy rounds nothing), was **changed** by something not recorded (a gradient hook,
+  a custom autograd Function): the call that reads it is where the difference enters.
+
+``strict`` (``probe compare --strict``) keeps the envelopes as information only: the fixed
+tolerance decides alone. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from probe.comparison import result as R
+from probe.comparison.envelope import (
+    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, family, op_envelope, parse_shape, unit_roundoff,
+)
+from probe.comparison.call_rules import explain, is_accepted
+from probe.comparison.records import is_param_slot
+from probe.comparison.sketch import band as sketch_band
+from probe.comparison.structs import PARAM_INPUT, PRODUCED, sci
+from probe.comparison.tolerances import tolerance_dtype
+
+#: the origin of an output whose difference its rounding envelope explains
+ROUNDING = "rounding"
+#: the origin of an output whose sketch band straddles its envelope: not an error, not cleared
+UNCERTAIN = "uncertain"
+
+
+def error_band(row: R.RecordRow) -> tuple[float, float, float] | None:
+    """(low, estimate, high) of ||a - b|| as the row's evidence knows it; None when it has no
+    size (a value, NaN or Inf on one side, a shape change, a stale record)."""
+    m = row.metrics
+    if m is None or m.evidence == "value" or row.stale or m.nan_mismatch or m.inf_mismatch:
+        return None
+    if row.shape_a and row.shape_b and row.shape_a != row.shape_b:
+        return None
+    if not math.isfinite(m.err_l2):
+        return None
+    if m.evidence == "tensor" or m.bit_equal is True:
+        return m.err_l2, m.err_l2, m.err_l2
+    found = m.sketch
+    proven = _proven_bound(m)
+    if found is not None:
+        bound = float(found.get("lower_bound") or 0.0)
+        if found.get("within_floor"):
+            _, high = sketch_band(int(found["k"]))
+            return proven, m.err_l2, max(bound, float(found["floor"]) * high)
+        # the sketches' own rounding (at most their floor) may sit in the estimate
+        low = max(proven, float(found["low"]) - float(found["floor"]))
+        return low, m.err_l2, max(bound, float(found["high"]))
+    return proven, m.err_l2, math.inf  # statistics alone: a lower bound
+
+
+def _proven_bound(m) -> float:
+    """The part of the statistics' lower bound that rounding cannot make: the extremes are
+    exact whatever the order of the sums, the norm and the mean are sums the capture itself
+    computed in another order on each side (see below)."""
+    rel = m.stat_rel or {}
+    numel = max(int(m.numel), 1)
+    rms = m.ref_norm / math.sqrt(numel) if m.ref_norm else 0.0
+    extremes = max((rel.get(name) or 0.0) * rms for name in ("min", "max"))
+    # a float32 sum of n values errs by lambda sqrt(n) u sum|x| (sum|x| <= sqrt(n) ||x||): the
+    # mean times sqrt(n) by lambda sqrt(n) u ||x||, the norm (a sum of squares, rooted) by half that
+    own = LAMBDA * math.sqrt(numel) * UNIT_ROUNDOFF["float32"] * (m.ref_norm + m.other_norm)
+    sums = max((rel.get("norm") or 0.0) * m.ref_norm - own / 2, (rel.get("mean") or 0.0) * rms * math.sqrt(numel) - own)
+    proven = max(extremes, sums, 0.0)
+    return min(proven, m.err_l2) if math.isfinite(proven) else 0.0
+
+
+def operand(stats, row: R.RecordRow) -> Operand | None:
+    """A's recorded tensor (stats: its statistics by name, None when A has no record) with the
+    high end of B's difference (what may propagate)."""
+    if stats is None or row.metrics is None or row.metrics.evidence == "value":
+        return None
+    found = error_band(row)
+    err = found[2] if found is not None else math.inf
+    dtype = tolerance_dtype(row.dtype_a, row.dtype_b) if row.dtype_a and row.dtype_b else stats["dtype"]
+    return Operand(numel=int(stats["numel"]), norm=_finite(stats["norm"]), min=float(stats["min"]),
+                   max=float(stats["max"]), mean=float(stats["mean"]), shape=parse_shape(stats["shape"]),
+                   dtype=dtype, err=err)
+
+
+def _finite(value) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else math.inf
+
+
+def _value(text: str):
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
+def tensor_line(row: R.RecordRow) -> str:
+    """The config line that dumps this op's call as full tensors (so compare measures it exactly)."""
+    scope = f'"scope": ["{row.module}"], ' if row.module else ""
+    return f'{{"task": "tensor", {scope}"list": ["{row.op}"], "step": [{row.step}]}}'
+
+
+def measured_envelopes(rows) -> dict:
+    """(step, rank) -> {A's output key: the high end of what a trusted run differs from A by
+    there}: the envelopes ``probe compare A B --baseline C`` measures from the compare of A and C."""
+    found: dict = {}
+    for row in rows:
+        if row.io != "out" or row.status not in R.PAIRED or not row.key_a:
+            continue
+        band = error_band(row)
+        if band is not None and math.isfinite(band[2]):
+            found.setdefault((row.step, row.rank), {})[row.key_a] = band[2]
+    return found
+
+
+def with_baseline(env: Envelope | None, measured: float) -> Envelope:
+    """The envelope a trusted second run measured: C - A at this output is what rounding made
+    there, the op's own rounding and its inputs' together. It stands for the op's rounding
+    (never below the model's); the model's part through the inputs is kept where it is bounded."""
+    if env is None or not math.isfinite(env.propagated):
+        family = env.family if env is not None else "measured"
+        return Envelope(f"{family} (measured by the baseline)", env.k if env else 1, env.u if env else 0.0,
+                        1.0, measured, 0.0, [])
+    return Envelope(f"{env.family} (measured by the baseline)", env.k, env.u, env.conditioning,
+                    max(env.rounding, measured), env.propagated, env.parts)
+
+
+def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False, baseline: dict | None = None) -> None:
+    """Give every paired output of one call pair its envelope and apply the rules above.
+
+    call_rows: [(RecordRow, A's statistics by name or None)] of the call pair: min, max, mean,
+    norm, numel, shape, dtype; forward_items: the same for the forward call of a backward one
+    (() otherwise); input_kind(row) -> (kind, producer row);
+    baseline: A's output key -> what a trusted second run differs from A by there (with it,
+    B - A is judged against C - A, see with_baseline)."""
+    if not call_rows:
+        return
+    head = call_rows[0][0]
+    changed = None if strict else _changed_input(call_rows, input_kind)
+    known = family(head.op) is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
+    call = _Call(call_rows, forward_items) if known else None
+    for row, stats in call_rows:
+        if row.io != "out" or row.status not in R.PAIRED or stats is None:
+            continue
+        found = error_band(row)
+        if found is None:
+            continue
+        env = call.envelope(head, row, stats, baseline) if call is not None else None
+        if env is not None:
+            _annotate(row, env, found, call.divergent)
+        if strict or found[1] == 0:
+            continue
+        if changed is not None:  # whatever the op: a copy rounds nothing
+            _enters_here(row, changed)
+        elif env is not None:
+            _apply(row, env, found, call)
+
+
+class _Call:
+    """What the envelope rules read of one call pair: its inputs as Operands, and whether they agree."""
+
+    def __init__(self, call_rows, forward_items):
+        self.inputs, self.values, self.forward = {}, {}, {}
+        for row, stats in call_rows:
+            if row.io != "in" or row.status not in R.PAIRED:
+                continue
+            if row.metrics is not None and row.metrics.evidence == "value":
+                self.values[row.slot] = _value(row.metrics.value_a or "")
+            elif (found := operand(stats, row)) is not None:
+                self.inputs[row.slot] = found
+        for row, stats in forward_items:
+            if row.status in R.PAIRED and (found := operand(stats, row)) is not None:
+                self.forward[row.slot] = found
+        in_rows = [row for row, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
+        self.tensor_in = [row for row in in_rows if row.metrics is not None and row.metrics.evidence != "value"]
+        forward_tensors = [row for row, _ in forward_items if row.status in R.PAIRED and row.metrics is not None
+                           and row.metrics.evidence != "value"]
+        self.divergent = {row.slot for row in in_rows if row.status == R.DIVERGED} | {
+            f"forward.{row.slot}" for row in forward_tensors if row.status == R.DIVERGED}
+        # every input's difference is one a correct run may have (rounding, or accepted
+        # upstream), not a difference hidden under the absolute floor
+        self.agree = all(is_accepted(row) for row in self.tensor_in + forward_tensors) and not any(
+            row.status == R.DIVERGED for row in in_rows)
+        # one precision on both sides, here and upstream: where the runs compute in different
+        # dtypes (autocast, or the model's own casts) the precision rules decide
+        self.one_precision = all(_one_precision(row) for row, _ in call_rows if row.status in R.PAIRED) and all(
+            _one_precision(row) for row, _ in forward_items if row.status in R.PAIRED)
+        self.untouched = [row for row in in_rows if row.status == R.DIVERGED and row.envelope is not None
+                          and row.envelope["family"] == "untouched"]
+
+    def envelope(self, head, row, stats, baseline) -> Envelope | None:
+        out = operand(stats, row)
+        if out is None:
+            return None
+        env = op_envelope(head.op, head.phase, row.slot, out, self.inputs, self.forward, self.values,
+                          tolerance_dtype(row.dtype_a, row.dtype_b))
+        if baseline is not None and row.key_a in baseline:
+            env = with_baseline(env, baseline[row.key_a])
+        return env
+
+
+def _annotate(row: R.RecordRow, env: Envelope, found, divergent) -> None:
+    low, seen, high = found
+    expected = env.expected_without(divergent)  # what rounding alone makes, here and upstream
+    row.envelope = dict(env.to_dict(), expected=expected, seen=seen, low=low,
+                        high=high if math.isfinite(high) else None, gap=env.gap(seen, expected),
+                        verdict=env.judge(low, high), text=expected_text(expected, seen),
+                        divergent_inputs=sorted(divergent))
+
+
+def _apply(row: R.RecordRow, env: Envelope, found, call: _Call) -> None:
+    """The rules of the module docstring, for one output with a difference."""
+    low, _, high = found
+    verdict = row.envelope["verdict"]
+    if call.untouched and row.status in (R.MATCH, R.CHANGED):
+        source = call.untouched[0]
+        row.status, row.divergence, row.origin = R.DIVERGED, R.OUTPUT, R.INTRODUCED
+        row.cause = (f"parameter {source.slot} ({source.key}) differs before anything computed it "
+                     f"(||a - b|| {sci(source.envelope['seen'])}, below the tolerance; rounding makes none): "
+                     f"the difference enters here ({row.envelope['text']})")
+        row.reasons.append(f"reads {source.slot}, which differs beyond its rounding envelope")
+        return
+    if not call.agree or not call.one_precision:
+        return
+    if row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == "within":
+        explain(row, f"rounding: {row.envelope['text']} ({env.describe()}); its own error is within "
+                     f"{FACTOR:g}x what rounding alone makes", ROUNDING)
+    elif row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == UNCERTAIN:
+        explain(row, f"uncertain: {row.envelope['text']} ({env.describe()}); the estimate's band "
+                     f"[{sci(low)}, {sci(high)}] straddles {FACTOR:g}x the rounding envelope: dump this op as "
+                     f"a tensor to decide, with the config line {tensor_line(row)}", UNCERTAIN)
+    elif row.status in (R.MATCH, R.CHANGED) and verdict == "beyond" and row.divergence == "" and call.tensor_in \
+            and low > (row.atol or 0.0) * math.sqrt(max(row.metrics.numel, 0)):
+        row.status = R.DIVERGED
+        row.divergence = R.OUTPUT
+        row.origin = R.INTRODUCED
+        row.cause = (f"beyond its rounding envelope within tolerance: {row.envelope['text']} "
+                     f"({env.describe()}); its inputs agree, so the op itself computed differently")
+        row.reasons.append(f"beyond its rounding envelope: {row.envelope['text']}")
+    elif row.status == R.DIVERGED and verdict == "beyond":
+        row.cause = f"{row.cause}; {row.envelope['text']}" if row.cause else row.envelope["text"]
+
+
+def _one_precision(row: R.RecordRow) -> bool:
+    """A value record, or a tensor of one dtype in both runs judged at that dtype's tolerance
+    (no coarser precision upstream)."""
+    if row.metrics is None or row.metrics.evidence == "value" or not row.tol_dtype:
+        return True
+    return row.dtype_a == row.dtype_b and row.tol_dtype == tolerance_dtype(row.dtype_a, row.dtype_b)
+
+
+def expected_text(expected: float, seen: float) -> str:
+    """expected from rounding: 3.1e-06, seen: 2.0e-06 (0.64x)."""
+    gap = seen / expected if expected > 0 else (0.0 if seen == 0 else math.inf)
+    return f"expected from rounding: {sci(expected)}, seen: {sci(seen)} ({gap:.2g}x)"
+
+
+def _changed_input(call_rows, input_kind):
+    """(input row, its producer, their bands) of an input that differs by more than the output
+    that made it, with nothing computed in between; None when there is none."""
+    for row, _ in call_rows:
+        if row.io != "in" or row.status not in R.WITHIN or row.metrics is None or row.metrics.evidence == "value":
+            continue
+        kind, producer = input_kind(row)
+        if kind != PRODUCED or producer is None or producer.status not in R.PAIRED or producer.order >= row.order:
+            continue
+        if (row.dtype_a, row.dtype_b) != (producer.dtype_a, producer.dtype_b):
+            continue  # a cast in between (autograd casting a gradient back to bfloat16) rounds
+        mine, theirs = error_band(row), error_band(producer)
+        if mine is None or theirs is None or not math.isfinite(theirs[2]):
+            continue
+        norm = row.metrics.ref_norm or 0.0
+        if mine[0] > 2.0 * theirs[2] + 1e-9 * norm and mine[0] > 0:
+            return row, producer, mine, theirs
+    return None
+
+
+def _enters_here(row: R.RecordRow, changed) -> None:
+    """The call reads an input changed after it was made: the difference enters here."""
+    source, producer, mine, theirs = changed
+    if source.status != R.DIVERGED:
+        source.status = R.DIVERGED
+        source.divergence = R.INPUT
+        source.origin = R.INTRODUCED
+        source.reasons.append(f"differs by {sci(mine[1])} although {producer.key}, which made it, differs by "
+                              f"{sci(theirs[1])}: changed in between, and a copy rounds nothing")
+    if row.status == R.DIVERGED and row.origin == R.INTRODUCED:
+        return
+    row.status = R.DIVERGED
+    row.divergence = R.OUTPUT
+    row.origin = R.INTRODUCED
+    row.cause = (f"input {source.slot} differs (||a - b|| {sci(mine[1])}) although {producer.key}, which made it, "
+                 f"differs by {sci(theirs[1])}: something not recorded changed it in between (a gradient hook, a "
+                 "custom autograd Function); nothing computes between the two, so rounding explains none of it")
+    row.reasons.append(f"its input {source.slot} was changed after it was made")
+
+
+def judge_untouched(row: R.RecordRow, kind: str) -> None:
+    """A parameter read by the forward of step 0 has not been computed by anything yet: its
+    rounding envelope is 0, and any difference the evidence proves (the low end of its band)
+    is a change, however far below the tolerance (a weight scaled by 1 + 1e-6)."""
+    if row.status not in (R.MATCH, R.CHANGED) or not (is_param_slot(row.slot) or kind == PARAM_INPUT):
+        return
+    found = error_band(row)
+    if found is None or row.metrics is None:
+        return
+    # its initialization: a few flops per value, computed in another order or on another device
+    # (a few ulps), and one rounding more where a run holds it in a coarser dtype
+    u = unit_roundoff(tolerance_dtype(row.dtype_a, row.dtype_b)) or 0.0
+    rounding = (ELEMENTWISE_ULPS + (1.0 if row.dtype_a != row.dtype_b else 0.0)) * u * row.metrics.ref_norm
+    if found[0] <= FACTOR * rounding:
+        return
+    row.status = R.DIVERGED
+    gap = found[1] / rounding if rounding > 0 else math.inf
+    row.envelope = {"family": "untouched", "k": 1, "u": u, "conditioning": 1.0, "rounding": rounding,
+                    "propagated": 0.0, "expected": rounding, "seen": found[1], "low": found[0],
+                    "high": found[2] if math.isfinite(found[2]) else None, "gap": gap, "verdict": "beyond",
+                    "text": expected_text(rounding, found[1]), "divergent_inputs": []}
+    row.reasons.append(f"differs (||a - b|| at least {sci(found[0])}) before anything but its initialization "
+                       f"computed it (step 0, read by the forward): more than {ELEMENTWISE_ULPS:g} ulps of rounding "
+                       "make; within the fixed tolerance, beyond its rounding envelope")

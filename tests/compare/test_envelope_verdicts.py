@@ -1,0 +1,243 @@
+"""Rounding envelopes: pairs that differ by rounding only pass and say so; real faults, also
+below the tolerance, are named at their op (docs/compare-rules.md, "Is this gap expected?")."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import probe
+from probe.comparison import envelope as E
+from tests import rounding_pairs as P
+from tests.verdict_models import TinyAttention, tokens
+
+ROUNDING_ONLY = "PASS: the runs differ by rounding only (largest gap "
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def _operand(x, err=0.0):
+    x = np.asarray(x, np.float64)
+    return E.Operand(numel=x.size, norm=float(np.linalg.norm(x)), min=float(x.min()), max=float(x.max()),
+                     mean=float(x.mean()), shape=x.shape, dtype="float32", err=err)
+
+
+def _two_orders(x, w):
+    """x @ w.T in float32 summed in two orders: numpy's, and K cut in three pieces added last first."""
+    one = (x @ w.T).astype(np.float64)
+    cuts = [0, x.shape[1] // 3 + 1, 2 * x.shape[1] // 3, x.shape[1]]
+    parts = [(x[:, a:b] @ w[:, a:b].T) for a, b in zip(cuts, cuts[1:])]
+    other = parts[2] + parts[1] + parts[0]
+    return one, other.astype(np.float64)
+
+
+@pytest.mark.parametrize("k", [16, 256, 4096])
+def test_a_matmul_summed_in_another_order_stays_within_its_envelope_which_is_not_loose_beyond_sqrt_k(k):
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((32, k)).astype(np.float32)
+    w = rng.standard_normal((24, k)).astype(np.float32)
+    one, other = _two_orders(x, w)
+    seen = float(np.linalg.norm(one - other))
+    env = E.op_envelope("functional.linear", "forward", "output.0", _operand(one), {"input.0": _operand(x),
+                                                                                     "input.1": _operand(w)})
+    assert env.family == E.DOT and env.k == k and env.propagated == 0
+    assert 0 < seen <= env.rounding
+    # Higham-Mary's sqrt(K) u, and ||x|| ||W|| ~ sqrt(K) ||y|| for spread data: within K x 10 of what is seen
+    assert env.rounding <= 10 * k * seen
+    assert env.judge(seen, seen) == "within"
+
+
+def test_a_sum_of_one_sign_is_well_conditioned_and_one_that_cancels_is_not():
+    positive = np.abs(np.random.default_rng(1).standard_normal(10_000)) + 0.1
+    mixed = positive * np.where(np.arange(10_000) % 2, 1.0, -1.0)
+    env_pos = E.op_envelope("torch.sum", "forward", "output.0", _operand([positive.sum()]),
+                            {"input.0": _operand(positive)})
+    env_mix = E.op_envelope("torch.sum", "forward", "output.0", _operand([mixed.sum()]),
+                            {"input.0": _operand(mixed)})
+    assert env_pos.conditioning == pytest.approx(1.0)
+    assert env_mix.conditioning > 100 * env_pos.conditioning
+
+
+def test_a_division_by_values_near_zero_passes_its_inputs_differences_on_amplified():
+    a, b = _operand(np.linspace(1, 2, 64), err=1e-6), _operand(np.linspace(1e-3, 1, 64), err=1e-9)
+    far = E.op_envelope("Tensor.div", "forward", "output.0", _operand(np.ones(64)), {"input.0": a, "input.1": _operand(
+        np.linspace(1, 2, 64), err=1e-9)})
+    near = E.op_envelope("Tensor.div", "forward", "output.0", _operand(np.ones(64)), {"input.0": a, "input.1": b})
+    assert near.propagated > 100 * far.propagated
+    straddles = E.op_envelope("Tensor.div", "forward", "output.0", _operand(np.ones(64)),
+                              {"input.0": a, "input.1": _operand(np.linspace(-1, 1, 64), err=1e-9)})
+    assert straddles.propagated == math.inf and straddles.judge(1.0, 1.0) == "unbounded"
+
+
+def test_an_op_whose_own_error_exceeds_its_envelope_is_beyond_and_a_band_that_straddles_is_uncertain():
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((16, 64)).astype(np.float32), rng.standard_normal((8, 64)).astype(np.float32)
+    y = (x @ w.T).astype(np.float64)
+    env = E.op_envelope("functional.linear", "forward", "output.0", _operand(y), {"input.0": _operand(x),
+                                                                                   "input.1": _operand(w)})
+    wrong = float(np.linalg.norm(y * 1e-3))  # the op computed 0.1% off, its inputs equal
+    assert env.judge(wrong, wrong) == "beyond"
+    limit = E.FACTOR * env.rounding
+    assert env.judge(0.5 * limit, 2 * limit) == "uncertain"
+    assert env.judge(0.1 * limit, 0.5 * limit) == "within"
+
+
+# ---------------------------------------------------------------------------- pairs of runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Dumps made once: the deep LayerNorm/Linear/GELU stack with AdamW, 3 steps, plain on one
+    thread; the same on two threads under other_rounding() (another device's summation order)."""
+    root = tmp_path_factory.mktemp("envelope")
+    made = {}
+
+    def get(name, **options):
+        if name not in made:
+            made[name] = P.run(root / name, **options)
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_a_deep_stack_against_other_device_rounding_on_two_threads_passes_by_rounding_only(runs, task):
+    a = runs(f"a-{task}", task=task, threads=1)
+    b = runs(f"b-{task}", task=task, threads=2, perturb=True)
+    result = probe.compare(a, b)
+    headline = result.to_text().splitlines()[0]
+    assert result.verdict == "pass" and headline.startswith(ROUNDING_ONLY), headline
+    assert result.envelope["differ"] and result.envelope["beyond"] == 0 and result.envelope["largest_gap"] < 1
+    strict = probe.compare(a, b, strict=True)
+    assert not strict.to_text().startswith(ROUNDING_ONLY)  # --strict: the fixed tolerance alone
+
+
+def test_the_cli_exits_0_with_the_rounding_headline_and_its_json_keeps_the_contract_with_envelopes(runs):
+    a, b = runs("a-statistics", task="statistics", threads=1), runs("b-statistics", task="statistics", threads=2,
+                                                                      perturb=True)
+    text = subprocess.run([sys.executable, "-m", "probe", "compare", a, b], capture_output=True, text=True)
+    assert text.returncode == 0 and text.stdout.startswith(ROUNDING_ONLY)
+    out = subprocess.run([sys.executable, "-m", "probe", "compare", a, b, "--json", "--rows"], capture_output=True,
+                         text=True)
+    data = json.loads(out.stdout)
+    assert out.returncode == 0 and data["verdict"] == "pass" and data["first_divergence"] is None
+    assert {"matched", "only_a", "only_b", "diverged"} <= set(data["counts"])
+    assert data["envelope"]["largest_gap"] < 1 and data["envelope"]["strict"] is False
+    enveloped = [row["envelope"] for row in data["rows"] if row.get("envelope")]
+    assert enveloped and all({"expected", "seen", "verdict", "text"} <= set(e) for e in enveloped)
+
+
+@pytest.mark.parametrize("fault, module, op", [
+    (P.eps_in_block(3), "blocks.3.ln", "functional.layer_norm"),
+    (P.tanh_gelu, "", "functional.gelu"),
+    (P.scale_weight(5), "blocks.5.fc", "functional.linear"),
+    (P.softmax_in_bf16, "", "Tensor.to"),  # its cast to bfloat16: a precision finding
+], ids=["eps", "tanh-gelu", "weight-x1.001", "softmax-in-bf16"])
+def test_real_faults_in_the_same_pair_are_still_named_introduced_at_their_op(runs, tmp_path, fault, module, op):
+    a = runs("a-statistics", task="statistics", threads=1)
+    b = P.run(tmp_path / "b", task="statistics", steps=1, threads=2, perturb=True, fault=fault)
+    result = probe.compare(a, b, steps=[0])
+    cause = result.likely_cause
+    assert result.verdict == "diverged" and (cause.module, cause.op, cause.origin) == (module, op, "introduced")
+
+
+def test_a_weight_scaled_below_the_tolerance_is_named_at_the_linear_that_reads_it(runs, tmp_path):
+    a = runs("a-tensor", task="tensor", threads=1)
+    b = P.run(tmp_path / "b", task="tensor", steps=1, perturb=True, fault=P.scale_weight(5, 1 + 1e-5))
+    result = probe.compare(a, b, steps=[0])
+    cause = result.likely_cause
+    assert (cause.module, cause.op, cause.origin) == ("blocks.5.fc", "functional.linear", "introduced")
+    assert "differs before anything computed it" in cause.cause and "expected from rounding" in cause.cause
+    assert probe.compare(a, b, steps=[0], strict=True).verdict == "pass"  # 1e-5 is below rtol 2e-5
+
+
+def test_fp32_against_bf16_autocast_with_a_minus_inf_causal_mask_passes_in_statistics(tmp_path):
+    build = lambda: TinyAttention(attn="eager")  # noqa: E731
+    a = P.run(tmp_path / "a", build, tokens, steps=1, task="statistics")
+    b = P.run(tmp_path / "b", build, tokens, steps=1, task="statistics", autocast=torch.bfloat16)
+    result = probe.compare(a, b)
+    assert result.verdict == "pass", result.to_text()[:1500]
+    mask = [row for row in result.rows if row.op == "Tensor.masked_fill" and row.slot == "output.0"]
+    assert mask and all(row.status == "match" for row in mask)
+
+
+def test_one_mlp_gradient_scaled_by_1_003_in_a_bf16_llama_is_named_where_it_enters(tmp_path):
+    """Below bfloat16's tolerance, against other-device rounding: the first op that reads the
+    scaled gradient (the MLP's down projection, backward), introduced; the clean pair passes."""
+    from tests.real_models import hf_model, lm_loss, token_batch
+
+    options = dict(build=lambda: hf_model("llama"), batch=token_batch, steps=1, task="statistics",
+                   dtype=torch.bfloat16, loss=lm_loss)
+    a = P.run(tmp_path / "a", **options)
+    clean = P.run(tmp_path / "clean", perturb=True, **options)
+    b = P.run(tmp_path / "b", perturb=True, fault=P.scale_mlp_gradient(0, 1.003), **options)
+    assert probe.compare(a, clean).to_text().startswith(ROUNDING_ONLY)
+    result = probe.compare(a, b)
+    cause = result.likely_cause
+    assert (cause.module, cause.op, cause.phase, cause.origin) == (
+        "model.layers.0.mlp.down_proj", "functional.linear", "backward", "introduced"), result.to_text()[:2000]
+    assert "changed it in between" in cause.cause
+    assert probe.compare(a, b, strict=True).verdict == "pass"  # the fixed tolerance alone misses it
+
+
+def test_a_baseline_run_measures_the_envelopes_and_still_names_a_fault(runs, tmp_path):
+    a = runs("a-statistics", task="statistics", threads=1)
+    b = runs("b-statistics", task="statistics", threads=2, perturb=True)
+    c = P.run(tmp_path / "c", task="statistics", perturb=True)
+    result = probe.compare(a, b, baseline=c)
+    assert result.verdict == "pass" and "its envelope measured by the baseline" in result.to_text().splitlines()[0]
+    bug = P.run(tmp_path / "bug", task="statistics", steps=1, perturb=True, fault=P.eps_in_block(3))
+    cause = probe.compare(a, bug, baseline=c, steps=[0]).likely_cause
+    assert (cause.module, cause.op, cause.origin) == ("blocks.3.ln", "functional.layer_norm", "introduced")
+
+
+def test_probe_run_perturb_computes_the_command_with_other_device_rounding(tmp_path):
+    script = tmp_path / "modes.py"
+    script.write_text("import torch\nfrom torch.overrides import _get_current_function_mode_stack\n"
+                      "print([type(m).__name__ for m in _get_current_function_mode_stack()])\n")
+    plain = subprocess.run([sys.executable, "-m", "probe", "run", "-q", "--", sys.executable, str(script)],
+                           capture_output=True, text=True)
+    perturbed = subprocess.run([sys.executable, "-m", "probe", "run", "-q", "--perturb", "--", sys.executable,
+                                str(script)], capture_output=True, text=True)
+    assert plain.stdout.strip() == "[]" and perturbed.stdout.strip() == "['OtherRounding']", perturbed.stderr
+
+
+def test_ppo_over_15_updates_each_dumped_against_other_device_rounding_passes_by_rounding_only(tmp_path):
+    """The scenario probe exists for: PPO on CartPole trained twice, the second time with
+    another device's rounding; every update step dumped."""
+    import contextlib
+
+    gym = pytest.importorskip("gymnasium")
+    from examples.reinforcement_learning.ppo import (
+        ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, update_step,
+    )
+    from probe.perturb import other_rounding
+
+    def train(path, perturb):
+        probe.seed_all(1234)
+        settings = PPOSettings(rollout_steps=32, epochs=1, minibatch=32)
+        model = ActorCritic()
+        optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+        tracker = EpisodeTracker(gym.make("CartPole-v1"), 1234)
+        debugger = probe.PrecisionDebugger({"task": "statistics", "level": "mix", "dump_path": str(path),
+                                            "seed": 1234})
+        try:
+            with other_rounding() if perturb else contextlib.nullcontext():
+                for _ in range(15):
+                    for batch in minibatches(collect(model, tracker, settings, torch.device("cpu")), settings):
+                        debugger.start(model)
+                        update_step(model, optimizer, batch, settings)
+                        debugger.stop()
+                        debugger.step()
+        finally:
+            debugger.close()
+        return tracker.returns
+
+    assert train(tmp_path / "a", False) == train(tmp_path / "b", True)
+    result = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert len(result.steps) == 15
+    assert result.verdict == "pass" and result.to_text().startswith(ROUNDING_ONLY), result.to_text()[:1500]
