@@ -16,6 +16,7 @@ from probe.errors import (
     ProbeError,
     SeedError,
     NonfiniteError,
+    DivergenceError,
     NothingRecordedError,
     RunExistsError,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "CaptureError",
     "CompareError",
     "NonfiniteError",
+    "DivergenceError",
     "NothingRecordedError",
     "RunExistsError",
     "first_nonfinite",

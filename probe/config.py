@@ -117,6 +117,16 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("overwrite", "bool", False, "false | true",
                 "when dump_path already holds another run's step files: refuse at construction "
                 "(false), or remove those files first, whole (true)"),
+        KeySpec("fingerprint", "bool", False, "false | true",
+                "record at every optimizer step the loss and the statistics and sketch of every "
+                "parameter, gradient and optimizer-state tensor to {dump_path}/fingerprints/"
+                "rank<R>.h5; with it, step [] captures no step in full"),
+        KeySpec("reference", "string", "", "\"\" or the path of a fingerprinted run",
+                "compare each step's fingerprint live with this run's (its dump_path, its "
+                "fingerprints folder or file); the first step that jumps is captured in full"),
+        KeySpec("stop_on_divergence", "bool", False, "false | true",
+                "with a reference: step() raises DivergenceError after the first step that "
+                "jumped (its full capture is written first)"),
     )
 }
 
@@ -152,6 +162,9 @@ class Config:
     writer: str = "auto"
     sketch_size: int = 16
     overwrite: bool = False
+    fingerprint: bool = False
+    reference: str = ""
+    stop_on_divergence: bool = False
     source: str = field(default="<defaults>", compare=False)
     _patterns: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -177,8 +190,19 @@ class Config:
             "writer": _choice(src, "writer", self.writer, WRITERS),
             "sketch_size": _bounded_int(src, "sketch_size", self.sketch_size, 0, SKETCH_SIZE_MAX),
             "overwrite": self._flag(src, "overwrite", self.overwrite),
+            "fingerprint": self._flag(src, "fingerprint", self.fingerprint),
+            "reference": self._reference(src),
+            "stop_on_divergence": self._flag(src, "stop_on_divergence", self.stop_on_divergence),
             "source": src,
         }
+        if values["reference"] and not values["fingerprint"]:
+            raise ConfigError(f"{src}: reference is {_show(values['reference'])} but fingerprint is "
+                              "false, expected \"fingerprint\": true with a reference (the live "
+                              "comparison reads this run's fingerprints)")
+        if values["stop_on_divergence"] and not values["reference"]:
+            raise ConfigError(f"{src}: stop_on_divergence is true without a reference, expected "
+                              "\"reference\": \"<a fingerprinted run>\" (divergence is found "
+                              "against it)")
         for name, value in values.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_patterns", _compile_list(src, values["list"]))
@@ -190,6 +214,16 @@ class Config:
         if not isinstance(value, str) or not value.strip() or "\x00" in value:
             raise _bad(src, "dump_path", value, "a non-empty path string")
         return value
+
+    def _reference(self, src: str) -> str:
+        value = self.reference
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if value is None:
+            value = ""
+        if not isinstance(value, str) or "\x00" in value:
+            raise _bad(src, "reference", value, 'a path string (or "" for none)')
+        return value.strip()
 
     @staticmethod
     def _flag(src: str, key: str, value: Any) -> bool:
@@ -227,7 +261,11 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     def wants_step(self, step: int) -> bool:
-        return not self.step or step in self.step
+        """Capture this step in full? Every step when ``step`` is [], except with fingerprints
+        on: then [] means none (the fingerprints say which step to look at)."""
+        if not self.step:
+            return not self.fingerprint
+        return step in self.step
 
     def wants_rank(self, rank: int) -> bool:
         return not self.rank or rank in self.rank

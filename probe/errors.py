@@ -44,3 +44,8 @@ class NothingRecordedError(ProbeError):
 
 class RunExistsError(DumpError):
     """dump_path already holds another run's step files, and config "overwrite" is false."""
+
+
+class DivergenceError(ProbeError):
+    """stop_on_divergence: a step's fingerprint jumped away from the reference run's; that
+    step's full capture is on disk, training stops."""

@@ -21,6 +21,8 @@ Examples:
   probe compare gpu/ npu/ --mapping map.yaml        # renamed modules / ops
   probe compare gpu/ cpu/ --replay                  # which side is right? (task "tensor" dumps)
   probe compare gpu/ cpu/ --replay --replay-top 50 --replay-budget 300
+  probe compare ref_run/fingerprints new_run/fingerprints --html parts.html
+                                                    # fingerprinted runs: where they part
 
 \b
 A is the reference: relative errors are relative to A. A tensor fails when
@@ -90,6 +92,11 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     (step<N>/rank<R>.h5). Calls are aligned by execution order, so extra or missing calls
     on one side (autocast casts, a fused op) do not shift the pairing of the others.
     """
+    from probe.fingerprint.command import is_fingerprints
+
+    if is_fingerprints(a, b):
+        return _compare_fingerprints(a, b, as_json, html_path, ranks)
+
     from probe.compare_and_replay import compare as run_compare
     from probe.report import output, progress
 
@@ -136,6 +143,20 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
 
         click.echo(terminal.render(result), nl=False)
     return EXIT_DIVERGED if result.diverged else EXIT_PASS
+
+
+def _compare_fingerprints(a, b, as_json, html_path, ranks):
+    """Two fingerprinted runs: the first step where they part, jump or drift (exit 1 on a jump)."""
+    from probe.fingerprint import command, report as fingerprint_report
+    from probe.report import output
+
+    destinations = output.check_destinations({"--html": html_path} if html_path else {}, inputs=(a, b))
+    primary, results = command.run(a, b, ranks=ranks or None)
+    if html_path:
+        output.write_atomic(destinations["--html"], fingerprint_report.render_html(primary), "--html")
+        click.echo(f"probe: wrote the HTML report to {html_path}", err=True)
+    click.echo(command.render(primary, results, as_json), nl=False)
+    return EXIT_DIVERGED if any(r.diverged for r in results) else EXIT_PASS
 
 
 #: how many top ops --replay replays without --replay-top

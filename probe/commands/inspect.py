@@ -137,7 +137,7 @@ def inspect(dump, step, rank, key, limit, as_json):
     loaded = reader.load(dump)
     for message in loaded.incomplete_messages():
         click.echo(f"probe: warning: {message}", err=True)
-    from probe.comparison.run_info import mixed_runs
+    from probe.comparison.load import mixed_runs
 
     mixed = mixed_runs(loaded)
     if mixed:

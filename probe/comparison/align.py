@@ -21,14 +21,37 @@ file's renames; a call can only pair with a call of the same module), in three p
    in another order) without ever pairing shifted indexes.
 
 Whatever is left has no partner: only_a / only_b, never "pass".
+
+Pairing
+-------
+
+Align stage: call pairs of the two runs, and one RecordRow per record pair.
+
+align.align_calls pairs the calls of one phase and module; then each refiner in
+engine.ALIGN_REFINERS may pair what it left alone (foreach_pairing.pair_foreach: foreach
+elements against per-tensor calls). The pairs are put in A's execution order, and each
+becomes its rows: one RecordRow per slot (paired, or on one side only).
+
+Defaults
+--------
+
+Pair an argument one run left at its default with the same argument the other run spelled out.
+
+Capture records a call's defaults that choose the function at ``default.<name>``
+(probe/capture/eager/defaults.py), what the call passed at ``kwarg.<name>``. ``F.gelu(x)`` in A and
+``F.gelu(x, approximate="tanh")`` in B then compare as ``kwarg.approximate``: "none" in A,
+"tanh" in B, a changed argument. A default whose name the other run did not pass by keyword
+is not compared (both runs recorded it alike, or the other passed it by position), so dumps
+of older versions, which record no defaults, compare as before.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections import defaultdict
-
-from probe.comparison.records import Call, CallPair
+from probe.comparison import result as R
+from probe.comparison.records import Records
+from probe.comparison.structs import AlignedStep, Call, CallPair, NormalizedStep, Slot
 from probe.dump import schema
 
 #: how a pair was made: see the module docstring
@@ -187,3 +210,110 @@ def _order(pairs: list[CallPair], calls_b: list[Call]) -> list[CallPair]:
             following += 1
             lonely[id(call)].order = (*anchor, 1, following)
     return pairs
+
+
+def align(normalized: NormalizedStep, refiners, step: int = 0, rank: int = 0) -> AlignedStep:
+    records_a, records_b = normalized.a.records, normalized.b.records
+    pairs = align_calls(normalized.a.calls, normalized.b.calls)
+    for refine in refiners:
+        pairs = refine(pairs, records_a, records_b)
+    pairs.sort(key=lambda pair: pair.order)
+    per_pair = [_pair_rows(pair, number, records_a, records_b, step, rank) for number, pair in enumerate(pairs)]
+    paired = [slot for slots in per_pair for slot in slots if slot.paired]
+    paired.sort(key=lambda slot: slot.row.order)
+    return AlignedStep(step, rank, records_a, records_b, normalized.a.calls, pairs, per_pair, paired)
+
+
+def _pair_rows(pair: CallPair, number: int, records_a: Records, records_b: Records, step: int, rank: int) -> list[Slot]:
+    """The Slots of one call pair, in A's record order then B's extra slots."""
+    a, b = pair.a, pair.b
+    slots_a = a.slots if a else {}
+    slots_b = b.slots if b else {}
+    slots_a, slots_b = pair_defaults(slots_a, slots_b)
+    ordered = sorted(slots_a, key=slots_a.get) + sorted((s for s in slots_b if s not in slots_a), key=slots_b.get)
+    if a is not None and b is not None:
+        # a foreach call's argument shared by all its elements, without a partner: once, with element 0
+        ordered = [slot for slot in ordered if slot in slots_a and slot in slots_b
+                   or _own_slot(a, slot) and _own_slot(b, slot)]
+    out = []
+    for position, slot in enumerate(ordered):
+        row_a, row_b = slots_a.get(slot), slots_b.get(slot)
+        out.append(Slot(_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position), row_a, row_b,
+                        number))
+    for call, records, status in ((a, records_a, R.ONLY_A), (b, records_b, R.ONLY_B)):
+        for extra in call.extras if call else ():
+            row_a = extra if status == R.ONLY_A else None
+            row_b = extra if status == R.ONLY_B else None
+            slot = records.get("slot", extra)
+            out.append(Slot(_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, len(out)), row_a,
+                            row_b, number))
+    return out
+
+
+def _own_slot(call, slot: str) -> bool:
+    return call.element <= 0 or slot not in call.shared
+
+
+def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position) -> R.RecordRow:
+    main, main_row = (records_a, row_a) if row_a is not None else (records_b, row_b)
+    get = main.columns
+    if row_a is not None and row_b is not None:
+        status = R.MATCH
+    else:
+        status = R.ONLY_A if row_a is not None else R.ONLY_B
+    row = R.RecordRow(
+        step=step,
+        rank=rank,
+        status=status,
+        module=get["module"][main_row],
+        op=get["op"][main_row],
+        index=int(get["index"][main_row]),
+        phase=get["phase"][main_row],
+        slot=slot,
+        io=get["io"][main_row],
+        kind=get["kind"][main_row],
+        source=get["source"][main_row],
+        paired_by=pair.how,
+        target=(pair.a.target if pair.a is not None and pair.a.target else (pair.b.target if pair.b else "")),
+        # a record's own seq: a module's output comes after the API calls inside it
+        order=(int(records_a.columns["seq"][row_a]), row_a, 0, 0) if row_a is not None else (*pair.order, position),
+    )
+    if row_a is not None:
+        cols = records_a.columns
+        row.key_a, row.seq_a = cols["key"][row_a], int(cols["seq"][row_a])
+        row.dtype_a, row.shape_a = cols["dtype"][row_a], cols["shape"][row_a]
+    if row_b is not None:
+        cols = records_b.columns
+        row.key_b, row.seq_b = cols["key"][row_b], int(cols["seq"][row_b])
+        row.dtype_b, row.shape_b = cols["dtype"][row_b], cols["shape"][row_b]
+    if status == R.ONLY_A:
+        row.reasons.append("no partner in B")
+    elif status == R.ONLY_B:
+        row.reasons.append("no partner in A")
+    return row
+
+
+DEFAULT, KEYWORD = "default.", "kwarg."
+
+
+def pair_defaults(slots_a: dict, slots_b: dict) -> tuple[dict, dict]:
+    """(slots_a, slots_b) with each default renamed to the keyword slot the other side has,
+    or dropped when unpaired; the inputs are not modified."""
+    if not any(slot.startswith(DEFAULT) for slot in slots_a) and not any(slot.startswith(DEFAULT) for slot in slots_b):
+        return slots_a, slots_b
+    return _renamed(slots_a, slots_b), _renamed(slots_b, slots_a)
+
+
+def _renamed(own: dict, other: dict) -> dict:
+    out = {}
+    for slot, row in own.items():
+        if slot.startswith(DEFAULT):
+            name = slot[len(DEFAULT):]
+            keyword = KEYWORD + name
+            if keyword in other and keyword not in own:
+                out[keyword] = row  # the other run passed it: compare it with this default
+            elif slot in other:
+                out[slot] = row  # both left it at the default: the same, recorded alike
+            continue
+        out[slot] = row
+    return out

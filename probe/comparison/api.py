@@ -16,17 +16,10 @@ from typing import Callable, Iterable
 
 from probe.comparison import load as L
 from probe.comparison import result as R
-from probe.comparison import model_overlap, run_info
-from probe.comparison import sharded_steps
 from probe.comparison.assemble import assemble
-from probe.comparison.drift import apply_drift
 from probe.comparison.engine import compare_step
-from probe.comparison.entering import rank_entering
 from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
-from probe.comparison.autocast_runs import shared_autocast
-from probe.comparison.precision import PrecisionTally, judge_precision
-from probe.comparison.records import content_keys
-from probe.comparison.result import StepOutcome
+from probe.comparison.structs import Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
@@ -59,7 +52,7 @@ def compare(
     dump_a, dump_b = L.load_dumps(path_a, path_b)
     sharded = None
     if os.path.isdir(path_a) and os.path.isdir(path_b):
-        sharded = sharded_steps.plan(dump_a, dump_b, None if steps is None else set(steps),
+        sharded = L.plan(dump_a, dump_b, None if steps is None else set(steps),
                                      None if ranks is None else set(ranks), allow_missing)
     if sharded is None:
         pairs, missing = L.pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
@@ -72,11 +65,9 @@ def compare(
     outcomes: list[StepOutcome] = []
     steps_info = []
     total_bytes = 0
-    previous: dict[int, set] = {}  # rank -> content keys of A's last compared step file
+    carried: dict[int, Carry] = {}  # rank -> what A's last compared step file of that rank hands on
     devices_ab = ("", "")
-    explained: dict[int, dict] = {}  # rank -> accepted differences of A's last compared step file
     same_model = None
-    autocast_runs: list = []  # (A's, B's) root attribute autocast, per step file pair
     with contextlib.closing(opened) as step_files:
         for position, files in enumerate(step_files):
             def report(done, total, read, _position=position):
@@ -86,32 +77,17 @@ def compare(
             key_a, key_b = files.key_a, files.key_b
             if position == 0:
                 notes += L.attr_notes(files.attrs_a, files.attrs_b)
-                differences = run_info.run_differences(files.attrs_a, files.attrs_b)
+                differences = L.run_differences(files.attrs_a, files.attrs_b)
                 devices_ab = (str(files.attrs_a.get("device") or ""), str(files.attrs_b.get("device") or ""))
                 if names is None:
-                    share = model_overlap.overlap(files.records_a.columns["module"], files.records_b.columns["module"])
-                    same_model = model_overlap.different_models_note(share)
-            autocast_a, autocast_b = files.attrs_a.get("autocast"), files.attrs_b.get("autocast")
-            outcome = compare_step(
-                files.records_a,
-                files.records_b,
-                files.fetch_a,
-                files.fetch_b,
-                table,
-                names,
-                step=key_a[0],
-                rank=key_a[1],
-                progress=report,
-                previous=previous.get(key_a[1]),
-                previous_explained=explained.get(key_a[1]),
-                autocast=shared_autocast(autocast_a, autocast_b),
-            )
-            autocast_runs.append((autocast_a, autocast_b))
-            previous[key_a[1]] = content_keys(files.records_a)
-            explained[key_a[1]] = outcome.explained
+                    share = L.overlap(files.records_a.columns["module"], files.records_b.columns["module"])
+                    same_model = L.different_models_note(share)
+            step_input = StepInput(files.records_a, files.records_b, files.fetch_a, files.fetch_b, key_a[0], key_a[1],
+                                   files.attrs_a.get("autocast"), files.attrs_b.get("autocast"), report)
+            outcome = compare_step(step_input, table, names, carried.get(key_a[1]))
+            carried[key_a[1]] = Carry(outcome.content_keys, outcome.explained)
             total_bytes += outcome.tensor_bytes
             outcomes.append(outcome)
-            counts = outcome.counts()
             steps_info.append({
                 "step": key_a[0],
                 "rank": key_a[1],
@@ -120,22 +96,12 @@ def compare(
                 "file_a": dump_a.files[key_a],
                 "file_b": dump_b.files[key_b],
                 "verdict": None,  # assemble.py decides, with strict
-                "counts": counts,
+                "counts": outcome.counts(),
             })
     if sharded is not None:
         notes += sharded.notes
-    precision = PrecisionTally()  # lower dtypes on one side (comparison/precision.py)
-    for outcome, (runs_a, runs_b), info in zip(outcomes, autocast_runs, steps_info):
-        judge_precision(outcome.rows, runs_a, runs_b, precision)
-        info["counts"] = outcome.counts()
-    result = assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab)
-    result.run_differences = differences + precision.differences()
-    result.notes.extend(precision.notes())
-    apply_drift(result)
-    rank_entering(result)
-    if same_model is not None:
-        result.notes.insert(0, same_model)
-    return result
+    return assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict, devices_ab,
+                    differences, same_model)
 
 
 def _mapping(mapping) -> NameMapping | None:

@@ -1,9 +1,9 @@
 """Attribute stage: what each call adds, and what one step file hands to the next.
 
 From the judged rows of one step file pair: the summary of each call pair (summarize_call:
-the error it adds, in tolerance units, which ranks the top ops) and the records whose
-tensors sit on different devices in the two runs. The first divergence and likely cause of a whole compare are
-told from every step's outcome by assemble.py (story.story).
+the error it adds, in tolerance units, which ranks the top ops), made after every verdict
+of the judge stage, so a summary says what its rows say. The first divergence and likely
+cause of a whole compare are told from every step's outcome by assemble.py (story).
 """
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.result import StepOutcome
-from probe.comparison.kinds import forward_carriers, is_carrier
-from probe.comparison.judge import JudgedStep
-from probe.comparison.sizes import rel_error
+from probe.comparison.structs import JudgedStep, StepOutcome, forward_carriers, is_carrier, rel_error
 
 
 def attribute(judged: JudgedStep) -> StepOutcome:
@@ -23,17 +20,8 @@ def attribute(judged: JudgedStep) -> StepOutcome:
     summaries = [summary for summary in (summarize_call(rows, forward) for rows, forward in judged.calls)
                  if summary is not None]
     return StepOutcome(aligned.step, aligned.rank, judged.rows, summaries, measured.evidence, measured.bytes_read,
-                       devices=_moved(aligned), explained=judged.explained)
-
-
-def _moved(aligned) -> dict:
-    """(device in A, device in B) -> paired tensor records that live on different devices."""
-    moved: dict = {}
-    dev_a, dev_b = aligned.records_a.columns["device"], aligned.records_b.columns["device"]
-    for _, row_a, row_b, _ in aligned.paired:
-        if dev_a[row_a] and dev_b[row_b] and dev_a[row_a] != dev_b[row_b]:
-            moved[(dev_a[row_a], dev_b[row_b])] = moved.get((dev_a[row_a], dev_b[row_b]), 0) + 1
-    return moved
+                       devices=measured.devices, explained=judged.explained, precision=judged.precision,
+                       content_keys=measured.content_keys)
 
 
 def added_score(score: float, out_rel: float, carried_rel: float) -> float:

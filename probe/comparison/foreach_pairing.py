@@ -1,7 +1,7 @@
 """Align stage, optimizer part: foreach elements paired with the other run's per-tensor calls.
 
 When one run has foreach calls left without a partner and the other run has per-tensor
-calls left without one (same phase, same module), the elements of each block (foreach.py)
+calls left without one (same phase, same module), the elements of each block (normalize.py)
 are laid out parameter by parameter, the order the per-tensor loop runs in, and aligned
 with the other run's calls on (op without its foreach/in-place spelling, shape), as align.py
 aligns any stream. A scalar argument spelled positionally on one side and by keyword on the
@@ -16,10 +16,11 @@ import difflib
 import math
 from collections import defaultdict
 
-from probe.comparison.optimizer_calls import (
+from probe.comparison.records import (
     FOREACH, FUSED, FUSED_PREFIX, base_op, parameter_blocks, parameter_major, tensor_print,
 )
-from probe.comparison.records import Call, CallPair, Records
+from probe.comparison.structs import Call, CallPair
+from probe.comparison.records import Records
 
 
 def _token(call: Call, records: Records) -> tuple:

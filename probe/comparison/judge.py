@@ -1,94 +1,118 @@
 """Judge stage: every paired record against its tolerance, then each call's records together.
 
-Records are judged in A's execution order (verdict.py's record rules; a checksum change is
-a divergence only where nothing computed the tensor yet), then call by call in the order
-their outputs were made, so that what made a call's inputs is judged before it
-(explain.py: introduced, inherited, explained as amplified rounding). Where the tensors
-were dumped, an output accepted as amplified by an elementwise op is checked by replaying
-the op in float64 on each run's own inputs (elementwise.py).
+Records are judged in A's execution order (record_rules.py: the record rules; a checksum
+change is a divergence only where nothing computed the tensor yet), then call by call in the
+order their outputs were made, so that what made a call's inputs is judged before it
+(call_rules.py: introduced, inherited, explained as amplified rounding; two kernels of one
+computation). Where the tensors were dumped, an output accepted as amplified by an
+elementwise op is checked by replaying the op in float64 on each run's own inputs
+(recheck.py). Last, the precision rule: an op one run computes in a lower dtype by the
+model's own casts. Every verdict on a record is made here, so the op summaries the attribute
+stage makes from the rows agree with them. The judge reads no record column: measure put
+what it needs into each Measurement.
+
+Precision
+---------
+
+Precision is a finding: an op one run computes in a lower dtype than the other.
+
+A lower dtype on one side is judged at that dtype's tolerance, so its rounding alone never
+fails a compare; without this module such an op passed in silence. The rules, per paired
+API forward call whose floating output has a coarser dtype on one side (``X``):
+
+* the call ran under autocast on X (root attribute ``autocast``, probe/capture/eager/autocast.py):
+  expected, autocast chose that precision. Counted in a note, not a divergence.
+* the runs compute in different dtypes throughout (their most common output dtypes differ:
+  a float32 run against a ``model.double()`` one): a choice of the whole run, listed under
+  "the runs differ in", not a divergence.
+* otherwise the model's own casts chose it: a divergence of kind ``precision`` at that op,
+  introduced there: "B computes fc1 functional.linear in bfloat16 where A uses float32".
+  Dumps that do not record autocast (older versions) cannot tell, and keep the note only.
+
+Either way the dtypes each run computed in are listed under "the runs differ in" when they
+differ. Torch-free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
 
-import numpy as np
-
-from probe.comparison.kernels import explain_different_kernels
-from probe.comparison import elementwise, verdict
 from probe.comparison import result as R
-from probe.comparison.explain import (
-    accepted_difference, explain, explain_module_by_its_calls, is_accepted_carry, judge_call, unexplain,
+from probe.comparison.call_rules import (
+    accepted_difference, explain, explain_different_kernels, explain_module_by_its_calls, is_accepted_carry,
+    judge_call,
 )
-from probe.comparison.optimizer_calls import base_op
-from probe.comparison.measure import ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement
-from probe.comparison.provenance import Provenance
-from probe.comparison.records import content_key, is_param_slot
-from probe.comparison.stale import StaleRecords
-from probe.comparison.sizes import rel_error, sci
+from probe.comparison.record_rules import (
+    StaleRecords, judge_checksum_change, judge_shape, judge_tensor, judge_value,
+)
+from probe.comparison.recheck import recheck_amplified
+from probe.comparison.records import is_param_slot
+from probe.comparison.structs import (
+    ABSENT, MIXED, SCALAR, SHAPE, VALUE, JudgedStep, MeasuredStep, Measurement, Slot, rel_error, sci,
+)
 
 
-@dataclass
-class JudgedStep:
-    measured: MeasuredStep
-    rows: list[R.RecordRow]  # every row of the step file pair, in execution order
-    #: (rows, forward rows) of each paired call, in the order they were judged
-    calls: list[tuple[list[R.RecordRow], list[R.RecordRow]]]
-    #: content_key -> key of A's records whose difference was accepted, and ("param", name) ->
-    #: the accepted gradient the optimizer updated that parameter from: what the next step
-    #: file of the rank accepts again (StepOutcome.explained)
-    explained: dict
-
-
-def judge(measured: MeasuredStep, previous_explained: dict | None = None) -> JudgedStep:
+def judge(measured: MeasuredStep, previous_explained: dict | None = None, autocast: tuple = (None, None)) -> JudgedStep:
     """Judge one measured step file pair.
 
     previous_explained: StepOutcome.explained of A's previous step file of the same rank: a
     record holding the same values as an accepted difference there (a parameter AdamW
-    updated from rounding noise) carries that accepted difference."""
+    updated from rounding noise) carries that accepted difference.
+    autocast: the step files' root attribute ``autocast`` of A and B (None where not recorded),
+    for the precision rule."""
     aligned = measured.aligned
     per_pair = aligned.per_pair
-    judged, stale = _judge_records(measured, previous_explained)
-    stale.resolve(lambda number: [row for row, ra, rb in per_pair[number]
-                                  if row.io == "out" and ra is not None and rb is not None
-                                  and row.metrics is not None and row.metrics.evidence != "value"])
+    stale = _judge_records(measured, previous_explained)
+    stale.resolve(lambda number: [slot.row for slot in per_pair[number]
+                                  if slot.row.io == "out" and slot.paired
+                                  and slot.row.metrics is not None and slot.row.metrics.evidence != "value"])
+    of_row = {id(m.row): m for m in measured.measurements}
     rows: list[R.RecordRow] = []
     calls = []
     forwards = _forward_rows(aligned.pairs, per_pair)
     # every record of A, paired or not: an input made by a call only A has names that call
-    rows_of_a = {row_a: row for call_rows in per_pair for row, row_a, _ in call_rows if row_a is not None}
+    rows_of_a = {slot.a: slot.row for slots in per_pair for slot in slots if slot.a is not None}
+    judged = {m.slot.a: m.row for m in measured.measurements}
+
+    def input_kind(row):
+        m = of_row[id(row)]
+        if row.io != "in":
+            return "external", None
+        producer = m.producer
+        return m.kind, (judged.get(producer) or rows_of_a.get(producer)) if producer is not None else None
+
+    def values(row):
+        return of_row[id(row)].values
+
     # calls in the order their outputs were made: what made a call's inputs is judged before it,
-    # and a module call after the api calls inside it (explain.explain_module_by_its_calls)
-    for pair, call_rows in sorted(zip(aligned.pairs, per_pair), key=lambda item: max(row.order for row, _, _ in item[1])):
+    # and a module call after the api calls inside it (call_rules.explain_module_by_its_calls)
+    for pair, slots in sorted(zip(aligned.pairs, per_pair), key=lambda item: max(s.row.order for s in item[1])):
+        call = [slot.row for slot in slots]
         if pair.a is not None and pair.b is not None:
-            lookup = {id(row): row_a for row, row_a, _ in call_rows}
-
-            def input_kind(row, _lookup=lookup):
-                kind, producer = measured.origins.get(_lookup[id(row)], ("external", None))
-                return kind, (judged.get(producer) or rows_of_a.get(producer)) if producer is not None else None
-
-            forward = forwards.get(_call_key(call_rows), ()) if pair.phase == "backward" else ()
-            judge_call([row for row, _, _ in call_rows], input_kind, forward)
-            explain_different_kernels([row for row, _, _ in call_rows])
-            explain_module_by_its_calls([row for row, _, _ in call_rows], rows)
-            _check_amplified(call_rows, measured)
-            calls.append(([row for row, _, _ in call_rows], forward))
-        rows.extend(row for row, _, _ in call_rows)
+            forward = forwards.get(_call_key(slots), ()) if pair.phase == "backward" else ()
+            judge_call(call, input_kind, forward, values)
+            explain_different_kernels(call)
+            explain_module_by_its_calls(call, rows)
+            recheck_amplified(slots, measured)
+            calls.append((call, forward))
+        rows.extend(call)
     rows.sort(key=lambda row: row.order)
-    return JudgedStep(measured, rows, calls, _explained(aligned, rows))
+    explained = _explained(per_pair, of_row, rows)
+    precision = R.PrecisionTally()
+    judge_precision(rows, autocast[0], autocast[1], precision)
+    return JudgedStep(measured, rows, calls, explained, precision)
 
 
-def _explained(aligned, rows: list[R.RecordRow]) -> dict:
+def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:
     """content_key -> key of A's records whose difference was accepted, and ("param", name)
     -> the accepted gradient the optimizer updated that parameter from."""
-    cols_a = aligned.records_a.columns
     explained: dict = {}
-    diverged_params = {param_name(cols_a, row, None, {}) for row in rows
-                       if row.slot.startswith("param.") and row.status == R.DIVERGED}
+    diverged_params = {_own_param(row) for row in rows if row.slot.startswith("param.") and row.status == R.DIVERGED}
     updated = {row.target for row in rows if row.target}  # parameters a recorded optimizer call updates
-    for row, row_a, _ in (item for call_rows in aligned.per_pair for item in call_rows):
-        if row.io == "out" and row_a is not None and accepted_difference(row):
-            key = content_key(cols_a, row_a)
+    for slot in (slot for slots in per_pair for slot in slots):
+        row = slot.row
+        if row.io == "out" and slot.a is not None and accepted_difference(row):
+            key = of_row[id(row)].content_key
             if key is not None:
                 explained[key] = (row.key, row.metrics.rel_l2 if row.metrics is not None else None)
             if row.slot.startswith("param_grad."):
@@ -100,48 +124,47 @@ def _explained(aligned, rows: list[R.RecordRow]) -> dict:
     return explained
 
 
-def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> tuple[dict, StaleRecords]:
-    """Judge every paired record in A's execution order: (A's row -> its RecordRow, the
-    in-place writes seen on the way, resolved once every record is judged)."""
-    aligned = measured.aligned
-    cols_a, cols_b = aligned.records_a.columns, aligned.records_b.columns
-    stale = StaleRecords(cols_a, cols_b)
-    firsts = {number: next(((ra, rb) for r, ra, rb in call_rows if r.slot == "input.0"), (None, None))
-              for number, call_rows in enumerate(aligned.per_pair)}
-    judged: dict = {}
+def _own_param(row: R.RecordRow) -> str:
+    name = row.slot[len("param."):]
+    return f"{row.module}.{name}" if row.module else name
+
+
+def _judge_records(measured: MeasuredStep, previous_explained: dict | None) -> StaleRecords:
+    """Judge every paired record in A's execution order; returns the in-place writes seen on
+    the way, resolved once every record is judged."""
+    stale = StaleRecords()
     differed = False  # an earlier record of this step file already differs between the runs
     for item in measured.measurements:
-        row, ra, rb = item.row, item.row_a, item.row_b
-        judge_record(item, cols_b)
-        stale.check(row, (ra, rb), firsts[item.number], item.number)
-        _carry_accepted(row, ra, cols_a, previous_explained, measured.origins)
-        verdict.judge_checksum_change(row, _untouched(row, item.kind, item.order, aligned.step,
-                                                      measured.provenance, differed))
+        row = item.row
+        judge_record(item)
+        stale.check(row, item.stats, item.input_stats, item.slot.number)
+        _carry_accepted(item, previous_explained)
+        judge_checksum_change(row, _untouched(row, item.kind, item.order, measured.aligned.step,
+                                              measured.backward_from, differed))
         differed = differed or _differs(row)
-        judged[ra] = row
-    return judged, stale
+    return stale
 
 
-def judge_record(item: Measurement, cols_b: dict) -> None:
-    """The record rule (verdict.py) for what the record was measured as."""
+def judge_record(item: Measurement) -> None:
+    """The record rule (record_rules.py) for what the record was measured as."""
     row = item.row
     if item.what == SCALAR:
-        verdict.judge_value(row, item.metrics)
+        judge_value(row, item.metrics, item.values)
         row.notes.append("a one-element tensor on one side, a plain number on the other")
     elif item.what == ABSENT:
         # attention weights from eager attention, None from sdpa: absent, not different
-        row.status = R.ONLY_A if cols_b["value"][item.row_b] == "null" else R.ONLY_B
+        row.status = R.ONLY_A if item.texts[1] == "null" else R.ONLY_B
         row.reasons.append(f"absent on one side: None in {'B' if row.status == R.ONLY_A else 'A'}, "
                            "a tensor in the other")
     elif item.what == MIXED:
         row.status = R.DIVERGED
         row.reasons.append("a tensor on one side, a plain value on the other")
     elif item.what == VALUE:
-        verdict.judge_value(row, item.metrics)
+        judge_value(row, item.metrics, item.values)
     elif item.what == SHAPE:
-        verdict.judge_shape(row)
+        judge_shape(row)
     else:
-        verdict.judge_tensor(row, item.metrics, item.tol)
+        judge_tensor(row, item.metrics, item.tol)
 
 
 #: a record that holds the values accepted in the previous step differs by the same amount
@@ -159,10 +182,11 @@ def carries_the_same(row, earlier) -> bool:
     return rel <= SAME_CARRY * accepted_rel + 1e-300
 
 
-def _carry_accepted(row, ra, cols_a, previous_explained, origins) -> None:
+def _carry_accepted(item: Measurement, previous_explained: dict | None) -> None:
     """A record holding the values of a difference accepted in the previous step file
     carries that acceptance (a parameter the optimizer updated from rounding noise)."""
-    earlier = previous_explained.get(content_key(cols_a, ra)) if previous_explained else None
+    row = item.row
+    earlier = previous_explained.get(item.content_key) if previous_explained else None
     if earlier is not None and not carries_the_same(row, earlier):
         # A's values are what was accepted last step, B's moved since: a change (a weight
         # edited between steps), not the accepted difference carried over
@@ -174,91 +198,38 @@ def _carry_accepted(row, ra, cols_a, previous_explained, origins) -> None:
     elif earlier is not None and row.status in R.WITHIN:
         row.accepted = True
     elif previous_explained and row.status == R.DIVERGED and is_accepted_carry(row):
-        grad = previous_explained.get(("param", param_name(cols_a, row, ra, origins)))
+        grad = previous_explained.get(("param", item.param))
         if grad is not None:
             explain(row, f"an optimizer step that is not recorded (level \"module\") updated this "
                          f"parameter from a gradient whose difference was accepted ({grad}); Adam-type "
                          "optimizers turn a rounding-noise gradient into an lr-sized update")
 
 
-def param_name(cols: dict, row: R.RecordRow, row_a: int | None, origins: dict) -> str | None:
-    """fc1.weight for a param.* record, or for an input holding that parameter's tensor."""
-    if row.slot.startswith("param."):
-        name = row.slot[len("param."):]
-        return f"{row.module}.{name}" if row.module else name
-    kind, producer = origins.get(row_a, (None, None)) if row_a is not None else (None, None)
-    if kind == "param" and producer is not None:
-        name = cols["slot"][producer][len("param."):]
-        module = cols["module"][producer]
-        return f"{module}.{name}" if module else name
-    return None
-
-
-def _check_amplified(call_rows, measured: MeasuredStep) -> None:
-    """Where the tensors were dumped, an output accepted as amplified by an elementwise op is
-    checked by replaying the op in float64 on each run's own inputs (elementwise.py): an
-    output its own inputs do not give was computed differently there (introduced)."""
-    outputs = [(row, ra, rb) for row, ra, rb in call_rows if row.io == "out" and row.status == R.EXPLAINED
-               and row.origin == R.AMPLIFIED and row.metrics is not None and row.metrics.evidence == "tensor"]
-    if not outputs or measured.fetch_a is None or measured.fetch_b is None:
-        return
-    cols_a, cols_b = measured.aligned.records_a.columns, measured.aligned.records_b.columns
-    op = base_op(call_rows[0][0].op)
-    sides = []
-    for side, cols, fetch in ((1, cols_a, measured.fetch_a), (2, cols_b, measured.fetch_b)):
-        tensors, values = {}, {}
-        for row, *rows in call_rows:
-            index = rows[side - 1]
-            if row.io != "in" or index is None:
-                continue
-            if cols["dtype"][index] == "":
-                values[row.slot] = cols["value"][index]
-            elif cols["tensor_id"][index] >= 0:
-                tensors[row.slot] = fetch(cols["tensor_id"][index]).astype(np.float64)
-        sides.append({"tensors": tensors, "values": values})
-    for row, ra, rb in outputs:
-        errors = []
-        for side, cols, fetch, index in ((sides[0], cols_a, measured.fetch_a, ra), (sides[1], cols_b, measured.fetch_b, rb)):
-            if cols["tensor_id"][index] < 0:
-                return
-            errors.append(elementwise.own_error(op, side, fetch(cols["tensor_id"][index])))
-        if None in errors:
-            continue
-        limit = row.rtol or 0.0
-        if max(errors) > limit:
-            unexplain(row, f"replayed in float64 from each run's own inputs, {row.op} gives A's output within "
-                                   f"rel L2 {sci(errors[0])} and B's within {sci(errors[1])} "
-                                   f"(tolerance {limit:g}): the op itself computed differently, not its conditioning")
-        else:
-            row.cause += (f"; checked elementwise: replayed in float64 from each run's own inputs it gives both "
-                          f"outputs (rel L2 {sci(errors[0])} and {sci(errors[1])})")
-
-
-def _call_key(call_rows) -> tuple | None:
+def _call_key(slots: list[Slot]) -> tuple | None:
     """(module, op, index) of a call pair: what ties a backward call to its forward."""
-    if not call_rows:
+    if not slots:
         return None
-    head = call_rows[0][0]
+    head = slots[0].row
     return head.module, head.op, head.index
 
 
 def _forward_rows(pairs, per_pair) -> dict:
     """(module, op, index) -> RecordRows of that paired forward call: the values the call's
-    backward computes from (explain.judge_call counts them as carriers)."""
+    backward computes from (call_rules.judge_call counts them as carriers)."""
     found: dict = {}
-    for pair, call_rows in zip(pairs, per_pair):
+    for pair, slots in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None and pair.phase == "forward":
-            found.setdefault(_call_key(call_rows), [row for row, _, _ in call_rows])
+            found.setdefault(_call_key(slots), [slot.row for slot in slots])
     return found
 
 
-def _untouched(row: R.RecordRow, kind: str, order: tuple, step: int, provenance: Provenance,
+def _untouched(row: R.RecordRow, kind: str, order: tuple, step: int, backward_from: float,
                differed: bool) -> bool:
     """Nothing in either run has computed this tensor yet, so rounding cannot have changed it:
     read by the forward of step 0 (no optimizer update yet), and a parameter, or an input
     no recorded op made (data, a weight of an api-level dump) read before any record of the
     step file differed (an unrecorded op could have carried a rounding difference into it)."""
-    if step != 0 or row.io != "in" or order[0] >= provenance.backward_from:
+    if step != 0 or row.io != "in" or order[0] >= backward_from:
         return False
     if is_param_slot(row.slot) or kind == "param":
         return True
@@ -273,3 +244,60 @@ def _differs(row: R.RecordRow) -> bool:
     if row.status != R.MATCH or m is None:
         return True
     return m.bit_equal is False or (m.bit_equal is None and m.err_l2 > 0)
+
+
+#: machine epsilon by dtype name: which of two dtypes is coarser
+_EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7,
+        "float8_e4m3fn": 2.0 ** -3, "float8_e4m3fnuz": 2.0 ** -3, "float8_e5m2": 2.0 ** -2,
+        "float8_e5m2fnuz": 2.0 ** -2}
+
+
+def _in_runs(seq, runs) -> str:
+    if seq is None or not runs:
+        return ""
+    for first, last, dtype in runs:
+        if first <= seq <= last:
+            return dtype
+    return ""
+
+
+def judge_precision(rows: list, autocast_a, autocast_b, tally: R.PrecisionTally) -> None:
+    """Mark the precision divergences of one step file pair and count the rest in tally.
+
+    autocast_a/_b: the step files' root attribute ``autocast`` (None where not recorded)."""
+    calls: dict = {}
+    for row in rows:
+        if (row.kind == "api" and row.phase == "forward" and row.io == "out" and row.status in R.PAIRED
+                and row.dtype_a in _EPS and row.dtype_b in _EPS):
+            calls.setdefault((row.module, row.op, row.index), row)  # the call's first output
+    main_a = Counter(row.dtype_a for row in calls.values())
+    main_b = Counter(row.dtype_b for row in calls.values())
+    tally.dtypes_a.update(main_a)
+    tally.dtypes_b.update(main_b)
+    whole_run = bool(main_a) and main_a.most_common(1)[0][0] != main_b.most_common(1)[0][0]
+    for row in calls.values():
+        if _EPS[row.dtype_a] == _EPS[row.dtype_b]:
+            continue
+        side, low, high = ("B", row.dtype_b, row.dtype_a) if _EPS[row.dtype_b] > _EPS[row.dtype_a] \
+            else ("A", row.dtype_a, row.dtype_b)
+        runs, seq = (autocast_b, row.seq_b) if side == "B" else (autocast_a, row.seq_a)
+        if _in_runs(seq, runs):
+            tally.autocast[(side, low)] += 1
+        elif whole_run:
+            continue
+        elif runs is None:
+            tally.unknown[(side, low)] += 1
+        else:
+            _mark(row, side, low, high)
+            tally.findings += 1
+
+
+def _mark(row, side: str, low: str, high: str) -> None:
+    other = "A" if side == "B" else "B"
+    text = f"{side} computes {row.module or '<root>'} {row.op} in {low} where {other} uses {high}"
+    earlier = row.cause if row.status == R.DIVERGED and row.cause else ""
+    row.status = R.DIVERGED
+    row.divergence = R.PRECISION
+    row.origin = R.INTRODUCED
+    row.cause = text + (f"; {earlier}" if earlier else "")
+    row.reasons.append(f"precision: {text} (the model's own cast, not autocast)")

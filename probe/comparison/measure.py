@@ -5,30 +5,45 @@ from is known before the records that inherit it (a float32 tensor made from bfl
 values gets bfloat16's tolerance). Tensor data is fetched through callables, read ahead by
 a prefetcher, and each distinct tensor pair is read once: the stage never holds a whole
 dump. What a measurement says (within tolerance or not) is the judge stage's.
+
+Provenance
+----------
+
+Measure stage, provenance: where each input tensor of run A came from.
+
+An input is *produced* by an earlier record of the step, a *param* (or a *param_update* once
+the backward began), *carried* over from the previous step file, *unrecorded* (made after
+the backward began by something not recorded) or *external* (data, buffers, constants).
+The judge stage (call_rules.py) adds *changed*, *unpaired* and *forward* from the judged rows.
+
+Autocast runs
+-------------
+
+Whether both runs computed under autocast, read from their step files' root attribute
+``autocast`` (probe/capture/eager/autocast.py): then every record from the first autocast call on
+carries that dtype's rounding (measure.py judges it at that dtype's tolerance at least).
+Torch-free.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from probe.comparison import result as R
-from probe.comparison.metrics import Metrics, limit_masked, statistics_metrics, tensor_metrics, value_metrics
-from probe.comparison.pairing import AlignedStep
-from probe.comparison.prefetch import Prefetcher
-from probe.comparison.kinds import PRODUCED
-from probe.comparison.provenance import STAT_COLUMNS, Provenance
+from probe.comparison.metrics import (
+    Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
+)
+from probe.comparison.records import Records, is_param_slot
 from probe.comparison.sketch import refine as refine_with_sketch
-from probe.comparison.tolerances import Tolerance, Tolerances, tolerance_dtype
+from probe.comparison.structs import (
+    ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, Call, MeasuredStep, Measurement, RecordRow,
+)
+from probe.comparison.tolerances import Tolerances, tolerance_dtype
 
 Fetch = Callable[[int], np.ndarray]
-
-#: what a paired record was measured as, and so which record rule judges it
-TENSOR, VALUE, SCALAR, ABSENT, MIXED, SHAPE = "tensor", "value", "scalar", "absent", "mixed", "shape"
 
 
 def lower_precision(first: str | None, second: str) -> str:
@@ -40,31 +55,16 @@ def lower_precision(first: str | None, second: str) -> str:
     return tolerance_dtype(first, second)
 
 
-@dataclass
-class Measurement:
-    """One paired record, measured: its input kind and how it compares."""
-
-    row: R.RecordRow
-    row_a: int
-    row_b: int
-    number: int  # its call pair
-    kind: str  # provenance kind of A's tensor
-    order: tuple
-    what: str  # TENSOR | VALUE | SCALAR | ABSENT | MIXED | SHAPE
-    metrics: Metrics | None = None
-    tol: Tolerance | None = None
-
-
-@dataclass
-class MeasuredStep:
-    aligned: AlignedStep
-    measurements: list[Measurement]  # in A's execution order
-    provenance: Provenance
-    origins: dict  # A's input row -> (kind, producing row)
-    evidence: set
-    bytes_read: int
-    fetch_a: Fetch | None
-    fetch_b: Fetch | None
+def shared_autocast(runs_a, runs_b) -> tuple | None:
+    """(A's first seq under autocast, dtype) when both runs computed under autocast in the same
+    dtype; None otherwise (or when a dump does not record it)."""
+    if not runs_a or not runs_b:
+        return None
+    dtypes_a = {dtype for _, _, dtype in runs_a}
+    dtypes_b = {dtype for _, _, dtype in runs_b}
+    if len(dtypes_a) != 1 or dtypes_a != dtypes_b:
+        return None
+    return (min(first for first, _, _ in runs_a), next(iter(dtypes_a)))
 
 
 def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, tolerances: Tolerances,
@@ -74,25 +74,27 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
     previous: content keys of A's previous step file of the same rank (provenance "carried").
     progress(done, total, tensor_bytes_read) is called every 64 records and at the end.
     autocast: (A's first seq under autocast, its dtype) when both runs computed under autocast in
-    that dtype (autocast_runs.shared_autocast): every record from there on, the backward included,
+    that dtype (shared_autocast): every record from there on, the backward included,
     carries that dtype's rounding and is judged at its tolerance at least."""
     records_a = aligned.records_a
+    cols_a, cols_b = records_a.columns, aligned.records_b.columns
     provenance = Provenance(records_a, aligned.calls_a, previous)
     measurer = Measurer(records_a, aligned.records_b, fetch_a, fetch_b, tolerances)
-    seqs = records_a.columns["seq"]
+    seqs = cols_a["seq"]
     paired = aligned.paired
-    origins: dict[int, tuple] = {}
+    firsts = [next(((slot.a, slot.b) for slot in slots if slot.row.slot == "input.0"), (None, None))
+              for slots in aligned.per_pair]
+    inputs: dict[int, tuple | None] = {}  # pair -> the statistics of its input.0, read once
     effective: dict[int, str] = {}  # A's row -> the tolerance dtype it was judged with
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
     measurements = []
     measurer.start_prefetch(paired)
     try:
-        for done, (row, row_a, row_b, number) in enumerate(paired, 1):
+        for done, slot in enumerate(paired, 1):
+            row, row_a, row_b, number = slot.row, slot.a, slot.b, slot.number
             order = (int(seqs[row_a]), row_a)
             kind, producer = provenance.kind(row_a, order)
-            if row.io == "in":
-                origins[row_a] = (kind, producer)
             upstream = mixed
             if autocast is not None and order[0] >= autocast[0]:
                 upstream = lower_precision(upstream, autocast[1])
@@ -101,7 +103,12 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
             if row.io == "out" and number in call_floor:
                 upstream = lower_precision(upstream, call_floor[number])
             what, metrics, tol = measurer.measure(row, row_a, row_b, upstream)
-            measurements.append(Measurement(row, row_a, row_b, number, kind, order, what, metrics, tol))
+            if number not in inputs:
+                first = firsts[number]
+                inputs[number] = None if None in first else (_in_place_stats(cols_a, first[0]),
+                                                             _in_place_stats(cols_b, first[1]))
+            measurements.append(_measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b,
+                                             inputs[number]))
             if row.tol_dtype and row.tol_dtype != "exact":
                 effective[row_a] = row.tol_dtype
                 if row.io == "in":
@@ -115,8 +122,81 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
         measurer.close()
     if progress is not None and not paired:
         progress(1, 1, measurer.bytes_read)
-    return MeasuredStep(aligned, measurements, provenance, origins, measurer.evidence, measurer.bytes_read,
-                        fetch_a, fetch_b)
+    return MeasuredStep(aligned, measurements, provenance.backward_from, measurer.evidence, measurer.bytes_read,
+                        devices=_moved(paired, cols_a, cols_b), content_keys=content_keys(records_a),
+                        fetch_a=fetch_a, fetch_b=fetch_b)
+
+
+def _measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b, inputs) -> Measurement:
+    """A measured slot with what the later stages need of its records, read here once."""
+    row, row_a, row_b = slot.row, slot.a, slot.b
+    if row.io != "in":
+        producer = None  # where an output's tensor came from says nothing about the call
+    values = (None, None)
+    if metrics is not None and metrics.evidence == "value":
+        values = (parse_value(metrics.value_a or ""), parse_value(metrics.value_b or ""))
+    return Measurement(slot, kind, producer, order, what, metrics, tol, values=values,
+                       texts=(cols_a["value"][row_a], cols_b["value"][row_b]),
+                       content_key=content_key(cols_a, row_a), param=_param_name(cols_a, row, kind, producer),
+                       stats=(_in_place_stats(cols_a, row_a), _in_place_stats(cols_b, row_b)), input_stats=inputs)
+
+
+def _param_name(cols: dict, row: RecordRow, kind: str, producer: int | None) -> str | None:
+    """fc1.weight for a param.* record, or for an input holding that parameter's tensor."""
+    if row.slot.startswith("param."):
+        name = row.slot[len("param."):]
+        return f"{row.module}.{name}" if row.module else name
+    if kind == "param" and producer is not None:
+        name = cols["slot"][producer][len("param."):]
+        module = cols["module"][producer]
+        return f"{module}.{name}" if module else name
+    return None
+
+
+def content_key(cols: dict, row: int) -> int | None:
+    """A tensor's values, comparable across step files: its checksum when recorded, else its
+    statistics (None when neither is known)."""
+    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
+    if cols["checksum"][row]:
+        return hash(head + (cols["checksum"][row],))
+    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
+    if all(math.isnan(value) for value in numbers):
+        return None
+    # NaN hashes by identity: spell it out so equal statistics give equal keys
+    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
+    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
+
+
+def content_keys(records: Records) -> set:
+    """content_key of every tensor record of a step file (what the next step may carry over)."""
+    cols = records.columns
+    keys = {content_key(cols, row) for row in range(len(records)) if cols["dtype"][row] != ""}
+    keys.discard(None)
+    return keys
+
+
+#: what an in-place write check compares of a record (record_rules.StaleRecords)
+_STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
+
+
+def _in_place_stats(cols: dict, row: int | None):
+    if row is None or cols["dtype"][row] == "":
+        return None
+    values = tuple(cols[name][row] for name in _STATS)
+    if all(isinstance(v, float) and math.isnan(v) for v in values[:4]):
+        return None
+    return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values)
+
+
+def _moved(paired, cols_a: dict, cols_b: dict) -> dict:
+    """(device in A, device in B) -> paired tensor records that live on different devices."""
+    moved: dict = {}
+    dev_a, dev_b = cols_a["device"], cols_b["device"]
+    for slot in paired:
+        pair = (dev_a[slot.a], dev_b[slot.b])
+        if pair[0] and pair[1] and pair[0] != pair[1]:
+            moved[pair] = moved.get(pair, 0) + 1
+    return moved
 
 
 class Measurer:
@@ -137,7 +217,8 @@ class Measurer:
             return
         a, b = self.a, self.b
         keys, seen = [], set()
-        for _, row_a, row_b, _ in paired:
+        for slot in paired:
+            row_a, row_b = slot.a, slot.b
             if a["dtype"][row_a] == "" or b["dtype"][row_b] == "" or not _same_shape(a["shape"][row_a], b["shape"][row_b]):
                 continue
             key = (a["tensor_id"][row_a], b["tensor_id"][row_b])
@@ -152,7 +233,7 @@ class Measurer:
             self.prefetcher.close()
             self.prefetcher = None
 
-    def measure(self, row: R.RecordRow, row_a: int, row_b: int, upstream: str | None = None):
+    def measure(self, row: RecordRow, row_a: int, row_b: int, upstream: str | None = None):
         """(what, metrics, tolerance) of one paired record. upstream: the lowest-precision
         dtype its value was computed from (a float32 tensor made from bfloat16 values is
         judged as bfloat16)."""
@@ -235,3 +316,100 @@ def _shape(text: str):
         return tuple(json.loads(text)) if text else ()
     except (ValueError, TypeError):
         return text
+
+
+STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "dtype")
+
+
+class Provenance:
+    """Where an input tensor of run A came from: produced by an earlier record of the step, a
+    parameter, state carried over from the previous step file, made after the backward began
+    by something unrecorded, or none of these (external)."""
+
+    def __init__(self, records: Records, calls: list[Call], previous: set | None = None):
+        cols = records.columns
+        self._cols = cols
+        self._prints: dict[int, list] = {}
+        self.produced: dict = {}  # fingerprint -> (order, row) of its earliest output record
+        self.params: dict = {}  # fingerprint -> row of a param.* record holding that tensor
+        self.previous = previous or set()  # content keys of the previous step file's records
+        seqs = cols["seq"]
+        backward = [seq for seq, phase in zip(seqs, cols["phase"]) if phase == "backward"]
+        # what enters a step from outside (data, weights, buffers) is read by the forward;
+        # a tensor no record made that first shows up once the backward has begun was made
+        # by something unrecorded from the step's own values (autograd's .grad accumulation)
+        self.backward_from = min(backward) if backward else math.inf
+        self._call_of: dict[int, int] = {}
+        for number, call in enumerate(calls):
+            for slot, row in call.slots.items():
+                self._call_of[row] = number
+                if cols["dtype"][row] == "":
+                    continue
+                prints = self.fingerprints(row)
+                if is_param_slot(slot):
+                    for mark in prints:
+                        self.params.setdefault(mark, row)
+                elif cols["io"][row] == "out":
+                    made = ((int(seqs[row]), row), row)
+                    for mark in prints:
+                        known = self.produced.get(mark)
+                        if known is None or made[0] < known[0]:
+                            self.produced[mark] = made
+
+    def fingerprints(self, row: int) -> list:
+        """The tensor's identity: its tensor_id when stored, else its checksum and statistics."""
+        found = self._prints.get(row)
+        if found is not None:
+            return found
+        cols = self._cols
+        if cols["tensor_id"][row] >= 0:
+            marks = [("id", cols["tensor_id"][row])]
+        elif all(math.isnan(cols[name][row]) for name in ("min", "max", "mean", "norm")):
+            marks = []
+        else:
+            marks = [("stats", tuple(repr(cols[name][row]) for name in STAT_COLUMNS) + (cols["shape"][row],))]
+        self._prints[row] = marks
+        return marks
+
+    def _late_producer_ok(self, row: int, producer: int) -> bool:
+        """A gradient flowing into a module (grad_output) is recorded by its module hook before
+        the downstream module's hook records the grad_input that is the same tensor: the
+        producer of a backward grad_output may come later in seq (never from its own call)."""
+        cols = self._cols
+        return (
+            cols["phase"][row] == "backward"
+            and cols["slot"][row].startswith("grad_output")
+            and self._call_of.get(producer) != self._call_of.get(row)
+        )
+
+    def kind(self, row: int, order: tuple) -> tuple[str, int | None]:
+        """(kind, row): ("produced", producing row) | ("param" | "param_update", param record) |
+        ("carried" | "unrecorded" | "external", None).
+
+        "carried": no record of this step made it, but the previous step file holds the same
+        values (optimizer state, a parameter updated in place, a buffer): its error, if any,
+        was made in an earlier step. "unrecorded": no record made it and it first shows up
+        after the backward began (a parameter gradient accumulated by autograd, optimizer
+        state): made from the step's own values by something not recorded. "external": read
+        before the backward and made by no record (data, buffers, weights of an api-level
+        dump): what enters the step from outside."""
+        prints = self.fingerprints(row)
+        for mark in prints:
+            made = self.produced.get(mark)
+            if made is None:
+                continue
+            if made[0] < order:
+                return "produced", made[1]
+            if self._late_producer_ok(row, made[1]):
+                return "produced", made[1]
+        param = next((self.params[mark] for mark in prints if mark in self.params), None)
+        if param is not None:
+            # read once the backward began: the optimizer updating it; its difference, if
+            # any, entered the step where the forward read it
+            return ("param_update" if order[0] > self.backward_from else "param"), param
+        forward = self._cols["phase"][row] == "forward"
+        if forward and self.previous and content_key(self._cols, row) in self.previous:
+            return "carried", None
+        if order[0] > self.backward_from:
+            return "unrecorded", None
+        return "external", None

@@ -4,19 +4,25 @@ Compare works on this small in-memory form so that the same code runs on a step 
 (``Records.from_table(step.records)``) and on hand-made records in tests
 (``Records.from_dicts([...])``). A *call* is every record of one (module, op, index, phase):
 the inputs, parameters, arguments and outputs of one forward call or one backward firing.
+
+Optimizer calls
+---------------
+
+What the optimizer's calls look like, for the stages that split, name and pair them: the
+foreach/fused spellings of an op, the blocks of a parameter group, a tensor's fingerprint.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 
+from probe.comparison.structs import Call
 from probe.dump import schema
 
 _NUMERIC = {name for name, kind in schema.RECORD_COLUMNS if kind != "str"}
 #: the slot prefix of a rank-local gradient linked as an input of the gradient an unrecorded
-#: collective reduced from it (reduced_grads.py)
+#: collective reduced from it (normalize.py)
 LOCAL_GRAD = "local_grad."
 _IN_PREFIXES = ("input", "kwarg", "param.", "grad_output", LOCAL_GRAD)
 _PLACEMENT = "placement"  # optional column (schema.OPTIONAL_COLUMNS)
@@ -51,7 +57,7 @@ class Records:
     def row(self, row: int) -> dict:
         return {name: values[row] for name, values in self.columns.items()}
 
-    def append(self, record: dict) -> int:
+    def append_record(self, record: dict) -> int:
         """Add a derived record (a foreach call's per-element argument); returns its row."""
         for name, values in self.columns.items():
             values.append(record[name])
@@ -113,54 +119,6 @@ def _fill(row: dict) -> dict:
     return row
 
 
-@dataclass
-class Call:
-    """The records of one call: (module, op, index, phase), in execution order by seq."""
-
-    module: str
-    op: str
-    index: int
-    phase: str
-    kind: str
-    seq: int
-    first_row: int
-    slots: dict[str, int] = field(default_factory=dict)  # slot -> row
-    extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
-    name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
-    shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
-    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
-    #: a foreach call's i-th tensor seen as its own call (foreach.py): i, else -1
-    element: int = -1
-    #: the parameter group (foreach block, foreach.py) a foreach element belongs to, else -1
-    block: int = -1
-    #: slots of a foreach element that every element of the call shares (a scalar argument)
-    shared: frozenset = frozenset()
-    #: the parameter an optimizer call updates ("fc1.weight"; optimizer_targets.py), "" when not known
-    target: str = ""
-
-    @property
-    def key(self) -> str:
-        element = f"[{self.element}]" if self.element >= 0 else ""
-        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
-
-    def order(self) -> tuple[int, int]:
-        return (self.seq, self.first_row)
-
-
-@dataclass
-class CallPair:
-    """One call of A and its partner in B (either may be None: no partner)."""
-
-    a: Call | None
-    b: Call | None
-    how: str = ""  # align.SEQUENCE | NAME | KEY, foreach FOREACH | FUSED; "" when one side is missing
-    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
-
-    @property
-    def phase(self) -> str:
-        return (self.a or self.b).phase
-
-
 def build_calls(records: Records, rename=None) -> list[Call]:
     """Group records into calls, in execution order. rename(module, op) -> (module, op)."""
     cols = records.columns
@@ -197,23 +155,73 @@ def build_calls(records: Records, rename=None) -> list[Call]:
     return result
 
 
-def content_key(cols: dict, row: int) -> int | None:
-    """A tensor's values, comparable across step files: its checksum when recorded, else its
-    statistics (None when neither is known)."""
-    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
-    if cols["checksum"][row]:
-        return hash(head + (cols["checksum"][row],))
-    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
-    if all(math.isnan(value) for value in numbers):
-        return None
-    # NaN hashes by identity: spell it out so equal statistics give equal keys
-    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
-    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
+FOREACH_PREFIX = "torch._foreach_"
+FUSED_PREFIX = "torch._fused_"
+#: how a foreach element paired with a per-tensor call (CallPair.how)
+FOREACH = "foreach"
+#: how a fused kernel's element paired with the last call of a per-parameter chain
+FUSED = "fused"
+#: per-tensor spellings of a foreach op's base name (``_foreach_norm`` runs vector_norm)
+_ALIASES = {"vector_norm": "norm", "true_divide": "div", "multiply": "mul", "subtract": "sub"}
 
 
-def content_keys(records: Records) -> set:
-    """content_key of every tensor record of a step file (what the next step may carry over)."""
+def is_foreach(op: str) -> bool:
+    return op.startswith((FOREACH_PREFIX, FUSED_PREFIX))
+
+
+def base_op(op: str) -> str:
+    """The op whatever its spelling: torch._foreach_add_, Tensor.add_, torch.add -> "add"."""
+    name = op.removeprefix(FOREACH_PREFIX).rsplit(".", 1)[-1].rstrip("_")
+    return _ALIASES.get(name, name)
+
+
+def _signature(element: Call, records: Records) -> tuple:
+    """(op, plain scalar arguments): the same signature twice means a new parameter group."""
     cols = records.columns
-    keys = {content_key(cols, row) for row in range(len(records)) if cols["dtype"][row] != ""}
-    keys.discard(None)
-    return keys
+    scalars = tuple(sorted((slot, cols["value"][row]) for slot, row in element.slots.items()
+                           if slot in element.shared and cols["dtype"][row] == ""))
+    return element.op, scalars
+
+
+def _calls_of(elements: list[Call]) -> list[list[Call]]:
+    """Elements -> the foreach calls they came from (each its elements in order), in call order."""
+    calls: dict = {}
+    for element in elements:
+        calls.setdefault((element.op, element.index), []).append(element)
+    ordered = sorted(calls.values(), key=lambda group: group[0].order())
+    return [sorted(group, key=lambda e: e.element) for group in ordered]
+
+
+def parameter_blocks(elements: list[Call], records: Records) -> list[list[list[Call]]]:
+    """Foreach elements -> blocks (a parameter group's calls) -> each call's elements."""
+    blocks: list[list[list[Call]]] = []
+    seen: set = set()
+    size = None
+    for call in _calls_of(elements):
+        if [e.element for e in call] != list(range(len(call))):
+            continue  # some elements already paired: not a whole call
+        signature = _signature(call[0], records)
+        if not blocks or len(call) != size or signature in seen:
+            blocks.append([])
+            seen = set()
+            size = len(call)
+        seen.add(signature)
+        blocks[-1].append(call)
+    return blocks
+
+
+def parameter_major(block: list[list[Call]]) -> list[Call]:
+    """The elements of a block in the per-tensor loop's order: every op of tensor 0, then 1..."""
+    return [elements[i] for i in range(len(block[0])) for elements in block]
+
+
+def tensor_print(cols: dict, row: int):
+    """A tensor's identity within one step file: its stored id, else its statistics."""
+    if cols["dtype"][row] == "":
+        return None
+    if cols["tensor_id"][row] >= 0:
+        return ("id", cols["tensor_id"][row])
+    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
+    if all(math.isnan(value) for value in numbers) or cols["numel"][row] <= 1:
+        return None  # a scalar (a step counter) says nothing about which parameter it is
+    return ("stats", cols["dtype"][row], cols["shape"][row], *map(repr, numbers), cols["checksum"][row])

@@ -5,169 +5,31 @@ Data only: the renderers (probe/report/) import this module, never the reverse.
 ``to_text``, ``to_json`` as ``probe compare --json`` prints it, ``write_html/write_csv/
 write_json``). ``to_dict()`` is the JSON without the headline and the divergences list;
 non-finite floats become the strings "inf", "-inf" and "nan" so the output stays strict JSON.
+
+The summaries folded over step files (assemble.py calls them): Fold what repeats over step files into one entry with the steps and ranks where it occurs.
+
+A changed argument (GELU's ``approximate``) or parameter differs in every step of a run,
+and the op that adds the most error usually does so in every step: listing them once per
+step file buries the answer. ``group_changes`` and ``rank_top_ops`` report each once, with
+its worst occurrence and ``where`` (every (step, rank) it occurs in); ``where_text`` says
+that compactly ("steps 0-4, rank 0").
+
+``PrecisionTally`` counts what the precision rule (judge.py) found but did not call a
+divergence; assemble adds up every step file pair's tally into the notes and the run
+differences.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
-from probe.comparison.metrics import Metrics
-from probe.comparison.where import where_text
-
-# row status
-MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
-#: paired, within tolerance by the statistics, but the checksums differ: the bytes changed by an
-#: amount no recorded number can size (verdict.judge_checksum_change decides CHANGED or DIVERGED)
-CHANGED = "changed"
-#: paired, beyond its own dtype's tolerance, but explained by differences that were accepted
-#: (rounding amplified by the op's conditioning: Adam's division by sqrt(v), a cancelling sum)
-#: or without effect: not a divergence (explain.judge_call decides; docs/compare-rules.md)
-EXPLAINED = "explained"
-WITHIN = (MATCH, CHANGED, EXPLAINED)  # paired and accepted: within tolerance or explained
-PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
-#: how reports name a record whose checksums differ while its statistics agree
-SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
-#: the note of a device/placement argument that differs (devices.py): counted once per report
-PLACEMENT_NOTE = "placement argument"
-# origin of a divergent record
-INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
-# what kind of divergence a row is
-OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
-#: an op one run computes in a lower dtype by the model's own casts (comparison/precision.py)
-PRECISION = "precision"
-
-
-@dataclass
-class RecordRow:
-    """One record of A aligned with one record of B (or with nothing)."""
-
-    step: int
-    rank: int
-    status: str
-    module: str
-    op: str
-    index: int
-    phase: str
-    slot: str
-    io: str
-    kind: str
-    key_a: str = ""
-    key_b: str = ""
-    seq_a: int | None = None
-    seq_b: int | None = None
-    dtype_a: str = ""
-    dtype_b: str = ""
-    shape_a: str = ""
-    shape_b: str = ""
-    source: str = ""
-    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, foreach.FOREACH)
-    target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
-    stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (stale.py)
-    #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
-    scale_norm: float = 0.0
-    #: its difference is rounding or explained by accepted differences (explain.is_accepted), when
-    #: judge_call decided it; None: not decided (accepted() decides from the row alone)
-    accepted: bool | None = None
-    tol_dtype: str = ""
-    rtol: float | None = None
-    atol: float | None = None
-    metrics: Metrics | None = None
-    score: float | None = None  # error / tolerance budget: > 1 is beyond tolerance
-    divergence: str = ""  # OUTPUT / PARAM / ARGUMENT / INPUT when status is DIVERGED
-    origin: str = ""  # INTRODUCED / INHERITED for divergent outputs
-    cause: str = ""  # one line: why this op introduced its error
-    reasons: list[str] = field(default_factory=list)  # why the row diverged
-    notes: list[str] = field(default_factory=list)  # facts that are not errors (dtype differs)
-    input_errors: list[dict] = field(default_factory=list)  # the call's inputs, for outputs
-    order: tuple = ()  # execution order within the step (A's seq)
-
-    @property
-    def key(self) -> str:
-        return self.key_a or self.key_b
-
-    @property
-    def size_unknown(self) -> bool:
-        """The checksums differ while the statistics agree within tolerance: the bytes changed,
-        but no recorded number says by how much (the rel L2 is only a lower bound)."""
-        m = self.metrics
-        return (
-            m is not None and m.evidence == "checksum" and m.bit_equal is False and not m.nan_mismatch
-            and not m.inf_mismatch and self.score is not None and self.score <= 1
-            and m.sketch is None  # sketches measure the change
-        )
-
-    def to_dict(self) -> dict:
-        data = {
-            "step": self.step,
-            "rank": self.rank,
-            "status": self.status,
-            "key": self.key,
-            "key_b": self.key_b,
-            "module": self.module,
-            "op": self.op,
-            "index": self.index,
-            "phase": self.phase,
-            "slot": self.slot,
-            "io": self.io,
-            "kind": self.kind,
-            "seq_a": self.seq_a,
-            "seq_b": self.seq_b,
-            "dtype_a": self.dtype_a,
-            "dtype_b": self.dtype_b,
-            "shape_a": self.shape_a,
-            "shape_b": self.shape_b,
-            "source": self.source,
-            "paired_by": self.paired_by,
-            "target": self.target or None,
-            "stale": self.stale or None,
-            "tolerance": {"dtype": self.tol_dtype, "rtol": self.rtol, "atol": self.atol} if self.tol_dtype else None,
-            "score": self.score,
-            "divergence": self.divergence or None,
-            "origin": self.origin or None,
-            "cause": self.cause or None,
-            "reasons": list(self.reasons),
-            "notes": list(self.notes),
-            "size_unknown": self.size_unknown,
-        }
-        if self.metrics is not None:
-            data["evidence"] = self.metrics.evidence
-            data["metrics"] = self.metrics.to_dict()
-        if self.input_errors:
-            data["input_errors"] = list(self.input_errors)
-        return json_safe(data)
-
-
-@dataclass
-class OpSummary:
-    """One call pair ranked by the error it introduces (top_ops)."""
-
-    step: int
-    rank: int
-    module: str
-    op: str
-    index: int
-    phase: str
-    key: str
-    kind: str
-    introduced: float  # output score minus the largest score of its produced inputs (tolerance units)
-    output_rel_l2: float
-    input_rel_l2: float
-    ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)
-    diverged: bool
-    origin: str
-    source: str = ""
-    where: list = field(default_factory=list)  # every (step, rank) where this op adds error
-    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
-    diverged_in: int = 0  # in how many of those its output is beyond tolerance
-
-    def to_dict(self) -> dict:
-        data = dict(self.__dict__)
-        where = data.pop("where") or [(self.step, self.rank)]
-        data["occurrences"] = len(where)
-        data["where"] = [{"step": step, "rank": rank} for step, rank in where]
-        data["where_text"] = where_text(where)
-        return json_safe(data)
+from probe.comparison.structs import (  # noqa: F401  the names every report reads from here
+    AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
+    ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, OpSummary, RecordRow,
+    StepOutcome, count_rows, json_safe, where_text,
+)
 
 
 @dataclass
@@ -190,9 +52,9 @@ class CompareResult:
     # probe.replay.ReplayReport when compare ran with replay=N (float64 replay verdicts per
     # call; report/json_report.py, csv_report.py, html_report.py show them)
     replay: object = None
-    #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/run_info.py)
+    #: settings the two runs recorded differently: [{"setting", "a", "b"}] (comparison/load.py)
     run_differences: list[dict] = field(default_factory=list)
-    #: {step, rank, text} when the runs part through accumulated rounding (comparison/drift.py)
+    #: {step, rank, text} when the runs part through accumulated rounding (comparison/assemble.py)
     drift: dict | None = None
 
     @property
@@ -264,55 +126,186 @@ def divergence_dict(row: RecordRow | None) -> dict | None:
     return json_safe(data)
 
 
-def json_safe(value):
-    """Replace non-finite floats by strings, recursively (JSON has no Infinity/NaN)."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    return value
+def _where_dicts(pairs) -> list[dict]:
+    return [{"step": step, "rank": rank} for step, rank in pairs]
 
 
 @dataclass
-class StepOutcome:
-    """What one pair of step files gave (engine.compare_step): its rows and call summaries;
-    assemble.py puts the outcomes of every pair together into a CompareResult."""
+class Change:
+    """One changed parameter or argument, over every step file where it differs."""
 
-    step: int
-    rank: int
-    rows: list[RecordRow]
-    summaries: list[OpSummary]
-    evidence: set = field(default_factory=set)
-    tensor_bytes: int = 0
-    #: (device in A, device in B) -> records of paired tensors that live on different devices
-    devices: dict = field(default_factory=dict)
-    #: content_key -> key of A's records whose difference was accepted (EXPLAINED outputs):
-    #: the next step reads them again (a parameter the optimizer updated) and accepts them too
-    explained: dict = field(default_factory=dict)
+    kind: str  # PARAM | ARGUMENT
+    key: str
+    module: str
+    op: str
+    index: int
+    phase: str
+    slot: str
+    source: str
+    reason: str  # why its worst occurrence diverged
+    value_a: str | None = None  # arguments: the values
+    value_b: str | None = None
+    rel_l2: float | None = None  # parameters: the worst rel L2
+    score: float | None = None
+    worst: tuple[int, int] = (0, 0)  # (step, rank) of the worst occurrence
+    where: list[tuple[int, int]] = field(default_factory=list)
+    size_unknown: bool = False  # parameters: the checksum differs while the statistics agree
 
-    @property
-    def diverged(self) -> bool:
-        return any(row.status == DIVERGED for row in self.rows)
+    def to_dict(self) -> dict:
+        return json_safe({
+            "kind": self.kind, "key": self.key, "module": self.module, "op": self.op, "index": self.index,
+            "phase": self.phase, "slot": self.slot, "source": self.source, "reason": self.reason,
+            "value_a": self.value_a, "value_b": self.value_b, "rel_l2": self.rel_l2, "score": self.score,
+            "worst": {"step": self.worst[0], "rank": self.worst[1]}, "occurrences": len(self.where),
+            "where": _where_dicts(self.where), "where_text": where_text(self.where),
+            "size_unknown": self.size_unknown,
+        })
 
-    def counts(self) -> dict:
-        return count_rows(self.rows)
+
+def is_change(row: RecordRow) -> bool:
+    """A changed argument, or a parameter by its own record (an API input holding the same
+    weight would repeat it)."""
+    if row.status != DIVERGED:
+        return False
+    return row.divergence == ARGUMENT or (row.divergence == PARAM and row.slot.startswith("param."))
 
 
-def count_rows(rows) -> dict:
-    """matched: paired records; diverged: those beyond tolerance; changed: those within
-    tolerance whose checksums differ (size unknown); only_a/only_b: without partner."""
-    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
-    for row in rows:
-        if row.status in PAIRED:
-            counts["matched"] += 1
-            if row.status != MATCH:
-                counts[row.status] += 1
+def group_changes(rows) -> list[Change]:
+    """Changed parameters and arguments, each once, in order of first occurrence."""
+    found: dict[tuple, Change] = {}
+    for row in sorted((r for r in rows if is_change(r)), key=lambda r: (r.step, r.rank, r.order)):
+        m = row.metrics
+        if row.divergence == ARGUMENT:
+            group = (row.divergence, row.key, m.value_a if m else None, m.value_b if m else None)
         else:
-            counts[row.status] += 1
-    return counts
+            group = (row.divergence, row.key)
+        change = found.get(group)
+        where = (row.step, row.rank)
+        if change is None:
+            change = found[group] = Change(
+                kind=row.divergence, key=row.key, module=row.module, op=row.op, index=row.index,
+                phase=row.phase, slot=row.slot, source=row.source, reason="; ".join(row.reasons),
+                value_a=m.value_a if m else None, value_b=m.value_b if m else None,
+                rel_l2=m.rel_l2 if m and m.evidence != "value" else None, score=row.score, worst=where,
+                size_unknown=row.size_unknown,
+            )
+        elif change.rel_l2 is not None and m is not None and _worse(row, change):
+            change.rel_l2, change.score, change.worst = m.rel_l2, row.score, where
+            change.reason, change.size_unknown = "; ".join(row.reasons), row.size_unknown
+        if where not in change.where:
+            change.where.append(where)
+    return list(found.values())
+
+
+def _worse(row: RecordRow, change: Change) -> bool:
+    """The row is a worse occurrence than the change's worst so far: a sized difference beats
+    one of unknown size (its rel L2 is only a lower bound), then the larger rel L2 wins."""
+    if row.size_unknown != change.size_unknown:
+        return change.size_unknown
+    return _bigger(row.metrics.rel_l2, change.rel_l2)
+
+
+def _bigger(x: float, y: float) -> bool:
+    return (not math.isnan(x)) and (math.isnan(y) or x > y)
+
+
+#: an op adding less than this share of the tolerance adds nothing worth listing (rounding
+#: of the ratio of two nearly equal errors leaves ~1e-5)
+NEGLIGIBLE = 1e-3
+
+
+def ranked_pool(summaries: list[OpSummary]) -> list[OpSummary]:
+    """The calls top ops rank, each computation once: API calls when any were captured, plus
+    the calls of leaf modules (no recorded module below them) in a phase where no API call of
+    that module measured an output. With capture's COMPOSITE_GRAD_INPUT off, a linear's
+    backward at API level records only the gradient flowing into its output (autograd runs
+    it as several nodes), so at level "mix" its module (Linear) is what measures the
+    gradient it sends back; a container module (Sequential, a block) only repeats what its
+    children measured."""
+    api = [s for s in summaries if s.kind == "api"]
+    if not api:
+        return list(summaries)
+    measured = {(s.module, s.phase) for s in api}
+    paths = {s.module for s in summaries}
+    parents = {path.rsplit(".", 1)[0] if "." in path else "" for path in paths if path}
+    modules = [s for s in summaries if s.kind != "api" and (s.module, s.phase) not in measured
+               and s.module not in parents]
+    return api + modules
+
+
+def rank_top_ops(summaries: list[OpSummary], top: int) -> list[OpSummary]:
+    """The ops that introduce the most error, each op once (ranked_pool: API calls, and the
+    modules that measure what API calls cannot).
+
+    Calls are grouped by (module, op, index, phase) over steps and ranks; a group is shown by
+    its worst call (the one adding the most error), with ``where`` = every step file in which
+    the op adds error (in which it diverges, when its worst call diverges). Ranked by that worst error in tolerance units; ops whose divergence is
+    only inherited come after every op that introduces error or stays within tolerance."""
+    pool = [s for s in ranked_pool(summaries) if s.introduced > NEGLIGIBLE]
+    groups: dict[tuple, list[OpSummary]] = {}
+    for summary in pool:
+        groups.setdefault((summary.module, summary.op, summary.index, summary.phase, summary.target),
+                          []).append(summary)
+    ranked = []
+    for calls in groups.values():
+        worst = max(calls, key=lambda s: (not _only_inherited(s), s.introduced, -s.step, -s.rank))
+        # an op that diverges somewhere is shown where it diverges: a fault on rank 1 only is
+        # not also "where" rank 0 merely rounds a little differently
+        shown = [s for s in calls if s.diverged] if worst.diverged else calls
+        worst.where = sorted({(s.step, s.rank) for s in shown})
+        worst.diverged_in = sum(1 for s in calls if s.diverged)
+        ranked.append(worst)
+    ranked.sort(key=lambda s: (_only_inherited(s), -s.introduced, s.step, s.rank, s.key))
+    return ranked[:top]
+
+
+def _only_inherited(summary: OpSummary) -> bool:
+    # an op that only passes on an error it inherited goes after those that add their own
+    return summary.diverged and summary.origin == INHERITED
+
+
+@dataclass
+class PrecisionTally:
+    """What the precision rule found over every step file of a compare."""
+
+    autocast: Counter = field(default_factory=Counter)  # ("A"/"B", dtype) -> ops under autocast
+    unknown: Counter = field(default_factory=Counter)  # ("A"/"B", dtype) -> ops, autocast not recorded
+    dtypes_a: Counter = field(default_factory=Counter)  # dtype -> api forward outputs of A
+    dtypes_b: Counter = field(default_factory=Counter)
+    findings: int = 0
+
+    @classmethod
+    def total(cls, tallies) -> "PrecisionTally":
+        """Every step file pair's tally added up, in step file order."""
+        total = cls()
+        for tally in tallies:
+            if tally is None:
+                continue
+            for name in ("autocast", "unknown", "dtypes_a", "dtypes_b"):
+                getattr(total, name).update(getattr(tally, name))
+            total.findings += tally.findings
+        return total
+
+    def notes(self) -> list[str]:
+        out = []
+        for (side, dtype), count in sorted(self.autocast.items()):
+            other = "B" if side == "A" else "A"
+            out.append(f"{side} ran {count} op{'s' if count != 1 else ''} in {dtype} under autocast where {other} "
+                       "computes in a finer dtype: expected (autocast chose that precision), not a divergence")
+        for (side, dtype), count in sorted(self.unknown.items()):
+            out.append(f"{side} ran {count} op{'s' if count != 1 else ''} in {dtype} where the other run computes in a "
+                       "finer dtype; this dump does not record whether autocast was on, so it is judged at "
+                       f"{dtype}'s tolerance and not reported as a precision divergence")
+        return out
+
+    def differences(self) -> list[dict]:
+        """The "the runs differ in" entry for the dtypes each run computed in."""
+        if set(self.dtypes_a) == set(self.dtypes_b) and not self.findings and not self.autocast:
+            return []
+        return [{"setting": "compute dtypes", "a": _describe(self.dtypes_a), "b": _describe(self.dtypes_b)}]
+
+
+def _describe(dtypes: Counter) -> str:
+    if not dtypes:
+        return "not recorded"
+    return ", ".join(f"{dtype} ({count} op{'s' if count != 1 else ''})" for dtype, count in dtypes.most_common())

@@ -2,7 +2,7 @@
 
 A pair of tensors is judged with the tolerance of the *lower-precision* side (a bf16 run
 against an fp32 run is held to bf16's tolerance), so a dtype difference alone never fails.
-The judgement itself (see verdict.py) is on the relative L2 error with an absolute floor:
+The judgement itself (see record_rules.py) is on the relative L2 error with an absolute floor:
 
     ||a - b|| <= rtol * ||a|| + atol * sqrt(numel)      (a = A = the reference)
 

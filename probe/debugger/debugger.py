@@ -103,6 +103,14 @@ class PrecisionDebugger:
         self._random = None
         self._random_whole_run = None
         self._rank: int | None = None  # set by a trainer integration (its process index)
+        self._divergence_stop: ProbeError | None = None  # stop_on_divergence: raised by step()
+        #: "fingerprint": true: every optimizer step's fingerprint (probe/fingerprint/session.py)
+        self.fingerprints = None
+        if cfg.fingerprint:
+            from probe.fingerprint.session import FingerprintSession
+
+            self.fingerprints = FingerprintSession(cfg, self.run_id, lambda: self.current_step,
+                                                   lambda: self.rank)
         if cfg.random_on_cpu and config is None:
             from probe.seed import random_on_cpu
 
@@ -166,6 +174,8 @@ class PrecisionDebugger:
                     f"start(model=...) got {type(model).__name__}, expected a torch.nn.Module or None"
                 )
             self._model = model
+        if self.fingerprints is not None:
+            self.fingerprints.watch(self._model)
         self._started = True
         if self.config.random_on_cpu and self._random_whole_run is None:
             from probe.seed import random_on_cpu
@@ -240,12 +250,22 @@ class PrecisionDebugger:
         if self._started:
             self.stop()
         try:
-            self._finish_step()
+            verdict = self.fingerprints.end_step() if self.fingerprints is not None else None
+            self._finish_step(verdict)
         finally:
             self.current_step += 1
         stop, self._nonfinite_stop = self._nonfinite_stop, None
+        if stop is None:
+            stop, self._divergence_stop = self._divergence_stop, None
         if stop is not None:
             raise stop
+
+    def note_loss(self, loss) -> None:
+        """Give the current step's loss to the fingerprints (a tensor or a number; several
+        calls in one step are averaged). The model's own output is taken when it is a loss
+        (a scalar, or an output with a ``loss``); a no-op without ``"fingerprint": true``."""
+        if self.fingerprints is not None:
+            self.fingerprints.note_loss(loss)
 
     @contextlib.contextmanager
     def capture(self, model: torch.nn.Module | None = None, *, finish_step: bool = True):
@@ -281,11 +301,15 @@ class PrecisionDebugger:
                 self._results.deliver(block=True)
             finally:
                 self._files.release_lock()
+                if self.fingerprints is not None:
+                    self.fingerprints.close()
 
     # ------------------------------------------------------------------ internals
 
     def _selected(self) -> bool:
         cfg = self.config
+        if self.fingerprints is not None and self.fingerprints.provisional:
+            return cfg.wants_rank(self.rank)  # every step, kept only if it jumps
         return cfg.wants_step(self.current_step) and cfg.wants_rank(self.rank)
 
     def _warn_if_scope_selects_nothing(self) -> None:
@@ -324,16 +348,30 @@ class PrecisionDebugger:
         self._recorder = self._files.open(self.current_step, self.rank, _world_size())
         return self._recorder
 
-    def _finish_step(self) -> None:
+    def _finish_step(self, verdict=None) -> None:
         recorder, self._recorder = self._recorder, None
+        jumped = verdict is not None and bool(verdict.jumped)
         if recorder is None:
             self._results.deliver(block=False)
+            if jumped:  # nothing captured (another rank's selection): still said, still stops
+                self._divergence_stop = self.fingerprints.diverged(verdict, None)
             return
         self.last_step_calls = recorder.calls
         rows = self._files.take_rows(recorder)
+        if (self.fingerprints is not None and self.fingerprints.provisional and not jumped
+                and not self.config.wants_step(self.current_step)):
+            # a live reference's provisional capture of a step that did not jump: dropped
+            if recorder.writer is not None:
+                recorder.writer.abort()
+            self._results.deliver(block=False)
+            return
         self._warn_if_selection_recorded_nothing(rows)
         attrs = recorder.step_attrs
         path = self._files.write(recorder, rows)
+        if jumped:
+            self._divergence_stop = self.fingerprints.diverged(verdict, path)
+            if self._divergence_stop is not None:
+                self._results.deliver(block=True)  # the step's file is on disk before the stop
         if path is not None and self.config.stop_on_nonfinite:
             from probe.analysis.nonfinite import stop_error
 

@@ -5,7 +5,8 @@ before the step's first batch (``on_train_batch_start``) and the file is finishe
 batch in which ``trainer.global_step`` advanced, so with ``accumulate_grad_batches`` it holds
 every micro-batch. R is ``trainer.global_rank``. Module names are relative to the
 LightningModule (an attribute ``model`` of it gives ``model.<...>``). Validation runs outside
-the training batches and is not captured. The last file is written at the end of fit (or
+the training batches and is not captured. With ``"fingerprint": true`` the loss
+training_step returns goes into each step's fingerprint. The last file is written at the end of fit (or
 when it fails).
 
 Works with the ``lightning`` package, else with ``pytorch_lightning``.
@@ -36,6 +37,10 @@ class ProbeCallback(CapturingCallback, Callback):
         self.capture.begin(pl_module, rank=trainer.global_rank)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # training_step's loss, for the fingerprints (a no-op without "fingerprint": true)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.debugger.note_loss(loss)
         if self._steps_at_begin is not None and trainer.global_step != self._steps_at_begin:
             self._steps_at_begin = None
             self.capture.end()

@@ -248,7 +248,7 @@ def _ranked(result, count: int) -> list:
     if count <= len(result.top_ops):
         return list(result.top_ops[:count])
     try:  # more than the report lists: rank again from every call pair
-        from probe.comparison.groups import rank_top_ops
+        from probe.comparison.result import rank_top_ops
 
         return list(rank_top_ops(list(result.op_summaries), count))
     except (ImportError, TypeError, AttributeError):

@@ -20,7 +20,7 @@ import json
 import math
 
 from probe.comparison import result as R
-from probe.comparison.where import where_text
+from probe.comparison.structs import where_text
 from probe.report import replay_html, terminal
 from probe.report.fmt import err, num
 
@@ -321,7 +321,7 @@ def _run_differences_html(result: R.CompareResult) -> str:
     differences = getattr(result, "run_differences", [])
     if not differences:
         return ""
-    from probe.comparison.run_info import difference_lines
+    from probe.comparison.load import difference_lines
 
     items = "".join(f"<li>{_e(line)}</li>" for line in difference_lines(differences))
     return ('<div id="run-differences"><h2>The runs differ in</h2><p class="muted">the runs differ in these '

@@ -16,8 +16,8 @@
 from __future__ import annotations
 
 from probe.comparison import result as R
-from probe.comparison import run_info
-from probe.comparison.where import where_text
+from probe.comparison import load
+from probe.comparison.structs import where_text
 from probe.report.fmt import err, num
 
 # kept for callers of the old name
@@ -270,7 +270,7 @@ def render(result: R.CompareResult, max_divergences: int = 5) -> str:
                 f"at step {cause.step} rank {cause.rank}"
             )
             lines += _describe(cause, "    ")
-    lines += run_info.block_lines(getattr(result, "run_differences", []))
+    lines += load.block_lines(getattr(result, "run_differences", []))
     lines += changes_lines(result, max_divergences)
     lines += top_ops_lines(result)
     if result.replay is not None:  # which side is right, per replayed call

@@ -194,7 +194,7 @@ def test_fsdp2_in_bfloat16_raises_no_false_alarm_against_float32(job):
     """FSDP2 with bfloat16 parameters passes against float32 under the bfloat16 tolerance,
     with full tensors and with statistics (sketches estimate each error, k=16: +-52%). The
     reduced gradient shards and the backward reduce-scatter calls that made them are judged
-    from the rank-local gradients they were made from (comparison/reduced_grads.py)."""
+    from the rank-local gradients they were made from (comparison/normalize.py)."""
     from probe import compare
 
     for task in ("tensor", "statistics"):

@@ -5,13 +5,14 @@ import pytest
 
 from probe.comparison import result as R
 from probe.comparison.engine import compare_step
+from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from test_compare_support import SyntheticRun
 
 
 def _outcome(a, b):
     fetch = (a.fetch, b.fetch) if a.task == "tensor" else (None, None)
-    return compare_step(a.records(), b.records(), *fetch, Tolerances())
+    return compare_step(StepInput(a.records(), b.records(), *fetch), Tolerances())
 
 
 def _row(outcome, key):

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import probe
-from probe.comparison.model_overlap import overlap
+from probe.comparison.load import overlap
 from tests.verdict_models import SmallNet, train
 
 

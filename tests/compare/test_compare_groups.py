@@ -3,9 +3,10 @@ reported once, with the steps and ranks where it occurs (not once per step file)
 
 import json
 
-from probe.comparison import groups
+from probe.comparison import result as R
 from probe.comparison.assemble import assemble as _assemble
 from probe.comparison.engine import compare_step
+from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.report import json_report, terminal
 from test_compare_support import mlp_run
@@ -17,7 +18,7 @@ def _multi(run_b_of, files):
     outcomes, info = [], []
     for step, rank in files:
         run_a, run_b = mlp_run(seed=step), run_b_of(step)
-        outcome = compare_step(run_a.records(), run_b.records(), run_a.fetch, run_b.fetch, table, step=step, rank=rank)
+        outcome = compare_step(StepInput(run_a.records(), run_b.records(), run_a.fetch, run_b.fetch, step=step, rank=rank), table)
         outcomes.append(outcome)
         info.append({"step": step, "rank": rank, "verdict": "diverged" if outcome.diverged else "pass",
                      "counts": outcome.counts()})
@@ -44,7 +45,7 @@ def test_changes_group_by_key_and_values_over_steps_and_ranks():
     assert change.key == "act/functional.gelu#0/forward/kwarg.approximate"
     assert change.where == [(0, 0), (0, 1), (1, 0), (1, 1), (3, 0)]
     assert (change.value_a, change.value_b) == ('"none"', '"tanh"')
-    assert groups.where_text(change.where) == "steps 0-1, ranks 0-1; step 3, rank 0"
+    assert R.where_text(change.where) == "steps 0-1, ranks 0-1; step 3, rank 0"
 
 
 def test_a_changed_parameter_is_one_change_with_its_worst_error():
@@ -80,10 +81,10 @@ def test_json_top_ops_and_changes_carry_where_they_occur():
 
 
 def test_where_text_is_compact():
-    assert groups.where_text([(0, 0)]) == "step 0, rank 0"
-    assert groups.where_text([(0, 0), (1, 0), (2, 0), (5, 0)]) == "steps 0-2, 5, rank 0"
-    assert groups.where_text([(0, 0), (0, 1), (0, 2)]) == "step 0, ranks 0-2"
-    assert groups.where_text([(2, 1), (4, 3)]) == "step 2, rank 1; step 4, rank 3"
+    assert R.where_text([(0, 0)]) == "step 0, rank 0"
+    assert R.where_text([(0, 0), (1, 0), (2, 0), (5, 0)]) == "steps 0-2, 5, rank 0"
+    assert R.where_text([(0, 0), (0, 1), (0, 2)]) == "step 0, ranks 0-2"
+    assert R.where_text([(2, 1), (4, 3)]) == "step 2, rank 1; step 4, rank 3"
 
 
 def test_top_ops_table_says_where_each_op_adds_error():

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from probe.comparison.prefetch import Prefetcher
+from probe.comparison.metrics import Prefetcher
 from probe.errors import DumpFormatError
 
 

@@ -145,9 +145,10 @@ def _gradients(local_scale, reduced_scale):
 
 def _reduced_row(local_scale, reduced_scale):
     from probe.comparison.engine import compare_step
+    from probe.comparison.structs import StepInput
     from probe.comparison.tolerances import Tolerances
 
-    outcome = compare_step(_gradients(1.0, 1.0), _gradients(local_scale, reduced_scale), None, None, Tolerances())
+    outcome = compare_step(StepInput(_gradients(1.0, 1.0), _gradients(local_scale, reduced_scale), None, None), Tolerances())
     (row,) = [row for row in outcome.rows if row.key == "fc/Linear#1/backward/param_grad.weight"]
     linked = [row.key for row in outcome.rows if "local_grad" in row.slot]
     return row, linked
@@ -194,10 +195,10 @@ def _reduce_scatter_step(local_scale, input_scale, output_scale):
 
 def _reduce_scatter_rows(local_scale, input_scale, output_scale):
     from probe.comparison.engine import compare_step
+    from probe.comparison.structs import StepInput
     from probe.comparison.tolerances import Tolerances
 
-    outcome = compare_step(_reduce_scatter_step(1.0, 1.0, 1.0),
-                           _reduce_scatter_step(local_scale, input_scale, output_scale), None, None, Tolerances())
+    outcome = compare_step(StepInput(_reduce_scatter_step(1.0, 1.0, 1.0), _reduce_scatter_step(local_scale, input_scale, output_scale), None, None), Tolerances())
     return {row.slot: row for row in outcome.rows if row.op == "distributed.reduce_scatter_single"}
 
 

@@ -3,8 +3,9 @@
 import numpy as np
 
 from probe.comparison import result as R
-from probe.comparison import story
+from probe.comparison import assemble
 from probe.comparison.engine import compare_step
+from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from test_compare_support import SyntheticRun
 
@@ -31,7 +32,7 @@ def _runs(written_in_b: bool, stale_record: bool):
 
 
 def _compare(a, b):
-    return compare_step(a.records(), b.records(), None, None, Tolerances())
+    return compare_step(StepInput(a.records(), b.records(), None, None), Tolerances())
 
 
 def test_a_pre_write_record_is_not_compared_and_its_readers_are():
@@ -46,4 +47,4 @@ def test_a_write_that_did_not_happen_is_where_the_error_entered():
     outcome = _compare(*_runs(written_in_b=False, stale_record=False))
     assert outcome.diverged and not any(row.stale for row in outcome.rows)
     lerp = next(row for row in outcome.rows if row.op == "Tensor.lerp_" and row.slot == "output.0")
-    assert story.first_divergence(outcome.rows) is lerp and lerp.origin == R.INTRODUCED
+    assert assemble.first_divergence(outcome.rows) is lerp and lerp.origin == R.INTRODUCED

@@ -5,6 +5,7 @@ import numpy as np
 from probe.comparison import result as R
 from probe.comparison.assemble import assemble as _assemble
 from probe.comparison.engine import compare_step
+from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.report import terminal
 from test_compare_support import SyntheticRun
@@ -37,7 +38,7 @@ def _result(pairs):
     table = Tolerances()
     outcomes, info = [], []
     for rank, (a, b) in enumerate(pairs):
-        outcome = compare_step(a.records(), b.records(), a.fetch, b.fetch, table, rank=rank)
+        outcome = compare_step(StepInput(a.records(), b.records(), a.fetch, b.fetch, rank=rank), table)
         outcomes.append(outcome)
         info.append({"step": 0, "rank": rank, "verdict": "diverged" if outcome.diverged else "pass",
                      "counts": outcome.counts()})

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison import groups, story
+from probe.comparison import assemble
 from probe.comparison.engine import compare_step
+from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.comparison.api import compare
 from test_compare_support import SyntheticRun, linear_checksum_run, mlp_run, square_weight, write_step
@@ -14,8 +15,8 @@ from test_compare_support import SyntheticRun, linear_checksum_run, mlp_run, squ
 def _compare(run_a, run_b, **tolerances):
     fetch_a = run_a.fetch if run_a.task == "tensor" else None
     fetch_b = run_b.fetch if run_b.task == "tensor" else None
-    outcome = compare_step(run_a.records(), run_b.records(), fetch_a, fetch_b, Tolerances.build(**tolerances))
-    first = story.first_divergence(outcome.rows)
+    outcome = compare_step(StepInput(run_a.records(), run_b.records(), fetch_a, fetch_b), Tolerances.build(**tolerances))
+    first = assemble.first_divergence(outcome.rows)
     return outcome, first
 
 
@@ -139,7 +140,7 @@ def test_tiny_norm_tensors_are_judged_against_the_absolute_floor():
 
 def test_top_ops_rank_the_error_each_op_adds():
     outcome, _ = _compare(mlp_run(), mlp_run(weight_noise=1e-3))
-    top = groups.rank_top_ops(outcome.summaries, 10)
+    top = R.rank_top_ops(outcome.summaries, 10)
     assert top[0].module == "fc1" and top[0].op == "functional.linear"
     assert all(op.kind == "api" for op in top)
     assert [op.introduced for op in top] == sorted((op.introduced for op in top), reverse=True)
@@ -181,7 +182,7 @@ def test_an_op_that_only_scales_an_error_within_tolerance_inherits_it():
     assert div.metrics.rel_l2 == pytest.approx(given.metrics.rel_l2, rel=1e-3)
     assert div.origin == R.INHERITED and "input.0 carries a difference within its own tolerance" in div.cause
     assert first is div and "Tensor.sqrt" in div.cause  # named as the op that made the input
-    top = groups.rank_top_ops(outcome.summaries, 10)
+    top = R.rank_top_ops(outcome.summaries, 10)
     assert [op.op for op in top if op.op == "Tensor.div"] == []
 
 
@@ -309,7 +310,7 @@ def test_a_transposed_weight_is_a_divergence_in_step_0_and_a_note_once_updated(s
     computed yet (step 0); from step 1 on an optimizer update could have rounded it."""
     weight = square_weight()
     a, b = linear_checksum_run(weight), linear_checksum_run(np.ascontiguousarray(weight.T))
-    outcome = compare_step(a.records(), b.records(), None, None, Tolerances(), step=step)
+    outcome = compare_step(StepInput(a.records(), b.records(), None, None, step=step), Tolerances())
     param = _row(outcome, "fc/Linear#0/forward/param.weight")
     assert param.status == status and param.size_unknown
     assert R.SIZE_UNKNOWN in (param.reasons + param.notes)[0]
@@ -320,8 +321,7 @@ def test_a_transposed_weight_is_a_divergence_in_step_0_and_a_note_once_updated(s
 
 def test_rounding_of_a_computed_output_is_changed_not_diverged():
     weight = square_weight()
-    outcome = compare_step(linear_checksum_run(weight).records(), linear_checksum_run(weight, noise=1e-7).records(),
-                           None, None, Tolerances())
+    outcome = compare_step(StepInput(linear_checksum_run(weight).records(), linear_checksum_run(weight, noise=1e-7).records(), None, None), Tolerances())
     out = _row(outcome, "fc/functional.linear#0/forward/output.0")
     assert not outcome.diverged and out.status == R.CHANGED and "rounding can explain it" in out.notes[0]
     assert outcome.counts()["changed"] == 1
@@ -332,8 +332,7 @@ def test_a_parameter_whose_extremes_moved_is_changed_not_diverged():
     min or max; a reordering never does."""
     weight = square_weight()
     nudged = np.nextafter(weight, np.float32(np.inf)).astype(np.float32)
-    outcome = compare_step(linear_checksum_run(weight).records(), linear_checksum_run(nudged).records(),
-                           None, None, Tolerances())
+    outcome = compare_step(StepInput(linear_checksum_run(weight).records(), linear_checksum_run(nudged).records(), None, None), Tolerances())
     param = _row(outcome, "fc/Linear#0/forward/param.weight")
     assert param.status == R.CHANGED and "min or max moved" in param.notes[0]
 
@@ -341,7 +340,6 @@ def test_a_parameter_whose_extremes_moved_is_changed_not_diverged():
 def test_a_shuffled_batch_is_a_divergence_when_nothing_differed_before():
     weight = square_weight()
     x = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
-    outcome = compare_step(linear_checksum_run(weight, x).records(), linear_checksum_run(weight, x[::-1].copy()).records(),
-                           None, None, Tolerances())
+    outcome = compare_step(StepInput(linear_checksum_run(weight, x).records(), linear_checksum_run(weight, x[::-1].copy()).records(), None, None), Tolerances())
     data = _row(outcome, "fc/Linear#0/forward/input.0")
     assert data.status == R.DIVERGED and data.divergence == R.INPUT and data.size_unknown

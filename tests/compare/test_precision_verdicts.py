@@ -78,3 +78,26 @@ def test_a_bf16_model_with_sdpa_against_eager_attention_passes_forward_and_backw
     b = train(tmp_path / "b", lambda: TinyAttention("eager"), **options)
     result = probe.compare(a, b)
     assert result.verdict == "pass", result.to_text()[:1500]
+
+
+def test_a_precision_divergence_first_is_diverged_and_introduced_in_op_summaries_json_and_html(
+        reference, tmp_path):
+    """The precision rule is a judge rule: the op summaries, the top ops of the JSON and the HTML
+    table are made after it, so they say what the rows say."""
+    b = train(tmp_path / "b", lambda: SmallNet(fc1_dtype=torch.bfloat16))
+    result = probe.compare(reference, b)
+    first = result.first_divergence
+    assert (first.module, first.op, first.divergence, first.origin) == ("fc1", "functional.linear", "precision",
+                                                                       "introduced")
+    call = (first.step, first.rank, first.module, first.op, first.index, first.phase)
+    summary = next(s for s in result.op_summaries if (s.step, s.rank, s.module, s.op, s.index, s.phase) == call)
+    assert (summary.diverged, summary.origin) == (True, "introduced")
+    top = [op for op in json.loads(result.to_json())["top_ops"]
+           if (op["module"], op["op"], op["phase"]) == ("fc1", "functional.linear", "forward")]
+    assert top and (top[0]["diverged"], top[0]["origin"]) == (True, "introduced")
+    html = tmp_path / "report.html"
+    result.write_html(str(html))
+    page = html.read_text()
+    table = page.split('<table id="top-ops">', 1)[1].split("</table>", 1)[0]
+    row = next(line for line in table.split("<tr>") if "<td>fc1</td>" in line and "<td>forward</td>" in line)
+    assert "<td>introduced</td>" in row and "within tolerance" not in row

@@ -98,7 +98,7 @@ def test_the_writer_process_writes_the_same_file_as_step_itself(tmp_path):
                 np.testing.assert_array_equal(a.records.column(name), b.records.column(name))
             np.testing.assert_array_equal(a.records.sketches(), b.records.sketches())
             assert a.attrs["schema_version"] == schema.SCHEMA_VERSION == 2
-            own = ("run_id", "created", "config")  # config: dump_path and writer differ
+            own = ("run_id", "created", "config", "cost")  # config: dump_path and writer differ; cost: timing
             assert {k: v for k, v in a.attrs.items() if k not in own} == \
                    {k: v for k, v in b.attrs.items() if k not in own}
 

@@ -15,6 +15,7 @@ import pytest
 from probe.comparison import result as R
 from probe.comparison.assemble import assemble
 from probe.comparison.engine import compare_step
+from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 from probe.report import csv_report, html_report, json_report, output, terminal
@@ -25,7 +26,7 @@ from tests.compare.test_compare_support import SyntheticRun, linear_checksum_run
 
 def _result(run_a, run_b, strict=False):
     table = Tolerances()
-    outcome = compare_step(run_a.records(), run_b.records(), run_a.fetch, run_b.fetch, table)
+    outcome = compare_step(StepInput(run_a.records(), run_b.records(), run_a.fetch, run_b.fetch), table)
     info = [{"step": 0, "rank": 0, "verdict": "diverged" if outcome.diverged else "pass", "counts": outcome.counts()}]
     return RenderedResult.of(assemble([outcome], info, table, "a/", "b/", [], [], 10, strict))
 

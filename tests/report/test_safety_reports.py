@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from probe.comparison import run_info
+from probe.comparison import load
 from probe.dump.writer import StepWriter
 from scripts_dump.dumpkit import make_row, root_attrs
 from tests.cli.test_compare_cli import REPO, _run
@@ -153,7 +153,7 @@ def test_identical_settings_print_no_differences_block(pair, capsys):
     a, b = pair
     code, out, _ = _run(["compare", str(a), str(b)], capsys)
     assert code == 0 and "the runs differ in" not in out
-    assert run_info.run_differences(root_attrs(), root_attrs()) == []
+    assert load.run_differences(root_attrs(), root_attrs()) == []
 
 
 # ------------------------------------------------------------------ a folder mixing two runs

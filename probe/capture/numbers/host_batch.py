@@ -1,4 +1,4 @@
-"""Statistics and sketches of CPU tensors, a batch at a time (issues 10 and 12).
+"""Statistics and sketches of CPU tensors, a batch at a time.
 
 Per record, ``stats.host_stats_and_sketch`` makes about ten numpy and torch calls (min, max,
 dot, sum, the sketch's padding, product and signed sum, conversions). On the small tensors of

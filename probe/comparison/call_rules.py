@@ -1,6 +1,6 @@
 """Judge stage, call rules: which differences of one call pair explain the others.
 
-* The inputs of a call are classified through the step's records (provenance.py):
+* The inputs of a call are classified through the step's records (measure.py):
   *produced* when an earlier record outputs the same tensor, *param* when it is a parameter,
   *carried* when the previous step file of the rank holds the same values, *unrecorded*
   when no record made it and it first shows up after the backward began, else *external*.
@@ -19,6 +19,24 @@
   at least the largest carrier's, or when its own rel L2 exceeds AMPLIFICATION times the
   largest carrier's; otherwise ``inherited``. An output whose inputs' accepted differences
   explain it is ``explained`` (origin ``amplified``): not a divergence.
+
+Kernels
+-------
+
+Two kernels for one computation in a low precision: their roundings differ by more than one.
+
+A bf16 model with sdpa attention in one run and eager attention (matmul, softmax, matmul) in
+the other computes the same function with different ops. Those ops have no partner, so the
+tensors they make are sources (docs/compare.md, "made by a call that has no partner"), and
+in backward the gradient they send back differs by a few bfloat16 roundings: each kernel
+rounds its own intermediates. The bfloat16 tolerance allows about two roundings, so a clean
+pair false-alarms there.
+
+The rule: in a call whose only divergent inputs were made by unpartnered calls, a divergent
+output judged at a 16-bit or coarser tolerance, within KERNEL_SLACK times that tolerance, is
+explained ("two kernels round differently"), and so are those inputs. A different function
+in the other run (SiLU against GELU) is far beyond it and stays introduced. Float32 and
+float64 records are not touched: there, other ops by either run are findings.
 """
 
 from __future__ import annotations
@@ -26,22 +44,56 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.causes import amplified_cause, cause_text, inherited_cause, input_summary
-from probe.comparison.kinds import (
-    CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
-    forward_carriers, is_carrier,
+from probe.comparison.record_rules import (
+    amplified_cause, amplifies, cause_text, inherited_cause, input_summary,
 )
 from probe.comparison.records import LOCAL_GRAD, is_param_slot
-from probe.comparison.sizes import rel_error, sci
-from probe.comparison.verdict import is_dtype_limit_pair
+from probe.comparison.structs import (
+    CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
+    forward_carriers, is_carrier, rel_error, sci,
+)
 
 #: an output whose rel L2 error is this many times its inputs' is called introduced
 AMPLIFICATION = 10.0
 
 
-def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] = ()) -> None:
+def _dtype_limits() -> dict[float, set]:
+    """value -> names ("max", "tiny", "eps", negated "-max"...) of the float dtypes' limits
+    (torch.finfo), for arguments such as clamp(min=-torch.finfo(x.dtype).max)."""
+    import numpy as np
+
+    limits: dict[float, set] = {}
+
+    def add(value: float, name: str) -> None:
+        limits.setdefault(float(value), set()).add(name)
+        limits.setdefault(-float(value), set()).add("-" + name)
+
+    for dtype in (np.float16, np.float32, np.float64):
+        info = np.finfo(dtype)
+        add(info.max, "max")
+        add(info.tiny, "tiny")
+        add(info.eps, "eps")
+    add(3.3895313892515355e38, "max")  # bfloat16 (its tiny is float32's)
+    add(0.0078125, "eps")
+    for value in (448.0, 240.0, 57344.0):  # float8 e4m3fn, e4m3fnuz, e5m2(fnuz) max
+        add(value, "max")
+    return limits
+
+
+_LIMITS = _dtype_limits()
+
+
+def is_dtype_limit_pair(a, b) -> bool:
+    """Both (parsed) values are the same limit of two float dtypes (float64's max against float32's)."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        return False
+    return bool(_LIMITS.get(float(a), set()) & _LIMITS.get(float(b), set()))
+
+
+def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] = (), values=None) -> None:
     """Classify the divergent rows of one call pair and give its outputs an origin.
 
+    values(row) -> both runs' parsed values of a plain-value row (Measurement.values).
     input_kind(row) -> (kind, producer) for an input-side tensor row: kind is "produced",
     "param", "carried" or "external"; producer is the RecordRow of the earlier output that
     made the tensor (None when unknown).
@@ -68,7 +120,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             continue
         if row.metrics is not None and row.metrics.evidence == "value":
             m = row.metrics
-            if row.status == R.DIVERGED and dtypes_differ and is_dtype_limit_pair(m.value_a, m.value_b):
+            if row.status == R.DIVERGED and dtypes_differ and is_dtype_limit_pair(*values(row)):
                 # clamp(min=-torch.finfo(x.dtype).max) in a float64 run against a float32 one:
                 # the argument follows the dtype, which is a note, not an error
                 row.status = R.MATCH
@@ -175,18 +227,6 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     _unused_inputs(rows, outputs, kinds)
 
 
-#: ops whose output can differ far more than their inputs (relatively) without any error of
-#: their own: a division or reciprocal by values near their own error, a square root near 0,
-#: a subtraction of nearly equal values, exp/pow of a difference, and the optimizer updates
-#: built on them (Adam's m / (sqrt(v) + eps) is about sign(g) whatever |g|)
-_AMPLIFIERS = frozenset({
-    "div", "divide", "true_divide", "addcdiv", "reciprocal", "rsqrt", "sqrt", "sub", "rsub", "subtract",
-    "exp", "exp2", "expm1", "pow", "log", "log1p", "log_softmax", "softmax", "adam", "adamw", "sgd",
-    "fused_adam", "fused_adamw", "fused_sgd", "normalize", "batch_norm", "layer_norm", "group_norm",
-    "instance_norm", "rms_norm", "var", "std", "var_mean", "std_mean", "atan2", "tan",
-})
-
-
 def accepted_difference(row: R.RecordRow) -> bool:
     """An accepted output that differs at all: the next step file accepts the same values again
     when it reads them (a parameter the optimizer updated, judged here with the precision of
@@ -203,7 +243,7 @@ def is_accepted_carry(row: R.RecordRow) -> bool:
 def _accept_assembled(carriers, kinds) -> None:
     """A buffer that unrecorded framework code assembled from gradients linked to the call
     (FSDP2's reduce-scatter input: the flat copy of its module's local gradients, linked as
-    ``local_grad.*`` by reduced_grads.py) differs as they do: when every linked gradient's
+    ``local_grad.*`` by normalize.py) differs as they do: when every linked gradient's
     difference is accepted and the buffer's is within twice the largest (a cast to the
     reduce dtype rounds once more), the buffer's is accepted too."""
     linked = [r for r in carriers if r.slot.startswith(LOCAL_GRAD)]
@@ -297,16 +337,6 @@ def _within_scaled_budget(row: R.RecordRow) -> bool:
     return m.err_l2 <= row.rtol * row.scale_norm + (row.atol or 0.0) * math.sqrt(max(m.numel, 0))
 
 
-def amplifies(op: str) -> bool:
-    """The op is one whose conditioning can amplify relative error (see _AMPLIFIERS)."""
-    name = op.rsplit(".", 1)[-1].removeprefix("_foreach_").removeprefix("_fused_").strip("_")
-    if name in _AMPLIFIERS or name.removeprefix("fused_") in _AMPLIFIERS:
-        return True
-    # a module (kind "module": the class name): BatchNorm2d, LayerNorm, LlamaRMSNorm, Softmax
-    lowered = name.lower().rstrip("123d")
-    return lowered.endswith(("norm", "softmax"))
-
-
 def explainable(row: R.RecordRow) -> bool:
     """A difference that other differences can explain: a sized, finite one (NaN or Inf on
     one side only, a shape change or a tensor against a value never is)."""
@@ -386,3 +416,32 @@ def _unused_inputs(rows, outputs, kinds) -> None:
                 and explainable(row):
             explain(row, f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
                          f"here (a buffer such as BatchNorm's running statistics in training mode)", "")
+
+
+#: how many times its tolerance a record made through different kernels may differ
+KERNEL_SLACK = 2.0
+_LOW = ("bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+
+
+def explain_different_kernels(rows: list) -> None:
+    """Explain the rounding of different kernels in one judged call (see the module docstring)."""
+    outputs = [row for row in rows if row.io == "out" and row.status == R.DIVERGED and row.divergence == R.OUTPUT]
+    if not outputs or not all(_slack(row) for row in outputs):
+        return
+    entries = outputs[0].input_errors
+    divergent = [item for item in entries if item.get("status") == R.DIVERGED]
+    if not divergent or any(item.get("source") != "unpaired" for item in divergent):
+        return
+    slots = {item["slot"] for item in divergent}
+    inputs = [row for row in rows if row.io == "in" and row.slot in slots and row.status == R.DIVERGED]
+    if not all(_slack(row) for row in inputs):
+        return
+    producers = ", ".join(sorted({item.get("producer") or "?" for item in divergent}))
+    for row in inputs + outputs:
+        explain(row, f"the runs compute its input with different kernels ({producers} has no partner), "
+                             f"whose {row.tol_dtype} roundings differ by more than the tolerance's two: within "
+                             f"{KERNEL_SLACK:g}x it (score {row.score:.3g}), not a divergence", R.INHERITED)
+
+
+def _slack(row) -> bool:
+    return row.tol_dtype in _LOW and row.score is not None and row.score <= KERNEL_SLACK

@@ -1,7 +1,12 @@
-"""Check an "amplified" verdict elementwise where the tensors were dumped.
+"""Amplification recheck: an "amplified" verdict checked elementwise where the tensors were dumped.
+
+This is the one stage after measure that reads record columns and fetches tensors: the judge
+calls it for each call it has judged, so that a call judged later sees the rechecked verdict.
+
+Check an "amplified" verdict elementwise where the tensors were dumped.
 
 An output that differs far more than its inputs is accepted as amplified when the op's
-conditioning can explain it (explain.judge_call). With task "tensor" the claim can be
+conditioning can explain it (call_rules.judge_call). With task "tensor" the claim can be
 checked instead of assumed, for the elementwise ops optimizers and normalizations are made
 of: recompute the op in float64 from each run's *own* recorded inputs. If each run's
 output is its own inputs' result up to that run's rounding, the op did its job and the
@@ -17,6 +22,50 @@ import json
 import math
 
 import numpy as np
+
+from probe.comparison.call_rules import unexplain
+from probe.comparison.records import base_op
+from probe.comparison.structs import AMPLIFIED, EXPLAINED, MeasuredStep, Slot, sci
+
+
+def recheck_amplified(slots: list[Slot], measured: MeasuredStep) -> None:
+    """Where the tensors were dumped, an output accepted as amplified by an elementwise op is
+    checked by replaying the op in float64 on each run's own inputs (recheck.py): an
+    output its own inputs do not give was computed differently there (introduced)."""
+    outputs = [(s.row, s.a, s.b) for s in slots if s.row.io == "out" and s.row.status == EXPLAINED
+               and s.row.origin == AMPLIFIED and s.row.metrics is not None and s.row.metrics.evidence == "tensor"]
+    if not outputs or measured.fetch_a is None or measured.fetch_b is None:
+        return
+    cols_a, cols_b = measured.aligned.records_a.columns, measured.aligned.records_b.columns
+    op = base_op(slots[0].row.op)
+    sides = []
+    for side, cols, fetch in ((1, cols_a, measured.fetch_a), (2, cols_b, measured.fetch_b)):
+        tensors, values = {}, {}
+        for slot in slots:
+            row, index = slot.row, (slot.a, slot.b)[side - 1]
+            if row.io != "in" or index is None:
+                continue
+            if cols["dtype"][index] == "":
+                values[row.slot] = cols["value"][index]
+            elif cols["tensor_id"][index] >= 0:
+                tensors[row.slot] = fetch(cols["tensor_id"][index]).astype(np.float64)
+        sides.append({"tensors": tensors, "values": values})
+    for row, ra, rb in outputs:
+        errors = []
+        for side, cols, fetch, index in ((sides[0], cols_a, measured.fetch_a, ra), (sides[1], cols_b, measured.fetch_b, rb)):
+            if cols["tensor_id"][index] < 0:
+                return
+            errors.append(own_error(op, side, fetch(cols["tensor_id"][index])))
+        if None in errors:
+            continue
+        limit = row.rtol or 0.0
+        if max(errors) > limit:
+            unexplain(row, f"replayed in float64 from each run's own inputs, {row.op} gives A's output within "
+                                   f"rel L2 {sci(errors[0])} and B's within {sci(errors[1])} "
+                                   f"(tolerance {limit:g}): the op itself computed differently, not its conditioning")
+        else:
+            row.cause += (f"; checked elementwise: replayed in float64 from each run's own inputs it gives both "
+                          f"outputs (rel L2 {sci(errors[0])} and {sci(errors[1])})")
 
 
 def _scalar(values: dict, *names, default=None):

@@ -1,0 +1,500 @@
+"""The structs the compare stages hand each other, and the row a compare reports.
+
+Each stage takes the previous stage's struct and returns its own (engine.compare_step):
+
+    StepInput (load) --normalize--> NormalizedStep --align--> AlignedStep (Slots)
+        --measure--> MeasuredStep (Measurements) --judge--> JudgedStep --attribute--> StepOutcome
+
+and assemble puts the StepOutcomes together into a CompareResult (result.py). A ``Slot`` is
+one slot of a call pair: its RecordRow and the record rows of A and B (either may be None).
+A ``Measurement`` is a paired slot once measured: what it was measured as, its metrics and
+tolerance, and what the later stages need to know about its records (the parsed values,
+A's content key, the parameter it holds, the statistics an in-place write check compares),
+so that no stage after measure reads a record column or parses a value again.
+
+A ``RecordRow`` is what a report shows of one aligned record. Align makes it, measure adds
+its tolerance and dtype notes, the judge stage writes its status and origin; assemble's rules
+over all step files (drift, where a 16-bit error entered) may restate an origin before the
+result exists, and replay, the one later writer, adds its own section. Data only: nothing
+here imports torch or a stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from probe.comparison.metrics import Metrics
+
+# row status
+MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
+#: paired, within tolerance by the statistics, but the checksums differ: the bytes changed by an
+#: amount no recorded number can size (record_rules.judge_checksum_change decides CHANGED or DIVERGED)
+CHANGED = "changed"
+#: paired, beyond its own dtype's tolerance, but explained by differences that were accepted
+#: (rounding amplified by the op's conditioning: Adam's division by sqrt(v), a cancelling sum)
+#: or without effect: not a divergence (call_rules.judge_call decides; docs/compare-rules.md)
+EXPLAINED = "explained"
+WITHIN = (MATCH, CHANGED, EXPLAINED)  # paired and accepted: within tolerance or explained
+PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
+#: how reports name a record whose checksums differ while its statistics agree
+SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
+#: the note of a device/placement argument that differs (record_rules.py): counted once per report
+PLACEMENT_NOTE = "placement argument"
+# origin of a divergent record
+INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
+# what kind of divergence a row is
+OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
+#: an op one run computes in a lower dtype by the model's own casts (comparison/judge.py)
+PRECISION = "precision"
+
+#: input kinds (measure.Provenance.kind, call_rules.judge_call): where the tensor an input slot holds came from
+PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
+    "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
+#: a produced input whose producing call has no partner in the other run
+UNPAIRED = "unpaired"
+#: a tensor record of the forward of the call whose backward is judged: the values the
+#: backward computes from (saved activations, the weight the forward read)
+FORWARD = "forward"
+#: inputs that pass on an error made upstream, divergent or not; parameters and external
+#: inputs carry their error too while within tolerance, and are sources once beyond it
+CARRIERS = (PRODUCED, PARAM_UPDATE, CARRIED, UNRECORDED, FORWARD)
+
+
+def is_carrier(kind: str, status: str) -> bool:
+    return kind in CARRIERS or status != DIVERGED
+
+
+def forward_carriers(forward: list[RecordRow]) -> list[RecordRow]:
+    """The tensor records of a call's forward that its backward computes from: paired,
+    measured as tensors (not plain values)."""
+    return [r for r in forward if r.status in PAIRED and r.metrics is not None and r.metrics.evidence != "value"]
+
+
+@dataclass
+class Call:
+    """The records of one call: (module, op, index, phase), in execution order by seq."""
+
+    module: str
+    op: str
+    index: int
+    phase: str
+    kind: str
+    seq: int
+    first_row: int
+    slots: dict[str, int] = field(default_factory=dict)  # slot -> row
+    extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
+    name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
+    shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
+    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
+    #: a foreach call's i-th tensor seen as its own call (normalize.py): i, else -1
+    element: int = -1
+    #: the parameter group (foreach block, normalize.py) a foreach element belongs to, else -1
+    block: int = -1
+    #: slots of a foreach element that every element of the call shares (a scalar argument)
+    shared: frozenset = frozenset()
+    #: the parameter an optimizer call updates ("fc1.weight"; normalize.py), "" when not known
+    target: str = ""
+
+    @property
+    def key(self) -> str:
+        element = f"[{self.element}]" if self.element >= 0 else ""
+        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
+
+    def order(self) -> tuple[int, int]:
+        return (self.seq, self.first_row)
+
+
+@dataclass
+class CallPair:
+    """One call of A and its partner in B (either may be None: no partner)."""
+
+    a: Call | None
+    b: Call | None
+    how: str = ""  # align.SEQUENCE | NAME | KEY, foreach FOREACH | FUSED; "" when one side is missing
+    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
+
+    @property
+    def phase(self) -> str:
+        return (self.a or self.b).phase
+
+
+@dataclass
+class Side:
+    """One run's step file: its records and, once built, its calls."""
+
+    records: Any  # records.Records
+    calls: list[Call] = field(default_factory=list)
+
+
+@dataclass
+class NormalizedStep:
+    """What the normalize steps hand on: both sides, and the mapping that renames them."""
+
+    a: Side
+    b: Side
+    mapping: Any = None  # mapping.NameMapping
+
+    @property
+    def sides(self) -> tuple[Side, Side]:
+        return self.a, self.b
+
+
+@dataclass
+class Slot:
+    """One slot of a call pair: its RecordRow and the record rows of A and B (None: that run
+    has no record for it)."""
+
+    row: RecordRow
+    a: int | None
+    b: int | None
+    number: int = -1  # the call pair it belongs to
+
+    @property
+    def paired(self) -> bool:
+        return self.a is not None and self.b is not None
+
+
+@dataclass
+class AlignedStep:
+    """The aligned calls of one pair of step files and their slots."""
+
+    step: int
+    rank: int
+    records_a: Any  # records.Records
+    records_b: Any
+    calls_a: list[Call]
+    pairs: list[CallPair]  # in A's execution order
+    per_pair: list[list[Slot]]  # the slots of each pair, in record order
+    #: the slots paired on both sides, in A's execution order (a module's output after the API
+    #: calls inside it)
+    paired: list[Slot]
+
+
+#: what a paired record was measured as, and so which record rule judges it
+TENSOR, VALUE, SCALAR, ABSENT, MIXED, SHAPE = "tensor", "value", "scalar", "absent", "mixed", "shape"
+
+
+@dataclass
+class Measurement:
+    """One paired slot, measured: how it compares, and what the judge needs of its records."""
+
+    slot: Slot
+    kind: str  # where A's tensor came from (an input kind above)
+    producer: int | None  # A's record row that made it, when kind is PRODUCED or a parameter
+    order: tuple
+    what: str  # TENSOR | VALUE | SCALAR | ABSENT | MIXED | SHAPE
+    metrics: Metrics | None = None
+    tol: Any = None  # tolerances.Tolerance
+    #: the plain values of A and B, parsed (VALUE and SCALAR slots), and their text
+    values: tuple = (None, None)
+    texts: tuple = ("", "")
+    #: records.content_key of A's record: its values, comparable across step files
+    content_key: int | None = None
+    #: the parameter A's tensor is ("fc1.weight"), when it is one or holds one
+    param: str | None = None
+    #: the statistics of A's and B's record, and of their call's input.0 (None: a run lacks
+    #: it), that the in-place write check compares (record_rules.StaleRecords)
+    stats: tuple = (None, None)
+    input_stats: tuple | None = None
+
+    @property
+    def row(self) -> RecordRow:
+        return self.slot.row
+
+
+@dataclass
+class MeasuredStep:
+    aligned: AlignedStep
+    measurements: list[Measurement]  # in A's execution order
+    backward_from: float  # seq where A's backward began (inf: none)
+    evidence: set
+    bytes_read: int
+    #: (device in A, device in B) -> paired tensor records that live on different devices
+    devices: dict = field(default_factory=dict)
+    #: content_keys of A's step file: what the next step file of the rank may carry over
+    content_keys: set = field(default_factory=set)
+    #: tensor_id -> array of each run, for the amplification recheck (None: statistics only)
+    fetch_a: Callable | None = None
+    fetch_b: Callable | None = None
+
+
+@dataclass
+class JudgedStep:
+    measured: MeasuredStep
+    rows: list  # every RecordRow of the step file pair, in execution order
+    #: (rows, forward rows) of each paired call, in the order they were judged
+    calls: list
+    #: content_key -> key of A's records whose difference was accepted, and ("param", name) ->
+    #: the accepted gradient the optimizer updated that parameter from: what the next step
+    #: file of the rank accepts again (StepOutcome.explained)
+    explained: dict
+    precision: object = None  # judge.PrecisionTally
+
+
+@dataclass
+class StepInput:
+    """One pair of step files as load hands them over."""
+
+    records_a: Any  # records.Records
+    records_b: Any
+    fetch_a: Callable | None = None  # tensor_id -> array, None: statistics only
+    fetch_b: Callable | None = None
+    step: int = 0
+    rank: int = 0
+    #: the step files' root attribute ``autocast`` (None where not recorded)
+    autocast_a: Any = None
+    autocast_b: Any = None
+    #: progress(done_records, total_records, tensor_bytes_read), called as records are measured
+    progress: Callable | None = None
+
+
+@dataclass
+class Carry:
+    """What A's previous step file of the same rank hands to the next one."""
+
+    #: records.content_keys of A's previous step file: state carried over (optimizer state,
+    #: parameters) is told from new external inputs
+    content_keys: set | None = None
+    #: StepOutcome.explained of that step file: a record holding the same values as an
+    #: accepted difference there carries that accepted difference
+    explained: dict | None = None
+
+
+@dataclass
+class RecordRow:
+    """One record of A aligned with one record of B (or with nothing)."""
+
+    step: int
+    rank: int
+    status: str
+    module: str
+    op: str
+    index: int
+    phase: str
+    slot: str
+    io: str
+    kind: str
+    key_a: str = ""
+    key_b: str = ""
+    seq_a: int | None = None
+    seq_b: int | None = None
+    dtype_a: str = ""
+    dtype_b: str = ""
+    shape_a: str = ""
+    shape_b: str = ""
+    source: str = ""
+    paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, foreach.FOREACH)
+    target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
+    stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (record_rules.StaleRecords)
+    #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
+    scale_norm: float = 0.0
+    #: its difference is rounding or explained by accepted differences (call_rules.is_accepted), when
+    #: judge_call decided it; None: not decided (accepted() decides from the row alone)
+    accepted: bool | None = None
+    tol_dtype: str = ""
+    rtol: float | None = None
+    atol: float | None = None
+    metrics: Metrics | None = None
+    score: float | None = None  # error / tolerance budget: > 1 is beyond tolerance
+    divergence: str = ""  # OUTPUT / PARAM / ARGUMENT / INPUT when status is DIVERGED
+    origin: str = ""  # INTRODUCED / INHERITED for divergent outputs
+    cause: str = ""  # one line: why this op introduced its error
+    reasons: list[str] = field(default_factory=list)  # why the row diverged
+    notes: list[str] = field(default_factory=list)  # facts that are not errors (dtype differs)
+    input_errors: list[dict] = field(default_factory=list)  # the call's inputs, for outputs
+    order: tuple = ()  # execution order within the step (A's seq)
+
+    @property
+    def key(self) -> str:
+        return self.key_a or self.key_b
+
+    @property
+    def size_unknown(self) -> bool:
+        """The checksums differ while the statistics agree within tolerance: the bytes changed,
+        but no recorded number says by how much (the rel L2 is only a lower bound)."""
+        m = self.metrics
+        return (
+            m is not None and m.evidence == "checksum" and m.bit_equal is False and not m.nan_mismatch
+            and not m.inf_mismatch and self.score is not None and self.score <= 1
+            and m.sketch is None  # sketches measure the change
+        )
+
+    def to_dict(self) -> dict:
+        data = {
+            "step": self.step,
+            "rank": self.rank,
+            "status": self.status,
+            "key": self.key,
+            "key_b": self.key_b,
+            "module": self.module,
+            "op": self.op,
+            "index": self.index,
+            "phase": self.phase,
+            "slot": self.slot,
+            "io": self.io,
+            "kind": self.kind,
+            "seq_a": self.seq_a,
+            "seq_b": self.seq_b,
+            "dtype_a": self.dtype_a,
+            "dtype_b": self.dtype_b,
+            "shape_a": self.shape_a,
+            "shape_b": self.shape_b,
+            "source": self.source,
+            "paired_by": self.paired_by,
+            "target": self.target or None,
+            "stale": self.stale or None,
+            "tolerance": {"dtype": self.tol_dtype, "rtol": self.rtol, "atol": self.atol} if self.tol_dtype else None,
+            "score": self.score,
+            "divergence": self.divergence or None,
+            "origin": self.origin or None,
+            "cause": self.cause or None,
+            "reasons": list(self.reasons),
+            "notes": list(self.notes),
+            "size_unknown": self.size_unknown,
+        }
+        if self.metrics is not None:
+            data["evidence"] = self.metrics.evidence
+            data["metrics"] = self.metrics.to_dict()
+        if self.input_errors:
+            data["input_errors"] = list(self.input_errors)
+        return json_safe(data)
+
+
+@dataclass
+class OpSummary:
+    """One call pair ranked by the error it introduces (top_ops)."""
+
+    step: int
+    rank: int
+    module: str
+    op: str
+    index: int
+    phase: str
+    key: str
+    kind: str
+    introduced: float  # output score minus the largest score of its produced inputs (tolerance units)
+    output_rel_l2: float
+    input_rel_l2: float
+    ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)
+    diverged: bool
+    origin: str
+    source: str = ""
+    where: list = field(default_factory=list)  # every (step, rank) where this op adds error
+    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
+    diverged_in: int = 0  # in how many of those its output is beyond tolerance
+
+    def to_dict(self) -> dict:
+        data = dict(self.__dict__)
+        where = data.pop("where") or [(self.step, self.rank)]
+        data["occurrences"] = len(where)
+        data["where"] = [{"step": step, "rank": rank} for step, rank in where]
+        data["where_text"] = where_text(where)
+        return json_safe(data)
+
+
+@dataclass
+class StepOutcome:
+    """What one pair of step files gave (engine.compare_step): its rows and call summaries;
+    assemble.py puts the outcomes of every pair together into a CompareResult."""
+
+    step: int
+    rank: int
+    rows: list[RecordRow]
+    summaries: list[OpSummary]
+    evidence: set = field(default_factory=set)
+    tensor_bytes: int = 0
+    #: (device in A, device in B) -> records of paired tensors that live on different devices
+    devices: dict = field(default_factory=dict)
+    #: content_key -> key of A's records whose difference was accepted (EXPLAINED outputs):
+    #: the next step reads them again (a parameter the optimizer updated) and accepts them too
+    explained: dict = field(default_factory=dict)
+    #: judge.PrecisionTally of this pair: lower dtypes on one side, counted (assemble adds them up)
+    precision: object = None
+    #: measure.content_keys of A's step file (Carry.content_keys of the rank's next step file)
+    content_keys: set = field(default_factory=set)
+
+    @property
+    def diverged(self) -> bool:
+        return any(row.status == DIVERGED for row in self.rows)
+
+    def counts(self) -> dict:
+        return count_rows(self.rows)
+
+
+def count_rows(rows) -> dict:
+    """matched: paired records; diverged: those beyond tolerance; changed: those within
+    tolerance whose checksums differ (size unknown); only_a/only_b: without partner."""
+    counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
+    for row in rows:
+        if row.status in PAIRED:
+            counts["matched"] += 1
+            if row.status != MATCH:
+                counts[row.status] += 1
+        else:
+            counts[row.status] += 1
+    return counts
+
+
+def json_safe(value):
+    """Replace non-finite floats by strings, recursively (JSON has no Infinity/NaN)."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    parts, start, previous = [], None, None
+    for number in sorted(set(numbers)):
+        if start is None:
+            start = previous = number
+        elif number == previous + 1:
+            previous = number
+        else:
+            parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+            start = previous = number
+    if start is not None:
+        parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+    return ", ".join(parts)
+
+
+def _counted(word: str, numbers: list[int]) -> str:
+    return f"{word}{'s' if len(set(numbers)) > 1 else ''} {_ranges(numbers)}"
+
+
+def where_text(pairs) -> str:
+    """(step, rank) pairs -> "steps 0-4, rank 0"; "steps 0-1, ranks 0-1; step 3, rank 0"."""
+    by_step: dict[int, list[int]] = {}
+    for step, rank in pairs:
+        by_step.setdefault(step, []).append(rank)
+    by_ranks: dict[tuple, list[int]] = {}
+    for step in sorted(by_step):
+        by_ranks.setdefault(tuple(sorted(set(by_step[step]))), []).append(step)
+    segments = sorted(by_ranks.items(), key=lambda item: item[1][0])
+    return "; ".join(f"{_counted('step', steps)}, {_counted('rank', list(ranks))}" for ranks, steps in segments)
+
+
+def sci(value: float) -> str:
+    """An error in scientific notation, as every report writes them: 1.15e-04 (0 stays 0)."""
+    return "0" if value == 0 else f"{value:.2e}"
+
+
+def rel_error(row: RecordRow) -> float:
+    """The rel L2 error of a row; inf when it diverged without one (NaN/Inf on one side,
+    shapes differ, a tensor against a plain value, changed bytes of unknown size)."""
+    m = row.metrics
+    if row.stale:
+        return 0.0  # not compared: its record holds values from before an in-place write (record_rules.StaleRecords)
+    if m is None or m.nan_mismatch or m.inf_mismatch or (row.status == DIVERGED and row.size_unknown):
+        return math.inf if row.status == DIVERGED else 0.0
+    return m.rel_l2
