@@ -36,6 +36,7 @@ from probe.capture.eager import compiled_functions
 #: (the user's backend, TapBackend wrapping it, {fullgraph: dynamo callback}); looked up by
 #: equality: torch.compile makes a new, equal, backend wrapper for every call
 _tapped: list = []
+_TAPPED_LIMIT = 64
 
 
 def _callback(backend, fullgraph: bool):
@@ -49,6 +50,7 @@ def _callback(backend, fullgraph: bool):
             break
     else:
         tap, callbacks = TapBackend(backend), {}
+        del _tapped[:-_TAPPED_LIMIT]  # a process compiling with ever new backends: the oldest go
         _tapped.append((backend, tap, callbacks))
     callback = callbacks.get(fullgraph)
     if callback is None:
