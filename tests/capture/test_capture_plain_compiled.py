@@ -189,3 +189,20 @@ def test_a_region_near_dynamos_recompile_limit_keeps_its_boundary_records(tmp_pa
     keys = [record["key"] for record in probe.load(compiled).records()]
     assert "/TinyGPT#0/forward/output.0" in keys
     assert not any("functional.linear" in key for key in keys)
+
+
+def test_a_region_that_cannot_be_tapped_warns_once_and_keeps_its_boundary_records(
+        tmp_path, monkeypatch):
+    from probe.capture.compiled import region_taps
+
+    def refuse(backend, fullgraph):
+        raise RuntimeError("this dynamo builds no callback")
+
+    monkeypatch.setattr(compat, "dynamo_callback", refuse)
+    monkeypatch.setattr(region_taps, "_warned", False)
+    compiled, graphs, breaks, messages, _ = _train(tmp_path, "refused", whole, steps=3,
+                                                   captured=(1, 2))
+    assert graphs == [graphs[0]] * 3 and breaks == 0
+    assert len(messages) == 1 and "cannot give a compiled region graph taps" in messages[0]
+    keys = [record["key"] for record in probe.load(compiled).records()]
+    assert "/TinyGPT#0/forward/output.0" in keys

@@ -26,6 +26,7 @@ on it. A torch whose dynamo does not inline torch.nn modules (2.4) keeps boundar
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 from probe import compat
@@ -37,6 +38,7 @@ from probe.capture.eager import compiled_functions
 #: equality: torch.compile makes a new, equal, backend wrapper for every call
 _tapped: list = []
 _TAPPED_LIMIT = 64
+_warned = False
 
 
 def _callback(backend, fullgraph: bool):
@@ -84,9 +86,17 @@ class RegionTaps:
     def install(self, model, targets) -> None:
         if model is None or not compat.dynamo_inlines_nn_modules():
             return
+        global _warned
         try:
             for function, region in _compiled_callables(model, targets):
-                self._tap(function, region)
+                try:
+                    self._tap(function, region)
+                except Exception as error:  # never fail the user's start() over the taps
+                    if not _warned:
+                        _warned = True
+                        warnings.warn(f"probe: cannot give a compiled region graph taps "
+                                      f"({error!r}); it is recorded at its boundary",
+                                      RuntimeWarning, stacklevel=4)
         except BaseException:
             self.remove()
             raise
