@@ -1,13 +1,16 @@
 """Cost of capturing a compiled training step: captured / plain compiled step, one process.
 
-    python bench/compiled_overhead.py [backend] [repeats] [models]
-    python bench/compiled_overhead.py inductor 30 mlp,deepmlp,gpt
+    python bench/compiled_overhead.py [backend] [repeats] [models] [levels]
+    python bench/compiled_overhead.py inductor 30 mlp,deepmlp,gpt module,mix
 
 For each example model (examples/models.py), compiled whole (torch.compile(model)) and, for
 the GPT, per block (regional, as torchtitan does), after warm-up steps (compilation, the first
-captured step), steps without capture and captured steps (task statistics, level module:
-start(), the step, stop(), step(); files written by the writer process) alternate; each
-number is the median wall time of ``repeats`` steps. ratio = captured / plain.
+captured step), steps without capture and captured steps (task statistics: start(), the step,
+stop(), step(); files written by the writer process) alternate; each number is the median
+wall time of ``repeats`` steps. ratio = captured / plain. Level module records the compiled
+regions at their boundaries; level mix runs them through graph taps while captured (the
+plain torch.compile's graphs compiled once more with probe's taps around the same backend),
+and the steps without capture run the user's compiled graphs.
 """
 import os
 import statistics
@@ -24,6 +27,7 @@ from examples import models  # noqa: E402
 backend = sys.argv[1] if len(sys.argv) > 1 else "inductor"
 repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 names = (sys.argv[3] if len(sys.argv) > 3 else "mlp,deepmlp,gpt").split(",")
+levels = (sys.argv[4] if len(sys.argv) > 4 else "module,mix").split(",")
 CONSTRUCTORS = {"mlp": ("MLP", 32), "deepmlp": ("DeepMLP", 32), "gpt": ("TinyGPT", 8)}
 
 
@@ -37,7 +41,7 @@ def regional(model):
     return model
 
 
-def measure(name, how):
+def measure(name, how, level):
     torch._dynamo.reset()
     torch.manual_seed(0)
     cls, batch_size = CONSTRUCTORS[name]
@@ -45,7 +49,7 @@ def measure(name, how):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     runnable = how(model)
     batch = models.make_batch(name, batch_size)
-    debugger = probe.PrecisionDebugger({"task": "statistics", "level": "module",
+    debugger = probe.PrecisionDebugger({"task": "statistics", "level": level,
                                         "dump_path": tempfile.mkdtemp(prefix="probe-bench-")})
 
     def plain():
@@ -72,10 +76,11 @@ def measure(name, how):
 
 print(f"torch {torch.__version__}, backend {backend}, {torch.get_num_threads()} threads, "
       f"median of {repeats} steps")
-print(f"{'model':10} {'compiled':9} {'plain ms':>9} {'captured ms':>12} {'ratio':>6}")
+print(f"{'model':10} {'compiled':9} {'level':7} {'plain ms':>9} {'captured ms':>12} {'ratio':>6}")
 for name in names:
     variants = [("whole", whole)] + ([("regional", regional)] if name == "gpt" else [])
     for label, how in variants:
-        plain_s, captured_s = measure(name, how)
-        print(f"{name:10} {label:9} {plain_s * 1e3:9.2f} {captured_s * 1e3:12.2f} "
-              f"{captured_s / plain_s:6.2f}")
+        for level in levels:
+            plain_s, captured_s = measure(name, how, level)
+            print(f"{name:10} {label:9} {level:7} {plain_s * 1e3:9.2f} {captured_s * 1e3:12.2f} "
+                  f"{captured_s / plain_s:6.2f}", flush=True)

@@ -25,7 +25,10 @@ other module of probe names a private torch attribute:
     a backward pass started the way torch.autograd.backward starts it;
   * a module's forward hook dicts (``_forward_hooks``, ...), to give a hook a shared key;
   * dynamo: ``_torchdynamo_orig_callable``, OptimizeContext, config, lookup_backend, torch._TorchCompileInductorWrapper
-    and a graph input's ``_dynamo_source``;
+    and a graph input's ``_dynamo_source``; the ``callback`` cell of a torch.compile'd
+    callable's closure and the ``_torchdynamo_orig_backend`` chain down to its backend
+    (dynamo_callback_cell, dynamo_backend: swapped for graph taps while a capture is on),
+    and the number of entries in dynamo's cache for a code object;
   * torch._C._nn: the module of F.* C functions (replay looks ops up there).
 Used in place, with the same meaning on every supported version (the suite checks them on
 each version CI runs): Node.next_functions and AccumulateGrad's ``variable`` (the composite
@@ -177,6 +180,103 @@ def inductor_backend(mode, options, dynamic):
 engine_run_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
 make_grads = getattr(torch.autograd, "_make_grads", None)
 tensor_or_tensors_to_tuple = getattr(torch.autograd, "_tensor_or_tensors_to_tuple", None)
+
+
+def dynamo_inlines_nn_modules() -> bool:
+    """dynamo traces into torch.nn modules by default (``inline_inbuilt_nn_modules``, 2.5+):
+    a plain torch.compile graph then holds every call and parameter, which graph taps need."""
+    config = dynamo_config()
+    if config is None:
+        return False
+    with warnings.catch_warnings():  # newer torch: always on, and reading it is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        return bool(getattr(config, "inline_inbuilt_nn_modules", False))
+
+
+def dynamo_callback_cell(function):
+    """(the closure cell holding the callback dynamo evaluates frames with, fullgraph) of a
+    callable torch.compile made (an OptimizedModule's ``forward``, ``_compiled_call_impl``, a
+    ``@torch.compile`` function), or None.
+
+    torch.compile wraps the user's callable in a function that, on every call, installs the
+    callback its context was built with, read from that function's closure (``callback``,
+    beside ``self``, the context); 2.4 to 2.13 alike. Setting the cell's contents makes the
+    same callable compile and run through another callback from its next call on."""
+    code = getattr(function, "__code__", None)
+    closure = getattr(function, "__closure__", None)
+    if code is None or not closure:
+        return None
+    names = code.co_freevars
+    if "callback" not in names or "self" not in names:
+        return None
+    try:
+        context = closure[names.index("self")].cell_contents
+    except ValueError:  # an empty cell
+        return None
+    kind = dynamo_compiling_context_type()
+    if not kind or not isinstance(context, kind):
+        return None
+    cell = closure[names.index("callback")]
+    fullgraph = getattr(context, "fullgraph", None)
+    if fullgraph is None:  # 2.4: fullgraph is the kind of callback, not an attribute
+        fullgraph = any(type(link).__name__ == "ConvertFrameAssert"
+                        for link in _backend_chain(cell.cell_contents))
+    return cell, bool(fullgraph)
+
+
+def _backend_chain(callback) -> list:
+    """The wrappers from a dynamo callback down to the backend it compiles with."""
+    chain = [callback]
+    for _ in range(16):
+        inner = getattr(chain[-1], "_torchdynamo_orig_backend", None)
+        if inner is None:  # 2.4 names the same link _torchdynamo_orig_callable
+            inner = getattr(chain[-1], "_torchdynamo_orig_callable", None)
+        if inner is None or not callable(inner):
+            break
+        chain.append(inner)
+    return chain
+
+
+def dynamo_backend(callback):
+    """The backend a dynamo callback compiles graphs with: what torch.compile made of the
+    user's ``backend``, ``mode`` and ``options`` (``_TorchCompileInductorWrapper``,
+    ``_TorchCompileWrapper``), called as ``backend(graph_module, example_inputs)``."""
+    return _backend_chain(callback)[-1]
+
+
+def dynamo_backend_links(callback) -> list:
+    """Every wrapper from a dynamo callback down to the user's own backend function, the
+    backend torch.compile's ``_TorchCompileWrapper`` holds (``compiler_fn``) included."""
+    chain = _backend_chain(callback)
+    inner = getattr(chain[-1], "compiler_fn", None)
+    return chain + ([inner] if inner is not None else [])
+
+
+def dynamo_callback(backend, fullgraph: bool):
+    """The callback of ``torch._dynamo.optimize(backend, nopython=fullgraph)``: what a
+    torch.compile'd callable evaluates its frames with, compiling graphs with ``backend``."""
+    import torch._dynamo
+
+    return torch._dynamo.optimize(backend=backend, nopython=fullgraph).callback
+
+
+def dynamo_cache_entries(code) -> int | None:
+    """How many compiled entries dynamo's cache holds for a code object; None where unknown."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        return len(_debug_get_cache_entry_list(code))
+    except Exception:  # a torch without it, or not a code object
+        return None
+
+
+def dynamo_recompile_limit() -> int | None:
+    """dynamo's limit of compiled entries per code object (``recompile_limit``, named
+    ``cache_size_limit`` on older torch); None where unknown."""
+    config = dynamo_config()
+    limit = getattr(config, "recompile_limit", None)
+    if limit is None:
+        limit = getattr(config, "cache_size_limit", None)
+    return limit if isinstance(limit, int) else None
 
 
 def dynamo_original(function):

@@ -8,7 +8,8 @@
   compiled_functions.py);
 * ``compiled/`` sees inside compiled graphs: a dynamo backend that taps a graph's values
   (graph_taps.py) and gradients (grad_taps.py), named as the eager run names the same calls
-  (graph_names.py, graph_marks.py, graph_events.py);
+  (graph_names.py, graph_marks.py, graph_events.py), and gives a plain torch.compile's
+  regions those taps while a capture runs them (region_taps.py);
 * ``numbers/`` turns tensors into statistics and sketches: per tensor (stats.py, sketch.py),
   a CPU batch at a time (host_batch.py, host_view.py), a device bucket at a time, read by the
   host once per step (device_bucket.py), per DTensor shard (shard_sketch.py);
@@ -21,6 +22,7 @@ capture imports them from here.
 from probe.capture.recorder import Recorder
 from probe.capture.eager.api_mode import ApiCaptureMode
 from probe.capture.eager.compiled_regions import Gate
+from probe.capture.eager.compiled_regions import targets as region_targets
 from probe.capture.eager.defaults import bound_values
 from probe.capture.eager.filters import CaptureFilter
 from probe.capture.eager.module_hooks import ModuleHooks
@@ -32,9 +34,11 @@ from probe.capture.numbers.device_bucket import DeviceBucket, device_path_on_cpu
 from probe.capture.compiled.graph_taps import activate as activate_graph_taps
 from probe.capture.compiled.graph_taps import compile
 from probe.capture.compiled.graph_taps import deactivate as deactivate_graph_taps
+from probe.capture.compiled.region_taps import RegionTaps
 
 __all__ = [
     "Recorder", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules", "activate_graph_taps",
     "deactivate_graph_taps", "compile", "CaptureFilter", "HostBatch", "SourceLocator", "flatten",
-    "bound_values", "DeviceBucket", "WriteWatchMode", "device_path_on_cpu",
+    "bound_values", "DeviceBucket", "WriteWatchMode", "device_path_on_cpu", "RegionTaps",
+    "region_targets",
 ]

@@ -50,9 +50,9 @@ import torch
 
 from probe import compat
 from probe import config as config_module
-from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, activate_graph_taps,
-                           deactivate_graph_taps, WriteWatchMode, device_path_on_cpu,
-                           user_modules)
+from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, RegionTaps,
+                           activate_graph_taps, deactivate_graph_taps, region_targets,
+                           WriteWatchMode, device_path_on_cpu, user_modules)
 from probe.dump import run_folder
 from probe.dump.schema import COLUMN_NAMES
 from probe.errors import CaptureError, DumpError, ProbeError
@@ -90,6 +90,8 @@ class PrecisionDebugger:
         self._recorder: Recorder | None = None  # the open step, if any
         self._mode: ApiCaptureMode | None = None
         self._hooks: ModuleHooks | None = None
+        #: a plain torch.compile's regions run through graph taps while started (api, mix)
+        self._region_taps = RegionTaps()
         # opens each captured step and finishes its file (debugger/step_files.py); the rank's lock
         # is taken by the first selected start()
         self._files = StepFiles(cfg, self.run_id, self.seed_report.to_dict(), self._results)
@@ -189,14 +191,17 @@ class PrecisionDebugger:
             recorder.active = True
             level = self.config.level
             gate = Gate()
-            targets = None  # the model's modules, walked once for every part below
+            targets = None  # the model's modules (compiled_regions.targets), when it has one
             recorder.copy_when_recorded(self._model is not None and compat.is_sharded(self._model))
             if self._model is not None:
                 compat.warn_sharded_capture_gap(self._model)
+                targets = region_targets(self._model)  # one walk of the model for every part
+                if level in ("api", "mix"):
+                    self._region_taps.install(self._model, targets)
                 self._hooks = ModuleHooks(self._model, recorder, record=level in ("module", "mix"),
-                                          gate=gate, region_params=level == "module")
+                                          gate=gate, region_params=level == "module",
+                                          targets=targets)
                 self._hooks.install()
-                targets = self._hooks.targets
             if level in ("api", "mix"):
                 if not self._collectives_checked:
                     self._collectives_checked = compat.warn_uncaptured_collectives()
@@ -398,6 +403,7 @@ class PrecisionDebugger:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.remove()
+        self._region_taps.remove()
         deactivate_graph_taps()
         return problem
 

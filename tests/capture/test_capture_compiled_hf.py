@@ -39,12 +39,22 @@ def _run(tmp_path, name, wrap):
     return debugger.last_file, stderr.getvalue(), [str(w.message) for w in caught], breaks
 
 
+def _probe_compile(model):
+    return probe.compile(model, backend="aot_eager")
+
+
+def _torch_compile(model):  # a plain torch.compile: graph taps while captured (region_taps.py)
+    return torch.compile(model, backend="aot_eager")
+
+
 @pytest.mark.skipif(dynamo_breaks_tiny_llama() is not None,
                     reason=str(dynamo_breaks_tiny_llama()))
-def test_a_compiled_llama_is_captured_in_its_first_step_and_pairs_with_eager(tmp_path):
+@pytest.mark.parametrize("compile_model", [_probe_compile, _torch_compile],
+                         ids=["probe.compile", "torch.compile"])
+def test_a_compiled_llama_is_captured_in_its_first_step_and_pairs_with_eager(tmp_path,
+                                                                             compile_model):
     eager = _run(tmp_path, "eager", lambda model: model)[0]
-    compiled, stderr, caught, breaks = _run(
-        tmp_path, "compiled", lambda model: probe.compile(model, backend="aot_eager"))
+    compiled, stderr, caught, breaks = _run(tmp_path, "compiled", compile_model)
     torch._dynamo.reset()
     assert breaks == 0
     assert not [m for m in caught if "dynamo" in m.lower() or "probe" in m.lower()], caught
@@ -74,8 +84,7 @@ def test_a_compiled_llama_is_captured_in_its_first_step_and_pairs_with_eager(tmp
                     reason="dynamo compiles the llama whole here: the test above covers it")
 def test_a_compiled_llama_that_dynamo_breaks_still_trains_and_is_recorded_at_its_boundary(
         tmp_path):
-    compiled, _, caught, breaks = _run(
-        tmp_path, "compiled", lambda model: probe.compile(model, backend="aot_eager"))
+    compiled, _, caught, breaks = _run(tmp_path, "compiled", _probe_compile)
     torch._dynamo.reset()
     assert breaks > 0
     # a graph probe cannot instrument runs compiled as it is: one warning, no failure

@@ -13,12 +13,13 @@ the names' text); the backend reads them and removes them
 before the real backend compiles the graph.
 
 The hooks are registered once, by probe.compile, before the first compile: dynamo guards on
-a module's hooks, so adding them later would recompile.
+a module's hooks, so adding them later would recompile. A plain torch.compile'd region gets
+them only while a capture runs it through graph taps (add() and remove(); region_taps.py):
+there the graphs with and without the marks are two sets of graphs, each found again by its
+own guards.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 
@@ -115,17 +116,50 @@ def _after(module, args, kwargs, output):
 
 def install(model) -> bool:
     """Mark every submodule call of ``model`` (not model itself: its call is the region's
-    boundary, recorded outside the graph). False where this torch cannot."""
-    if not isinstance(model, torch.nn.Module) or not _traces_module_hooks() \
+    boundary, recorded outside the graph), for good. False where this torch cannot."""
+    if not isinstance(model, torch.nn.Module) or not traces_module_hooks() \
             or _mark_op() is None:
         return False
     for module in model.modules():
         if module is model or getattr(module, "_probe_marked", False):
             continue
-        _shared_key(module, module.register_forward_pre_hook(_before, with_kwargs=True), "pre")
-        _shared_key(module, module.register_forward_hook(_after, with_kwargs=True), "post")
+        _add_hooks(module)
         module._probe_marked = True
     return True
+
+
+def add(region) -> list:
+    """Mark every submodule call of ``region`` until remove(): while a capture runs a plain
+    torch.compile'd region through graph taps (capture/compiled/region_taps.py). Nothing is
+    set on the modules but the hooks, under the same keys every time, so the graphs traced
+    with them are found again at the next captured step, and those traced without them (the
+    user's own) at the steps between. Returns the modules marked; [] where this torch cannot."""
+    if not isinstance(region, torch.nn.Module) or not traces_module_hooks() \
+            or _mark_op() is None:
+        return []
+    marked = []
+    for module in region.modules():
+        if module is region or getattr(module, "_probe_marked", False) \
+                or any(_keys.get(kind) in hooks for kind in ("pre", "post")
+                       for hooks in compat.forward_hook_dicts(module, kind)):
+            continue
+        _add_hooks(module)
+        marked.append(module)
+    return marked
+
+
+def remove(modules: list) -> None:
+    """Take off the marks add() put on ``modules``."""
+    for module in modules:
+        for kind in ("pre", "post"):
+            key = _keys.get(kind)
+            for hooks in compat.forward_hook_dicts(module, kind):
+                hooks.pop(key, None)
+
+
+def _add_hooks(module) -> None:
+    _shared_key(module, module.register_forward_pre_hook(_before, with_kwargs=True), "pre")
+    _shared_key(module, module.register_forward_hook(_after, with_kwargs=True), "post")
 
 
 #: the hook-dict key every module's mark hook gets, per kind ("pre"/"post"): the key of the
@@ -145,15 +179,9 @@ def _shared_key(module, handle, kind: str) -> None:
             hooks[key] = hooks.pop(handle.id)  # stays last: it was registered last
 
 
-def _traces_module_hooks() -> bool:
+def traces_module_hooks() -> bool:
     """Dynamo inlines submodule calls with their hooks (else a hook breaks the graph)."""
-    config = compat.dynamo_config()
-    if config is None:
-        return False
-    with warnings.catch_warnings():
-        # newer torch: always on, and reading the flag warns that it is deprecated
-        warnings.simplefilter("ignore", FutureWarning)
-        inlines = bool(getattr(config, "inline_inbuilt_nn_modules", False))
+    inlines = compat.dynamo_inlines_nn_modules()
     # torch 2.4's dynamo cuts the graph at the marks (one graph per submodule call), even
     # with inlining turned on: there the marks would cost what they name
     return inlines and VERSION >= (2, 5) \

@@ -27,7 +27,7 @@ def _compiling_context_type():
     return compat.dynamo_compiling_context_type()
 
 
-#: the module classes of a model -> (the contexts found, ((namespace, ids of its values), ...)):
+#: the module classes of a model -> ((context, function) pairs, ((namespace, value ids), ...)):
 #: start() runs every step, and a model's classes and the files defining them seldom change;
 #: a global added or rebound since (a function compiled later) changes the ids
 _found: dict = {}
@@ -38,6 +38,17 @@ def find(model: torch.nn.Module, modules=None) -> list:
     """The dynamo contexts of the compiled functions that ``model``'s classes reach: the
     globals of the files defining their ``forward`` and the functions in the classes.
     ``modules``: the model's modules when the caller has walked them already."""
+    return [context for context, _ in _find(model, modules)]
+
+
+def functions(model: torch.nn.Module, modules=None) -> list:
+    """The compiled functions themselves, one per context find() returns (graph taps swap
+    what they compile with: capture/compiled/region_taps.py)."""
+    return [function for _, function in _find(model, modules)]
+
+
+def _find(model, modules) -> list:
+    """(dynamo context, compiled function) of each compiled function ``model`` reaches."""
     kind = _compiling_context_type()
     if not kind:
         return []
@@ -90,7 +101,7 @@ def _collect(value, contexts: dict, kind) -> None:
             continue
         if isinstance(context, kind) \
                 and isinstance(getattr(context, "enter_exit_hooks", None), list):
-            contexts[id(context)] = context
+            contexts[id(context)] = (context, value)
 
 
 class FunctionGates:

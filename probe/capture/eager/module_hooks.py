@@ -57,7 +57,8 @@ class ModuleHooks:
     """Hooks on one model. ``record`` False: only track the module stack (API level)."""
 
     def __init__(self, model: torch.nn.Module, recorder: Recorder, record: bool,
-                 gate: compiled_regions.Gate | None = None, region_params: bool = False) -> None:
+                 gate: compiled_regions.Gate | None = None, region_params: bool = False,
+                 targets: list | None = None) -> None:
         self.model = model
         self.recorder = recorder
         self.record = record
@@ -67,8 +68,8 @@ class ModuleHooks:
         #: takes the API mode off while a compiled region runs (set by the debugger)
         self.gate = gate or compiled_regions.Gate()
         self._handles: list = []
-        #: compiled_regions.targets of the model, from install() on
-        self.targets: list | None = None
+        #: compiled_regions.targets of the model (walked by install() unless given)
+        self.targets: list | None = targets
         self._open_calls: dict[str, list] = {}
         self._hooked_params: set[int] = set()
         #: modules whose registered parameters change during a step (FSDP2 swaps in the
@@ -82,7 +83,9 @@ class ModuleHooks:
     def install(self) -> None:
         try:
             # one walk of the model per start(): graph taps and the function gates reuse it
-            targets = self.targets = compiled_regions.targets(self.model)
+            targets = self.targets
+            if targets is None:
+                targets = self.targets = compiled_regions.targets(self.model)
             self._function_gates.install(self.model, [target.module for target in targets])
             if any(target.region for target in targets):
                 compat.warn_compiled_capture_gap()
