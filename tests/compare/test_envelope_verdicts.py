@@ -211,7 +211,7 @@ def test_ppo_over_15_updates_each_dumped_against_other_device_rounding_passes_by
     another device's rounding; every update step dumped."""
     import contextlib
 
-    gym = pytest.importorskip("gymnasium")
+    gym = pytest.importorskip("gymnasium", reason="the PPO example needs gymnasium: pip install -e '.[examples]'")
     from examples.reinforcement_learning.ppo import (
         ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, update_step,
     )

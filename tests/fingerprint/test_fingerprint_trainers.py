@@ -50,7 +50,7 @@ def test_the_transformers_callback_fingerprints_every_step_with_the_models_loss(
     from tests.torch_versions import transformers_or_skip
 
     transformers_or_skip()
-    pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate")
+    pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate: pip install -e '.[hf]'")
     from examples.trainers import hf_trainer
     from probe.integrations.hf import ProbeCallback
 
