@@ -52,7 +52,7 @@ from probe import compat
 from probe.capture.eager import backward_collectives, naming
 from probe.capture.eager.api_backward import hook_backward, hook_nodes
 from probe.capture.eager.autocast import autocast_dtype as _autocast_dtype, note_call as _note_autocast
-from probe.capture.eager.defaults import TABLE as _defaults_table, defaults_of as _defaults_of, signature_of as _signature_of
+from probe.capture.eager.defaults import TABLE as _defaults_table, defaults_of as _defaults_of, bind_call as _bind_call
 from probe.capture.recorder import Recorder
 from probe.capture.eager.write_watch import may_write as _may_write, written_tensors as _written_tensors
 
@@ -332,12 +332,8 @@ def _collective_output(func, name, args, kwargs) -> tuple | None:
     parameter = _DIST_OUTPUT.get(name[len("distributed."):])
     if parameter is None:
         return None
-    signature = _signature_of(func)
-    if signature is None:
-        return None
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:
+    bound = _bind_call(func, args, kwargs)
+    if bound is None:
         return None
     return parameter, bound.arguments.get(parameter)
 

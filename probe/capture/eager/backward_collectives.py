@@ -33,7 +33,7 @@ import torch.autograd as autograd
 from torch.overrides import TorchFunctionMode, has_torch_function
 
 from probe import compat
-from probe.capture.eager.defaults import signature_of
+from probe.capture.eager.defaults import bind_call
 
 Tensor = torch.Tensor
 #: the calls that start a backward pass through __torch_function__
@@ -78,13 +78,10 @@ def run_backward(mode: TorchFunctionMode, func, args, kwargs):
 def _engine_arguments(func, args, kwargs):
     """(tensors, grads, retain_graph, create_graph, inputs) as torch.autograd.backward
     hands them to the engine; None for anything it does not handle as torch does."""
-    signature = signature_of(func)
-    if signature is None:
-        return None
-    try:
-        arguments = signature.bind(*args, **kwargs).arguments
-    except TypeError:
+    bound = bind_call(func, args, kwargs)
+    if bound is None:
         return None  # torch raises its own error for the call
+    arguments = bound.arguments
     if func is Tensor.backward:
         tensors, grads = arguments["self"], arguments.get("gradient")
     else:

@@ -107,15 +107,23 @@ def defaults_of(func) -> tuple:
     return found
 
 
-def bound_values(func, args, kwargs) -> dict | None:
-    """name -> value of every non-tensor argument of a call, its defaults included; None
-    when the call does not bind to a known signature."""
+def bind_call(func, args, kwargs):
+    """The call's arguments bound to func's (cached) signature; None when func has no
+    signature or the arguments do not bind (torch raises its own error for the call)."""
     signature = signature_of(func)
     if signature is None:
         return None
     try:
-        bound = signature.bind(*args, **kwargs)
+        return signature.bind(*args, **kwargs)
     except TypeError:
+        return None
+
+
+def bound_values(func, args, kwargs) -> dict | None:
+    """name -> value of every non-tensor argument of a call, its defaults included; None
+    when the call does not bind to a known signature."""
+    bound = bind_call(func, args, kwargs)
+    if bound is None:
         return None
     bound.apply_defaults()
     return {name: value for name, value in bound.arguments.items() if not _holds_tensor(value)}
