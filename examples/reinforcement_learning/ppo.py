@@ -7,6 +7,7 @@ action_space.seed(...) make a whole training run repeat exactly.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -161,3 +162,12 @@ def train(model, optimizer, tracker, settings: PPOSettings, updates: int, device
             for batch in minibatches(rollout, settings):
                 update_step(model, optimizer, batch, settings)
     return tracker.returns
+
+
+def make_env():
+    """CartPole-v1; a clear message, not a traceback, where gymnasium is missing."""
+    try:
+        import gymnasium
+    except ImportError:
+        sys.exit("this example needs gymnasium: pip install 'precision-probe[examples]'")
+    return gymnasium.make("CartPole-v1")

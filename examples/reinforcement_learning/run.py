@@ -34,18 +34,10 @@ from probe.commands.run import build_env
 from probe.config import load as load_config
 from examples._common import example_parser, print_compare_summary
 from examples.reinforcement_learning.ppo import (
-    ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, train, update_step,
+    ActorCritic, make_env, EpisodeTracker, PPOSettings, collect, minibatches, train, update_step,
 )
 
 SEED = 1234
-
-
-def make_env():
-    try:
-        import gymnasium
-    except ImportError:
-        sys.exit("this example needs gymnasium: pip install 'precision-probe[examples]'")
-    return gymnasium.make("CartPole-v1")
 
 
 def settings_for(smoke):

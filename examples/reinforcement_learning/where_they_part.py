@@ -27,19 +27,11 @@ import torch
 from probe import PrecisionDebugger, compare
 from examples._common import example_parser, print_compare_summary
 from examples.reinforcement_learning.ppo import (
-    ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, ppo_loss,
+    ActorCritic, make_env, EpisodeTracker, PPOSettings, collect, minibatches, ppo_loss,
 )
 from probe.fingerprint import command, report
 
 SEED = 1234
-
-
-def make_env():
-    try:
-        import gymnasium
-    except ImportError:
-        sys.exit("this example needs gymnasium: pip install 'precision-probe[examples]'")
-    return gymnasium.make("CartPole-v1")
 
 
 def training(dump_path, updates, settings, device, other, full_step=None):
