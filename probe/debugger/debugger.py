@@ -86,6 +86,8 @@ class PrecisionDebugger:
         self.seed_report = seed_all(cfg.seed, cfg.mode, cfg.remove_dropout)
         self.current_step = 0
         self._model: torch.nn.Module | None = None
+        #: (model, whether it is sharded): start() runs every step, the walk once per model
+        self._sharded: tuple = (None, False)
         self._started = False
         self._recorder: Recorder | None = None  # the open step, if any
         self._mode: ApiCaptureMode | None = None
@@ -192,7 +194,7 @@ class PrecisionDebugger:
             level = self.config.level
             gate = Gate()
             targets = None  # the model's modules (compiled_regions.targets), when it has one
-            recorder.copy_when_recorded(self._model is not None and compat.is_sharded(self._model))
+            recorder.copy_when_recorded(self._model_is_sharded())
             if self._model is not None:
                 compat.warn_sharded_capture_gap(self._model)
                 targets = region_targets(self._model)  # one walk of the model for every part
@@ -305,6 +307,15 @@ class PrecisionDebugger:
                     self.fingerprints.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _model_is_sharded(self) -> bool:
+        """FSDP2 modules or DTensor parameters in the model (walked once per model)."""
+        model = self._model
+        if model is None:
+            return False
+        if self._sharded[0] is not model:
+            self._sharded = (model, compat.is_sharded(model))
+        return self._sharded[1]
 
     def _selected(self) -> bool:
         cfg = self.config
