@@ -140,3 +140,20 @@ def needs_compiled_capture():
 
     gap = compat.compiled_capture_gap()
     return pytest.mark.skipif(gap is not None, reason=str(gap))
+
+
+def plain_compile_has_taps() -> bool:
+    """Whether a plain torch.compile'd region gets graph taps under capture (region_taps.py):
+    torch 2.4's dynamo does not inline torch.nn modules, so there its regions keep their
+    boundary records only and compile once (measured on 2.4.1; taps from 2.5)."""
+    return VERSION >= (2, 5)
+
+
+def needs_plain_compile_taps():
+    """The skip marker of the tests of graph taps in a plain torch.compile'd region."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not plain_compile_has_taps(),
+        reason=f"torch {torch.__version__}'s dynamo does not inline torch.nn modules: a plain "
+               "torch.compile'd region keeps its boundary records (docs/torch-versions.md)")

@@ -63,14 +63,16 @@ def test_a_compiled_function_called_by_an_eager_model_runs_compiled_under_captur
     torch._dynamo.reset()
     assert breaks == 0
     # the user's graph, and its copy with graph taps for the captured step: the mode's coming
-    # and going recompiles nothing
-    assert graphs == 2 * graphs_without_probe == 2
+    # and going recompiles nothing (one graph only where a plain compile gets no taps)
+    copies = 2 if torch_versions.plain_compile_has_taps() else 1
+    assert graphs == copies * graphs_without_probe == copies
     assert not [m for m in messages if "dynamo" in m.lower() or "recompil" in m.lower()]
     keys = {record["key"] for record in probe.load(path).records()}
     assert "fc/functional.linear#1/forward/output.0" in keys  # the eager code after the call
-    # the calls inside the compiled function, through graph taps, named as in eager code
-    assert "/functional.gelu#0/forward/output.0" in keys
-    assert "/Tensor.sin#0/backward/grad_output.0" in keys
+    # the calls inside the compiled function, through graph taps, named as in eager code (a
+    # torch without taps for a plain compile records the function's boundary only)
+    inside = {"/functional.gelu#0/forward/output.0", "/Tensor.sin#0/backward/grad_output.0"}
+    assert inside <= keys if torch_versions.plain_compile_has_taps() else not inside & keys
 
 
 def test_the_gate_on_a_compiled_function_is_removed_at_stop(tmp_path):

@@ -16,7 +16,7 @@ import torch_versions
 from examples.models import TinyGPT
 from probe import compat
 
-pytestmark = torch_versions.needs_compiled_capture()
+pytestmark = [torch_versions.needs_compiled_capture(), torch_versions.needs_plain_compile_taps()]
 
 VOCAB, LENGTH = 32, 8
 
