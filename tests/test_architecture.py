@@ -33,7 +33,7 @@ COMPARE_STAGES = [
     ("measure", {"measure"}),
     ("judge", {"record_rules", "call_rules", "recheck", "rounding", "judge"}),
     ("attribute", {"attribute"}),
-    ("result", {"envelope_summary", "assemble"}),
+    ("result", {"envelope_summary", "drift_rounding", "shard_entry", "assemble"}),
     ("orchestration", {"engine", "api"}),
 ]
 

@@ -74,6 +74,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
+from probe.comparison import drift_rounding, shard_entry
 from probe.comparison.result import count_rows
 from probe.comparison.envelope_summary import summarize
 from probe.comparison.sketch import sketch_note
@@ -103,10 +104,14 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
     runs here, before it exists. run_differences: the recorded settings the runs differ in;
     same_model: the note that the dumps record different models, or None; baseline: the
     trusted third dump that measured the envelopes (--baseline), or None."""
+    rows = [row for outcome in outcomes for row in outcome.rows]
+    # drift that stays within every op's rounding envelope is rounding: settled before any
+    # verdict is counted (drift_rounding.py)
+    settled = None if strict else drift_rounding.settle(
+        find_drift(story(outcomes)[0], "diverged", steps_info, rows), rows, steps_info, strict)
     for info in steps_info:
         if info.get("verdict") is None:
             info["verdict"] = step_verdict(info["counts"], strict)
-    rows = [row for outcome in outcomes for row in outcome.rows]
     counts = count_rows(rows)
     placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))
     moves = len({(row.step, row.rank, row.key) for row in rows
@@ -171,6 +176,8 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
         notes.insert(0, drift["text"])
     else:
         cause = entering_cause(first, cause, rows)
+    if settled is not None:
+        notes.insert(0, settled)
     if same_model is not None:
         notes.insert(0, same_model)
     envelope = summarize(rows, notes, strict, baseline)
@@ -254,11 +261,16 @@ def story(outcomes) -> tuple[R.RecordRow | None, R.RecordRow | None]:
     if not diverged:
         return None, None
     step = min(o.step for o in diverged)
+    # a parameter shard that differs on one rank, gathered by every rank: that rank tells it
+    entered = {each: shard_entry.find([o for o in outcomes if o.step == each])
+               for each in sorted({o.step for o in diverged})}
     told = []
     for outcome in (o for o in diverged if o.step == step):
         first = first_divergence(outcome.rows)
         told.append((outcome.rank, first, likely_cause(outcome.rows, first)))
     introducing = [t for t in told if t[2] is not None and t[2].origin == R.INTRODUCED]
+    if entered[step] is not None and all(entered[step][1] <= t[2].order for t in introducing):
+        return entered[step][0], entered[step][0]
     if introducing:
         rank, first, cause = min(introducing, key=lambda t: (t[2].order, t[0]))
         return first, cause

@@ -47,6 +47,9 @@ LAMBDA = 6.0
 FACTOR = 2.0
 #: ulps an elementwise kernel may be off (libm erf/exp/tanh vectorised differently on two devices)
 ELEMENTWISE_ULPS = 4.0
+#: what the measured norms of a difference may be off by, relative: its own error must exceed this
+#: share of what the inputs explain before it counts
+MEASUREMENT_SLACK = 1e-3
 #: two runs, each within its own envelope, differ by at most the sum of both
 RUNS = 2.0
 
@@ -90,6 +93,11 @@ _FAMILIES = {
     CAST: {"to", "float", "half", "bfloat16", "double", "type", "type_as"},
     OPTIMIZER: {"adam", "adamw", "sgd", "fused_adam", "fused_adamw", "fused_sgd"},
 }
+#: copies whose backward sums gradients (of repeated indices, of broadcast copies): a reduction
+_SCATTER_ADD_BACKWARD = frozenset({"embedding", "Embedding", "index_select", "gather", "expand", "expand_as",
+                                   "repeat", "repeat_interleave"})
+#: ... over indices any of which may repeat: up to every row of the gradient lands on one
+_INDEXED = frozenset({"embedding", "Embedding", "index_select", "gather"})
 _FAMILY_OF = {name: family for family, names in _FAMILIES.items() for name in names}
 #: Lipschitz constant of elementwise functions of one argument (|f'| <= L): GELU's is 1.13
 _LIPSCHITZ = {"gelu": 1.13, "GELU": 1.13, "silu": 1.1, "SiLU": 1.1, "mish": 1.1, "elu": 1.0, "softplus": 1.0,
@@ -218,6 +226,9 @@ class Envelope:
         limit = FACTOR * self.rounding
         if not math.isfinite(self.propagated):  # the inputs' share is unknown: only a small gap is clear
             return "within" if high <= limit else "unbounded"
+        # the norms are measured in floating point too: an exact op (a cat, rounding 0) whose
+        # output differs by its inputs' difference plus a hair is not evidence of anything
+        limit += MEASUREMENT_SLACK * self.propagated
         if low - self.propagated > limit:
             return "beyond"
         if high - self.propagated <= limit:
@@ -307,7 +318,11 @@ def op_envelope(op: str, phase: str, slot: str, out: Operand, inputs: dict, forw
     if fam in (DIVIDE, ELEMENTWISE, OPTIMIZER):
         return _elementwise(fam, name, out, inputs, values, u, parts)
     if fam == COPY:
-        prop = sum(_sensitivity(parts, s, o, 1.0) for s, o in tensors)
+        # a gather (embedding, index_select) reads a row once per index: a repeated index
+        # repeats its difference, up to every output row on one input row
+        rows = out.numel // max(out.shape[-1] if out.shape else 1, 1)
+        repeats = math.sqrt(max(rows, 1)) if name in _INDEXED else 1.0
+        prop = sum(_sensitivity(parts, s, o, repeats) for s, o in tensors)
         if name in ("cat", "concat", "stack") or not tensors:
             prop = math.sqrt(sum(o.err ** 2 for _, o in tensors))
         return Envelope(COPY, 1, u, 1.0, 0.0, prop, parts)
@@ -584,13 +599,54 @@ def _backward(fam, name, out, inputs, forward, u, u_acc, u_cast, parts) -> Envel
         scale = max(out.norm, gy.norm)
         rounding = RUNS * (LAMBDA * math.sqrt(k) * u_acc * (3.0 + spread) + ELEMENTWISE_ULPS * u) * scale
         return Envelope(fam, k, u, 3.0 + spread, rounding, math.inf if _any_err(gy, fx) else 0.0, parts)
+    if fam == COPY and name in _SCATTER_ADD_BACKWARD:
+        # the gradient rows of repeated indices (broadcast copies) are summed, in an order
+        # that differs by device (atomics on a GPU): a sum of up to K rows, rounded once to
+        # the gradient's dtype. Over the outputs, sum|g| is at most sqrt(K) ||dy||.
+        rows = gy.numel // max(gy.shape[-1] if gy.shape else 1, 1)
+        k = max(gy.numel // max(out.numel, 1), 1) if name not in _INDEXED else max(rows, 1)
+        rounding = RUNS * (LAMBDA * k * u_acc * gy.norm + u * out.norm)
+        prop = math.inf if any(o.err for o in fx) else _sensitivity(parts, "grad_output.0", gy, math.sqrt(k))
+        return Envelope(SUM, k, u, 1.0, rounding, prop, parts)
     if fam in (ELEMENTWISE, DIVIDE, COPY, CAST):
         rounding = RUNS * ELEMENTWISE_ULPS * u * out.norm if fam != COPY else 0.0
-        prop = math.inf if any(o.err for o in fx) else _sensitivity(parts, "grad_output.0", gy, _LIPSCHITZ.get(name, 1.0))
+        prop = math.inf if any(o.err for o in fx) else _sensitivity(parts, "grad_output.0", gy,
+                                                                     _derivative_bound(name, fx, out, gy))
         if fam == COPY and not any(o.err for o in fx):
             prop = gy.err
         return Envelope(fam, 1, u, 1.0, rounding, prop, parts)
     return None
+
+
+def _derivative_bound(name: str, fx: list, out: Operand, gy: Operand) -> float:
+    """How much an elementwise op's backward scales its grad_output's difference: the largest
+    |f'| over the forward's values, from their recorded extremes (a product's gradient is the
+    other factor: max|b|; rsqrt's 0.5 min|x|^-1.5). At least the ratio of the gradients' norms in
+    A, which is exact for a product by a number the record does not hold."""
+    ratio = out.norm / gy.norm if gy.norm > 0 and math.isfinite(out.norm) else 0.0
+    x = fx[0] if fx else None
+
+    def inverse(value: float, power: float) -> float:
+        return value ** -power if value > 0 else math.inf
+
+    if name in ("mul", "multiply", "addcmul"):
+        bound = max((o.amax for o in fx), default=0.0)
+    elif name in ("div", "divide", "true_divide"):
+        den = fx[1].amin if len(fx) > 1 else 0.0
+        bound = max(inverse(den, 1), fx[0].amax * inverse(den, 2)) if len(fx) > 1 else 0.0
+    elif name == "rsqrt" and x is not None:
+        bound = 0.5 * inverse(x.amin, 1.5)
+    elif name == "sqrt" and x is not None:
+        bound = 0.5 * inverse(x.amin, 0.5)
+    elif name == "reciprocal" and x is not None:
+        bound = inverse(x.amin, 2)
+    elif name == "log" and x is not None:
+        bound = inverse(x.amin, 1)
+    elif name == "exp" and x is not None:
+        bound = math.exp(min(x.max, 700.0)) if math.isfinite(x.max) else math.inf
+    else:
+        bound = _LIPSCHITZ.get(name, 1.0)
+    return max(bound, ratio)
 
 
 def _any_err(gy, fx) -> bool:

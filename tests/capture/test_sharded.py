@@ -32,7 +32,8 @@ OTHERS = [
     ("tp-none", "tp-api.tensor"),
 ]
 #: dumps only the compare tests read
-COMPARED = ["fsdp-mix.statistics-tanh1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1",
+COMPARED = ["fsdp-mix.statistics-block", "fsdp-mix.statistics-root", "fsdp-mix.statistics-tanh1",
+            "fsdp-mix.statistics-scale1", "tp-mix.statistics-scale1", "tp-mix.statistics-replica1",
             "coll-api.statistics", "coll-api.statistics-fault1", "fsdp-mix.tensor-bf16",
             "bwcoll-api.statistics", "bwcoll-api.statistics-fault1", "tp-api.statistics-xgrad"]
 #: examples/distributed/train_fsdp2.py and train_tp.py, one step each
@@ -145,12 +146,24 @@ def test_capture_leaves_every_storage_it_reads_resizable(task, size, path):
         tensor.untyped_storage().resize_(0)  # what FSDP2 does after forward
 
 
-def test_ddp_and_fsdp2_with_the_same_data_pass_with_parameters_paired_as_logical_tensors(job):
+#: FSDP2 wrappings: fully_shard on each Linear and the root; on the first Linear and the root
+#: (the second Linear's parameters in the root's group, as a block's Linears are in the block's);
+#: on the root alone
+WRAPPINGS = ["", "-block", "-root"]
+
+
+@pytest.mark.parametrize("wrapping", WRAPPINGS)
+def test_ddp_and_fsdp2_with_the_same_data_pass_with_parameters_paired_as_logical_tensors(
+        job, wrapping):
     fsdp2_trains_like_ddp_or_skip()
     from probe import compare
 
-    result = compare(job / "ddp-mix.statistics", job / "fsdp-mix.statistics")
+    result = compare(job / "ddp-mix.statistics", job / f"fsdp-mix.statistics{wrapping}")
     assert result.verdict == "pass", result.first_divergence
+    # every gradient DDP recorded (this rank's, before the all-reduce) pairs with the one this
+    # FSDP2 rank computed before its reduce-scatter, whichever module's group holds it
+    grads = [row for row in result.rows if row.slot.startswith("param_grad.")]
+    assert grads and all(row.status != "only_a" for row in grads)
     assert _paired_share(result) >= 0.9
     # the optimizer's updates of FSDP2's sharded parameters pair with DDP's whole ones
     targets = {row.target for row in result.rows if row.target and row.status != "only_b"}
@@ -166,6 +179,22 @@ def test_fsdp2_where_rank_1_alone_uses_the_tanh_gelu_diverges_at_rank_1s_gelu(jo
     first = result.first_divergence
     assert result.verdict == "diverged"
     assert (first.rank, first.module, first.op, first.origin) == (1, "1", "functional.gelu", "introduced")
+
+
+def test_an_fsdp2_shard_scaled_on_rank_1_is_the_headline_at_that_parameter_and_rank(job):
+    _fsdp2_or_skip("fsdp-")
+    from probe import compare
+    result = compare(job / "fsdp-mix.statistics", job / "fsdp-mix.statistics-scale1")
+    first = result.first_divergence
+    assert result.verdict == "diverged"
+    assert (first.step, first.rank, first.module, first.slot, first.origin) == (
+        0, 1, "0", "param.weight", "introduced"), result.to_text()[:1500]
+    assert result.likely_cause is first and "rank 1's shard of parameter 0.weight differs on entry" in first.cause
+    assert result.to_text().startswith("DIVERGED at step 0 rank 1: 0 Linear (forward, param.weight) -- introduced")
+    # the all-gathers carry it: on rank 0 their inputs agree, yet they did not introduce it
+    gathers = [row for row in result.rows if row.step == 0 and "all_gather" in row.op and row.io == "out"
+               and row.status == "diverged"]
+    assert gathers and all(row.origin == "inherited" for row in gathers)
 
 
 def test_one_device_and_tensor_parallel_pass_with_most_records_paired(job, one_device):

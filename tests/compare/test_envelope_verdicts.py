@@ -87,6 +87,41 @@ def test_an_op_whose_own_error_exceeds_its_envelope_is_beyond_and_a_band_that_st
     assert env.judge(0.1 * limit, 0.5 * limit) == "within"
 
 
+def test_an_embedding_gradient_summed_over_repeated_tokens_in_another_order_is_rounding_not_a_copy():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 4, 64)  # 4 tokens, each repeated: their gradient rows are summed
+    gy = rng.standard_normal((64, 16)).astype(np.float32)
+    one = np.zeros((4, 16), np.float32)
+    other = np.zeros((4, 16), np.float32)
+    for i in range(64):
+        one[ids[i]] += gy[i]
+    for i in reversed(range(64)):
+        other[ids[i]] += gy[i]
+    seen = float(np.linalg.norm(one.astype(np.float64) - other))
+    env = E.op_envelope("functional.embedding", "backward", "grad_input.1", _operand(one),
+                        {"grad_output.0": _operand(gy)}, {"input.0": _operand(ids), "input.1": _operand(one)})
+    assert env.family == E.SUM and env.k == 64 and env.rounding > 0
+    assert 0 < seen and env.judge(seen, seen) == "within"
+
+
+def test_an_exact_copy_that_differs_by_its_inputs_difference_and_a_hair_is_within_not_beyond():
+    x = _operand(np.ones((8, 4)), err=1e-3)
+    env = E.op_envelope("torch.cat", "forward", "output.0", _operand(np.ones((16, 4))),
+                        {"input.0.0": x, "input.0.1": x})
+    assert env.rounding == 0
+    assert env.judge(env.propagated * (1 + 1e-7), env.propagated * (1 + 1e-7)) == "within"
+    assert env.judge(env.propagated * 1.01, env.propagated * 1.01) == "beyond"
+
+
+def test_rsqrts_backward_scales_its_gradients_difference_by_its_derivative_at_small_variances():
+    var = _operand(np.linspace(1e-4, 1.0, 32))
+    gy = _operand(np.ones(32), err=1e-3)
+    out = _operand(-0.5 * np.linspace(1e-4, 1.0, 32) ** -1.5)
+    env = E.op_envelope("torch.rsqrt", "backward", "grad_input.0", out, {"grad_output.0": gy}, {"input.0": var})
+    # |d rsqrt(x)/dx| = 0.5 x^-1.5 reaches 5e5 at x = 1e-4: a gradient difference grows with it
+    assert env.propagated >= 0.5 * 1e-4 ** -1.5 * 1e-3 * 0.99
+
+
 # ---------------------------------------------------------------------------- pairs of runs
 
 
@@ -163,6 +198,27 @@ def test_fp32_against_bf16_autocast_with_a_minus_inf_causal_mask_passes_in_stati
     assert result.verdict == "pass", result.to_text()[:1500]
     mask = [row for row in result.rows if row.op == "Tensor.masked_fill" and row.slot == "output.0"]
     assert mask and all(row.status == "match" for row in mask)
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_sdpa_against_eager_attention_in_bfloat16_over_two_steps_passes_by_rounding_only(tmp_path, task):
+    """The same attention computed by two kernels (sdpa fuses it; eager takes softmax of the
+    scores): they round differently, AdamW carries it into step 1; a changed eps is still named."""
+    from tests.real_models import hf_model, lm_loss, token_batch
+
+    options = dict(batch=token_batch, steps=2, task=task, dtype=torch.bfloat16, loss=lm_loss)
+    eager = P.run(tmp_path / "eager", build=lambda: hf_model("llama", attn="eager"), **options)
+    sdpa = P.run(tmp_path / "sdpa", build=lambda: hf_model("llama", attn="sdpa"), **options)
+    result = probe.compare(eager, sdpa)
+    assert result.verdict == "pass" and result.to_text().startswith(ROUNDING_ONLY), result.to_text()[:2000]
+    assert probe.compare(eager, sdpa, strict=True).verdict == "diverged"  # the fixed tolerance alone: a false alarm
+
+    def eps(model):
+        model.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-2
+
+    bug = P.run(tmp_path / "bug", build=lambda: hf_model("llama", attn="sdpa"), fault=eps, **options)
+    cause = probe.compare(eager, bug).likely_cause
+    assert (cause.module, cause.origin) == ("model.layers.1.post_attention_layernorm", "introduced")
 
 
 def test_one_mlp_gradient_scaled_by_1_003_in_a_bf16_llama_is_named_where_it_enters(tmp_path):

@@ -11,7 +11,9 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
              coll (no training: a Linear's output all-reduced with dist.all_reduce, then tanh),
              bwcoll (a Linear whose output's gradient a tensor hook all-reduces in backward)
     capture  none, or <level>.<task> (mix.statistics, api.tensor, ...)
-    variant  keep (reshard_after_forward False), bf16 (MixedPrecisionPolicy param_dtype
+    variant  keep (reshard_after_forward False), root (fsdp: fully_shard on the root only), block (fsdp:
+             on the first Linear and the root: the second Linear's parameters are in the
+             root's group, as the Linears of a block wrapped whole are in the block's), bf16 (MixedPrecisionPolicy param_dtype
              bfloat16), tanh1 (rank 1 alone uses the tanh GELU), scale1 (rank 1's shard of
              the first Linear's weight times 1.001), fault1 (coll: rank 1's all-reduce
              result times 1.001, as a faulty collective would give it), replica1 (rank 1's
@@ -94,10 +96,17 @@ def parallel_model(stack, variants, rank):
         options = {"reshard_after_forward": "keep" not in variants}
         if "bf16" in variants:
             options["mp_policy"] = policy_class(param_dtype=torch.bfloat16)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, **options)
+        linears = [layer for layer in model if isinstance(layer, nn.Linear)]
+        if "root" in variants:
+            linears = []
+        elif "block" in variants:  # the second Linear's parameters in the root's group
+            linears = linears[:1]
+        for layer in linears:
+            fully_shard(layer, **options)
         fully_shard(model, **options)
+        if "scale1" in variants and rank == 1:
+            with torch.no_grad():
+                model[0].weight._local_tensor.mul_(1.001)
     elif stack == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

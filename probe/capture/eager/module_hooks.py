@@ -100,7 +100,11 @@ class ModuleHooks:
                 path, module = target.path, target.module
                 kind = wrappers.user_kind(module)
                 if wrappers.is_fsdp2(module):
-                    self._swapping.add(id(module))
+                    # fully_shard on a block or the root alone swaps its submodules'
+                    # parameters too: each module holding some is hooked at its own call
+                    self._swapping.update(id(sub) for sub in module.modules()
+                                          if next(sub.parameters(recurse=False), None)
+                                          is not None)
                 if target.hook_on is not None or target.compiled_call:
                     pre = functools.partial(self._pre_record, path, kind, module)
                     if target.region and self.region_params:
