@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 
+from probe import compat
 from probe.integrations.core import CapturingCallback, missing
 
 try:
@@ -40,7 +41,8 @@ class ProbeCallback(CapturingCallback, Callback):
     _steps_at_begin: int | None = None  # trainer.global_step when the open step began
 
     def on_fit_start(self, trainer, pl_module):
-        if getattr(pl_module, "_compiler_ctx", None) is not None:
+        # from_compiled sets training_step on the instance to a dynamo-compiled function
+        if compat.dynamo_original(vars(pl_module).get("training_step")) is not None:
             warnings.warn(
                 "probe: trainer.fit got a torch.compile'd LightningModule: Lightning compiles "
                 "its training_step and forward on the instance, and capture traces into that "

@@ -3,6 +3,8 @@
 compiled graph, training bit-identical, two runs pass. ``trainer.fit(torch.compile(module))``
 is warned about: Lightning compiles that module's training_step on the instance."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -81,12 +83,17 @@ def train(workdir, dump_path=None, module=None, steps=3):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lightning_compiled")
-    return root, train(root / "plain"), train(root / "trainer_a", root / "a")
+    plain = train(root / "plain")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        captured = train(root / "trainer_a", root / "a")
+    return root, plain, captured, [str(w.message) for w in caught]
 
 
 @needs_plain_compile_taps()
 def test_a_compiled_model_in_a_lightning_module_is_captured_from_inside_its_graph(runs):
-    root, (_, plain_breaks), (_, captured_breaks) = runs
+    root, (_, plain_breaks), (_, captured_breaks), messages = runs
+    assert not [m for m in messages if m.startswith("probe:")], messages
     assert captured_breaks == plain_breaks  # probe's hooks were not traced into the graph
     dump = probe.load(str(root / "a"))
     assert dump.steps == [0, 1, 2]
@@ -97,12 +104,12 @@ def test_a_compiled_model_in_a_lightning_module_is_captured_from_inside_its_grap
 
 
 def test_capturing_a_compiled_lightning_module_keeps_its_losses_bit_identical(runs):
-    _, (plain_losses, _), (captured_losses, _) = runs
+    _, (plain_losses, _), (captured_losses, _), _ = runs
     assert len(plain_losses) == 3 and captured_losses == plain_losses
 
 
 def test_two_identical_compiled_lightning_runs_compare_as_pass(runs):
-    root, _, (losses_a, _) = runs
+    root, _, (losses_a, _), _ = runs
     losses_b, _ = train(root / "trainer_b", root / "b")
     assert losses_b == losses_a
     result = probe.compare(str(root / "a"), str(root / "b"))
