@@ -157,3 +157,14 @@ def needs_plain_compile_taps():
         not plain_compile_has_taps(),
         reason=f"torch {torch.__version__}'s dynamo does not inline torch.nn modules: a plain "
                "torch.compile'd region keeps its boundary records (docs/torch-versions.md)")
+
+
+def tensor_parallel_reduction_gap() -> str | None:
+    """A skip reason where capture does not record the all-reduce tensor parallel makes of a
+    row-parallel Linear's partial sums (no collective reaches a TorchFunctionMode up to 2.6:
+    collectives_this_torch_hides; measured on 2.4.1), so that Linear's output stays rank-local
+    and one device's cannot pair with it; else None (recorded on 2.13.0 and 2.15.0)."""
+    if "all_reduce" not in collectives_this_torch_hides():
+        return None
+    return (f"torch {torch.__version__} does not let capture record tensor parallel's all-reduce of a "
+            "row-parallel Linear's partial sums (measured on 2.4.1): its output stays rank-local")

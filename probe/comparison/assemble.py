@@ -151,6 +151,9 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
     unmatched = counts["only_a"] + counts["only_b"]
     if unmatched and not strict:
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']}); they are not compared")
+    reduced = reduced_gradients_note(rows)
+    if reduced:
+        notes.append(reduced)
     explained = [row for row in rows if row.status == R.EXPLAINED and row.io == "out"]
     if explained:
         worst = max(explained, key=lambda row: row.metrics.rel_l2 if row.metrics else 0.0)
@@ -201,6 +204,26 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
         drift=drift,
         envelope=envelope,
     )
+
+
+def reduced_gradients_note(rows) -> str:
+    """Like with like: FSDP2 records each gradient twice (param_grad call 0: this rank's, before
+    the reduce-scatter; call 1: the reduced shard); DDP and one device record call 0 alone.
+    The reduced ones then have no partner, and the note says which quantity was compared."""
+    paired = {(row.step, row.rank, row.module, row.slot) for row in rows
+              if row.slot.startswith("param_grad.") and row.index == 0 and row.status in R.PAIRED}
+    lonely = {"A": 0, "B": 0}
+    for row in rows:
+        if row.slot.startswith("param_grad.") and row.index > 0 and row.status in (R.ONLY_A, R.ONLY_B) \
+                and (row.step, row.rank, row.module, row.slot) in paired:
+            lonely["A" if row.status == R.ONLY_A else "B"] += 1
+    side = next((name for name, count in lonely.items() if count), None)
+    if side is None:
+        return ""
+    other = "B" if side == "A" else "A"
+    return (f"{lonely[side]} reduced gradients of {side} (param_grad call 1: FSDP2's reduce-scatter shards) have no "
+            f"partner: {other} recorded each gradient once, before any reduction, and that pairs with {side}'s call 0 "
+            "(each rank's own gradient); the reduced ones are not compared with it")
 
 
 def _unranked_backward(rows, summaries) -> str:

@@ -115,8 +115,15 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     carriers, changed_args, dtype_args, sources = [], [], [], []
     kinds, producers = {}, {}
     dtypes_differ = any(r.dtype_a and r.dtype_b and r.dtype_a != r.dtype_b for r in rows)
+    unread = _unread_running_statistics(rows)
     for row in rows:
         if row.io != "in" or row.status not in R.PAIRED:
+            continue
+        if row.slot in unread:
+            if row.status == R.DIVERGED and explainable(row):
+                explain(row, f"differs (rel L2 {sci(rel_error(row))}) but a batch norm in training mode normalizes with "
+                             "the batch's statistics: its running statistics only receive an update, they make no "
+                             "part of the output", "")
             continue
         if row.metrics is not None and row.metrics.evidence == "value":
             m = row.metrics
@@ -402,6 +409,23 @@ def unexplain(row: R.RecordRow, cause: str) -> None:
     row.reasons.extend(note.removeprefix(f"{R.EXPLAINED} (").removesuffix(")") for note in row.notes
                        if note.startswith(f"{R.EXPLAINED} ("))
     row.notes = [note for note in row.notes if not note.startswith(f"{R.EXPLAINED} (")]
+
+
+#: batch_norm(input, running_mean, running_var, weight, bias, training, ...): where training is
+_BATCH_NORM_TRAINING = ("kwarg.training", "input.5")
+_RUNNING_STATISTICS = frozenset({"input.1", "input.2", "kwarg.running_mean", "kwarg.running_var"})
+
+
+def _unread_running_statistics(rows) -> frozenset:
+    """The running-statistics slots of a batch norm call in training mode (both runs): the
+    output reads the batch's own statistics, so a difference there is no input of it."""
+    if not rows or rows[0].phase != "forward" or not rows[0].op.endswith("batch_norm"):
+        return frozenset()
+    for row in rows:
+        if row.slot in _BATCH_NORM_TRAINING and row.metrics is not None and row.metrics.evidence == "value":
+            if str(row.metrics.value_a).lower() == "true" and str(row.metrics.value_b).lower() == "true":
+                return _RUNNING_STATISTICS
+    return frozenset()
 
 
 def _unused_inputs(rows, outputs, kinds) -> None:

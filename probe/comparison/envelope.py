@@ -519,16 +519,21 @@ def _elementwise(fam, name, out, inputs, values, u, parts) -> Envelope:
             c, broadcast(c) * scalar * b.amax / den ** 2 if den > 0 else math.inf)
     elif name in ("sqrt", "rsqrt", "reciprocal", "log", "log1p"):
         den = a.amin + (1.0 if name == "log1p" else 0.0)
+        # B's values lie within ||a - b|| of A's: the secant between the two runs' values, not
+        # the slope at A's alone (Adam's sqrt(v) of a noise gradient differs by more than v)
+        low = den - a.err if math.isfinite(a.err) else 0.0
         if den <= 0:
             factor = math.inf
         elif name == "sqrt":
-            factor = 0.5 / math.sqrt(den)
+            factor = 1.0 / (math.sqrt(den) + math.sqrt(max(low, 0.0)))
+        elif low <= 0:
+            factor = math.inf
         elif name == "rsqrt":
-            factor = 0.5 / den ** 1.5
+            factor = 0.5 / low ** 1.5
         elif name == "reciprocal":
-            factor = 1.0 / den ** 2
+            factor = 1.0 / (den * low)
         else:
-            factor = 1.0 / den
+            factor = 1.0 / low
         conditioning = a.amax / den if den > 0 else math.inf
         prop = sens(a, factor)
     elif name in ("mul", "multiply", "addcmul", "square", "pow"):

@@ -295,11 +295,16 @@ def judge_precision(rows: list, autocast_a, autocast_b, tally: R.PrecisionTally)
     tally.dtypes_a.update(main_a)
     tally.dtypes_b.update(main_b)
     whole_run = bool(main_a) and main_a.most_common(1)[0][0] != main_b.most_common(1)[0][0]
-    for row in calls.values():
+    external = _external_inputs_of_lower_precision(rows, calls)
+    for call, row in calls.items():
+        read = None
         if _EPS[row.dtype_a] == _EPS[row.dtype_b]:
-            continue
-        side, low, high = ("B", row.dtype_b, row.dtype_a) if _EPS[row.dtype_b] > _EPS[row.dtype_a] \
-            else ("A", row.dtype_a, row.dtype_b)
+            read = external.get(call)
+            if read is None:
+                continue
+        source = read if read is not None else row
+        side, low, high = ("B", source.dtype_b, source.dtype_a) if _EPS[source.dtype_b] > _EPS[source.dtype_a] \
+            else ("A", source.dtype_a, source.dtype_b)
         runs, seq = (autocast_b, row.seq_b) if side == "B" else (autocast_a, row.seq_a)
         if _in_runs(seq, runs):
             tally.autocast[(side, low)] += 1
@@ -308,13 +313,36 @@ def judge_precision(rows: list, autocast_a, autocast_b, tally: R.PrecisionTally)
         elif runs is None:
             tally.unknown[(side, low)] += 1
         else:
-            _mark(row, side, low, high)
+            _mark(row, side, low, high, read)
             tally.findings += 1
 
 
-def _mark(row, side: str, low: str, high: str) -> None:
+def _external_inputs_of_lower_precision(rows: list, calls: dict) -> dict:
+    """(module, op, index) -> the input row of a forward api call that reads, in another
+    precision on each side, a tensor no recorded op made (a buffer such as a rotary
+    embedding's inverse frequencies, data): where the call's outputs agree in dtype, that
+    input is where the lower precision enters."""
+    found: dict = {}
+    for row in rows:
+        if (row.kind != "api" or row.phase != "forward" or row.io != "in" or row.status not in R.PAIRED
+                or row.dtype_a not in _EPS or row.dtype_b not in _EPS or _EPS[row.dtype_a] == _EPS[row.dtype_b]):
+            continue
+        call = (row.module, row.op, row.index)
+        output = calls.get(call)
+        if output is None or call in found:
+            continue
+        sources = {item.get("slot"): item.get("source") for item in output.input_errors}
+        if sources.get(row.slot) == "external":
+            found[call] = row
+    return found
+
+
+def _mark(row, side: str, low: str, high: str, read=None) -> None:
     other = "A" if side == "B" else "B"
     text = f"{side} computes {row.module or '<root>'} {row.op} in {low} where {other} uses {high}"
+    if read is not None:
+        text = (f"{side} reads {row.module or '<root>'} {row.op}'s {read.slot} (no recorded op made it: a buffer, "
+                f"data) in {low} where {other} reads {high}")
     earlier = row.cause if row.status == R.DIVERGED and row.cause else ""
     row.status = R.DIVERGED
     row.divergence = R.PRECISION

@@ -111,8 +111,10 @@ def merge_ranks(by_rank: dict) -> MergedStep:
 def _logical(key, copies, by_rank, merged: MergedStep):
     placements = copies[0][2]["placements"]
     if any(name.startswith("P(") for name in placements):
-        merged.partial.add(key)
-        return None
+        reduced = _reduced(copies, by_rank)
+        if reduced is None:
+            merged.partial.add(key)
+        return reduced
     if not all(name == "R" or (name.startswith("S(") and name.endswith(")"))
                for name in placements):
         return None  # a placement compare does not know (strided shards): rank-local
@@ -145,6 +147,46 @@ def _logical(key, copies, by_rank, merged: MergedStep):
         merged.assembled[base["tensor_id"]] = (shape, [
             (rank, int(record["tensor_id"]), offset) for offset, (rank, record) in by_offset.items()])
     return base
+
+
+#: how far after a partial output its reduction is looked for (the collective's input, its
+#: output, the wait or autograd wrapper: a few records)
+_REDUCTION_WITHIN = 8
+#: ops whose output is the result of the all-reduce that tensor parallel makes of a partial
+_REDUCING = ("all_reduce", "wait_tensor", "_wrap_tensor_autograd")
+#: the columns that say which record it is (kept from the partial record)
+_IDENTITY = ("key", "seq", "kind", "module", "op", "index", "phase", "slot", "io", "source", PLACEMENT)
+
+
+def _reduced(copies, by_rank) -> dict | None:
+    """A partial output's logical tensor, where the run recorded it: tensor parallel (a
+    RowwiseParallel Linear) all-reduces the partial sums at once, and the reduction's result
+    (an output recorded right after, in the same module, of the logical shape, equal on every
+    rank) is what the op computes on one device. Its values stand for the partial record's;
+    None when no such record follows."""
+    shape = "[" + ", ".join(str(int(size)) for size in copies[0][2].get("shape") or []) + "]"
+    found = []
+    for rank, row, _ in copies:
+        records = by_rank[rank]
+        module = records.get("module", row)
+        for later in range(row + 1, min(row + 1 + _REDUCTION_WITHIN, len(records))):
+            if records.get("module", later) != module:
+                return None
+            op, slot = records.get("op", later), records.get("slot", later)
+            if slot == "output.0" and any(name in op for name in _REDUCING) \
+                    and records.get("shape", later) == shape:
+                found.append(records.row(later))
+                break
+        else:
+            return None
+    first = found[0]
+    if len(found) != len({rank for rank, _, _ in copies}) \
+            or any(not _equal(first[name], other[name]) for other in found[1:] for name in _SAME):
+        return None
+    rank, row, _ = copies[0]
+    logical = by_rank[rank].row(row)  # the op's own record, with the reduction's values
+    logical.update({name: value for name, value in first.items() if name not in _IDENTITY})
+    return logical
 
 
 def assemble(shape, parts):

@@ -221,6 +221,34 @@ def test_sdpa_against_eager_attention_in_bfloat16_over_two_steps_passes_by_round
     assert (cause.module, cause.origin) == ("model.layers.1.post_attention_layernorm", "introduced")
 
 
+def _float32_rotary(model):
+    """What transformers keeps in a bfloat16 model: the rotary inverse frequencies in float32."""
+    rotary = model.model.rotary_emb
+    width = 2 * rotary.inv_freq.numel()
+    rotary.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, dtype=torch.float32) / width))
+
+
+def _bfloat16_rotary(model):
+    _float32_rotary(model)
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(torch.bfloat16)
+
+
+def test_rotary_frequencies_held_in_bf16_in_a_bf16_llama_are_named_where_they_enter(tmp_path):
+    """Below bfloat16's tolerance downstream (the cos/sin are rounded to bfloat16 anyway), and
+    before, a pass by rounding only: the first op that reads the buffer in another precision."""
+    from tests.real_models import hf_model, lm_loss, token_batch
+
+    options = dict(build=lambda: hf_model("llama"), batch=token_batch, steps=1, task="statistics",
+                   dtype=torch.bfloat16, loss=lm_loss)
+    a = P.run(tmp_path / "a", fault=_float32_rotary, **options)
+    clean = P.run(tmp_path / "clean", perturb=True, fault=_float32_rotary, **options)
+    b = P.run(tmp_path / "b", perturb=True, fault=_bfloat16_rotary, **options)
+    assert probe.compare(a, clean).to_text().startswith(ROUNDING_ONLY)
+    cause = probe.compare(a, b).likely_cause
+    assert (cause.module, cause.op, cause.origin) == ("model.rotary_emb", "Tensor.to", "introduced")
+    assert "reads model.rotary_emb Tensor.to's input.0" in cause.cause and "in bfloat16 where A reads float32" in cause.cause
+
+
 def test_one_mlp_gradient_scaled_by_1_003_in_a_bf16_llama_is_named_where_it_enters(tmp_path):
     """Below bfloat16's tolerance, against other-device rounding: the first op that reads the
     scaled gradient (the MLP's down projection, backward), introduced; the clean pair passes."""

@@ -19,7 +19,9 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
              result times 1.001, as a faulty collective would give it), replica1 (rank 1's
              copy of the second Linear's replicated bias times 1.001), data (per-rank batches for tp/one:
              the batch of rank 0; default for ddp and fsdp: each rank its own), xgrad (the
-             batch requires grad)
+             batch requires grad), adamwbn (a BatchNorm after the second Linear, whose
+             bias gradient is rounding noise, and AdamW, which turns that noise into
+             lr-sized updates)
 
 An ``example-<script>[-<option>...]`` scenario runs examples/distributed/train_<script>.py
 for one step, dumped under OUT_DIR/<scenario>, with --<option> (bugR: --bug-rank R).
@@ -39,10 +41,14 @@ STEPS = 3
 IN, HIDDEN, OUT = 8, 16, 4
 
 
-def build(approximate="none"):
+def build(approximate="none", norm=False):
+    """norm: a BatchNorm after the second Linear, whose bias then has a gradient that is zero
+    but for rounding noise (the batch mean it shifts is taken out again)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(approximate=approximate),
-                         nn.Linear(HIDDEN, OUT))
+    layers = [nn.Linear(IN, HIDDEN), nn.GELU(approximate=approximate), nn.Linear(HIDDEN, OUT)]
+    if norm:
+        layers.append(nn.BatchNorm1d(OUT))
+    return nn.Sequential(*layers)
 
 
 def fully_shard_api():
@@ -59,8 +65,9 @@ def batches(seed):
     return [torch.randn(4, IN, generator=data) for _ in range(STEPS)]
 
 
-def train(model, xs, debugger=None):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(model, xs, debugger=None, adamw=False):
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3) if adamw
+                 else torch.optim.SGD(model.parameters(), lr=0.1))
     losses = []
     for x in xs:
         if debugger is not None:
@@ -90,7 +97,7 @@ def debugger_for(capture, dump_path):
 
 def parallel_model(stack, variants, rank):
     approximate = "tanh" if "tanh1" in variants and rank == 1 else "none"
-    model = build(approximate)
+    model = build(approximate, norm="adamwbn" in variants)
     if stack == "fsdp":
         fully_shard, policy_class = fully_shard_api()
         options = {"reshard_after_forward": "keep" not in variants}
@@ -230,7 +237,7 @@ def run_scenario(out_dir, scenario, rank):
             xs = batches(100 if same_batch else 100 + rank)
             if "xgrad" in variants:  # tensor parallel then all-reduces the input's gradient
                 xs = [x.requires_grad_() for x in xs]
-            losses = train(model, xs, debugger)
+            losses = train(model, xs, debugger, adamw="adamwbn" in variants)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json"), "w") as out:
         json.dump(losses, out)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.warnings.json"), "w") as out:
