@@ -168,3 +168,13 @@ def tensor_parallel_reduction_gap() -> str | None:
         return None
     return (f"torch {torch.__version__} does not let capture record tensor parallel's all-reduce of a "
             "row-parallel Linear's partial sums (measured on 2.4.1): its output stays rank-local")
+
+
+def compiled_trainer_gap() -> str | None:
+    """A skip reason where dynamo cannot compile the transformers Trainer's model at all (torch
+    2.4.1 with transformers 4.x: its causal-mask code fails in dynamo, without probe), else None
+    (2.13.0 and 2.15.0 compile it)."""
+    if VERSION >= (2, 5):
+        return None
+    return (f"torch {torch.__version__}'s dynamo fails on transformers' causal-mask code "
+            "(masking_utils, without probe; measured on 2.4.1)")

@@ -321,8 +321,15 @@ def op_envelope(op: str, phase: str, slot: str, out: Operand, inputs: dict, forw
         # a gather (embedding, index_select) reads a row once per index: a repeated index
         # repeats its difference, up to every output row on one input row
         rows = out.numel // max(out.shape[-1] if out.shape else 1, 1)
-        repeats = math.sqrt(max(rows, 1)) if name in _INDEXED else 1.0
-        prop = sum(_sensitivity(parts, s, o, repeats) for s, o in tensors)
+
+        def repeats(operand) -> float:
+            if name in _INDEXED:
+                return math.sqrt(max(rows, 1))
+            if name in _SCATTER_ADD_BACKWARD:  # a broadcast copy (expand, repeat): each value k times
+                return math.sqrt(max(out.numel // max(operand.numel, 1), 1))
+            return 1.0
+
+        prop = sum(_sensitivity(parts, s, o, repeats(o)) for s, o in tensors)
         if name in ("cat", "concat", "stack") or not tensors:
             prop = math.sqrt(sum(o.err ** 2 for _, o in tensors))
         return Envelope(COPY, 1, u, 1.0, 0.0, prop, parts)

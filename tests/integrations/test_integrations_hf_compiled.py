@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torch_versions import needs_compiled_capture, needs_plain_compile_taps
+from tests.torch_versions import compiled_trainer_gap, needs_compiled_capture, needs_plain_compile_taps
 from tests.torch_versions import transformers_or_skip
 
 transformers_or_skip()
@@ -18,7 +18,8 @@ from examples.trainers.hf_trainer import LENGTH, VOCAB, token_data  # noqa: E402
 from probe.integrations.hf import ProbeCallback  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
-pytestmark = needs_compiled_capture()
+pytestmark = [needs_compiled_capture(),
+              pytest.mark.skipif(compiled_trainer_gap() is not None, reason=str(compiled_trainer_gap()))]
 
 #: the multiplier the marker passes to Tensor.mul, recorded as an argument
 MARKER = "transformer.h.0.mlp.act.1/Tensor.mul#0/forward/input.1"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torch_versions import needs_compiled_capture, needs_plain_compile_taps
+from tests.torch_versions import needs_compiled_capture, needs_plain_compile_taps, plain_compile_has_taps
 
 pytest.importorskip("lightning", reason="Lightning is not installed: pip install -e '.[lightning]'")
 
@@ -116,6 +116,9 @@ def test_two_identical_compiled_lightning_runs_compare_as_pass(runs):
     assert result.verdict == "pass" and result.counts["matched"] > 0
 
 
+@pytest.mark.skipif(not plain_compile_has_taps(), reason=(
+    f"torch {torch.__version__}'s dynamo fails, rather than breaking the graph, on capture's hooks "
+    "traced into Lightning's compiled training_step (measured on 2.4.1): that run does not finish"))
 def test_fitting_a_torch_compiled_lightning_module_warns_to_compile_its_inner_model(tmp_path):
     class Regressor(CompiledRegressor):
         def __init__(self) -> None:
