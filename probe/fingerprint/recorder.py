@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.optim.optimizer as _optimizer_hooks
 
+from probe.capture.numbers.host_batch import HostBatch
 from probe.fingerprint import schema, take as take_module
 from probe.fingerprint.file import FingerprintWriter
 
@@ -51,6 +52,8 @@ class FingerprintRecorder:
         self._names_of = names_of
         self._on_step = on_step
         self._immediate = immediate
+        #: CPU tensors' numbers, a step at a time (its arenas and layouts live as long as the run)
+        self._batch = HostBatch(k)
         self._writer: FingerprintWriter | None = None
         self._index: dict[str, int] = {}
         self._new: list[dict] = []  # descriptions not written yet
@@ -94,7 +97,7 @@ class FingerprintRecorder:
             self._optimizer_count += 1
         tensors = take_module.optimizer_tensors(optimizer, names, f"opt{number}")
         self._describe(tensors)
-        taken = take_module.take(step, [(name, tensor) for name, *_, tensor in tensors], self.k)
+        taken = take_module.take(step, [(name, tensor) for name, *_, tensor in tensors], self.k, self._batch)
         if self._open and self._open_step != step:
             self.end_step()  # an earlier step nobody ended (no step() call): it is finished now
         self._open_step = step

@@ -4,8 +4,15 @@ and optimizer-state tensor (torch; never h5py).
 The numbers are capture's own (capture/numbers/: stats.py, sketch.py, device_bucket.py),
 so a fingerprint's sketch and a step file's sketch of the same tensor are the same numbers.
 
-* CPU tensors: ``stats.host_stats_and_sketch`` per tensor (numpy passes over the values, no
-  torch dispatch per statistic).
+* CPU float32/float64 tensors: capture's ``host_batch.HostBatch``, as capture records them.
+  A tensor of at most SMALL_MAX values is copied into the batch's arena (one numpy copy) and
+  computed with all the others when the step is written: a fixed number of numpy and torch
+  calls per step instead of about ten per tensor, which on a small model's tensors (biases,
+  norms) cost several times their arithmetic. A larger tensor's statistics are computed at
+  once (``stats.host_stats_and_later_sketch``: each pass over values still in the cache) and
+  only its sketch's fold goes to the arena. Other dtypes: ``stats.host_stats_and_sketch``
+  per tensor. A batched small tensor's mean and norm are summed per row of BLOCK values,
+  then in float64: the same numbers up to rounding (host_batch.py).
 * Accelerator tensors (and CPU tensors with PROBE_DEVICE_PATH=1, for the tests): one
   ``device_bucket.DeviceBucket`` for the step, flushed at once (a fixed number of launches
   per device and dtype, however many tensors, computed before the next step writes them);
@@ -28,7 +35,11 @@ import numpy as np
 import torch
 
 from probe.capture.numbers import device_bucket, stats
+from probe.capture.numbers.host_batch import SMALL_MAX, HostBatch
+from probe.capture.numbers.host_view import host_read_view
 from probe.fingerprint import schema
+
+_BATCHED_DTYPES = (torch.float32, torch.float64)
 
 _NAN_SKETCH: dict = {}
 
@@ -79,6 +90,8 @@ class PendingPrint:
         self.k = k
         self.loss: float | torch.Tensor = math.nan
         self._host: list = []  # (name, numbers tuple, packed sketch or None), known now
+        self._batched: list = []  # (name, HostSlot): CPU tensors, filled by their HostBatch
+        self._batch: HostBatch | None = None
         self._buckets: list = []  # (DeviceBucket, [(name, slot)], holds accelerator tensors?)
 
     @property
@@ -89,10 +102,15 @@ class PendingPrint:
     def extend(self, other: "PendingPrint") -> None:
         """Add another optimizer's tensors of the same step."""
         self._host.extend(other._host)
+        self._batched.extend(other._batched)
+        self._batch = self._batch or other._batch
         self._buckets.extend(other._buckets)
 
     def resolve(self) -> tuple[float, list, np.ndarray, np.ndarray]:
         entries = list(self._host)
+        if self._batched:
+            self._batch.compute()  # every slot of the batch, other optimizers' too
+            entries += [(name, *slot.result) for name, slot in self._batched]
         for bucket, slots, _ in self._buckets:
             bucket.resolve()  # one copy per device; the numbers were computed at take()
             entries += [(name, *slot.result) for name, slot in slots]
@@ -108,16 +126,21 @@ class PendingPrint:
         return loss, names, numbers, np.frombuffer(blob, dtype=np.float64).reshape(-1, k)
 
 
-def take(step: int, tensors: list[tuple[str, torch.Tensor]], k: int) -> PendingPrint:
-    """Statistics and sketches of ``tensors`` [(name, tensor)], without waiting for a device."""
+def take(step: int, tensors: list[tuple[str, torch.Tensor]], k: int,
+         batch: HostBatch | None = None) -> PendingPrint:
+    """Statistics and sketches of ``tensors`` [(name, tensor)], without waiting for a device.
+    ``batch``: the HostBatch CPU tensors go through (kept by the caller from step to step: its
+    arenas and layouts are reused); None computes each CPU tensor at once."""
     pending = PendingPrint(step, k)
     on_cpu_too = device_bucket.device_path_on_cpu()
     bucket, slots, accelerator = None, [], False
+    if k <= 0:
+        batch = None  # the batch computes sketches; without one, per tensor is as cheap
     for name, tensor in tensors:
         if tensor.numel() == 0:
             pending._host.append((name, stats.EMPTY_STATS, None))
         elif tensor.device.type == "cpu" and not on_cpu_too:
-            pending._host.append((name, *stats.host_stats_and_sketch(tensor, k)))
+            _take_on_host(pending, name, tensor, k, batch)
         elif tensor.dtype not in device_bucket.DTYPES:
             values, counts = stats.device_stats(tensor, k)  # complex, float8: one by one
             numbers, packed = stats.resolve_device_stats([(values, counts, tensor.numel())])[0]
@@ -131,6 +154,30 @@ def take(step: int, tensors: list[tuple[str, torch.Tensor]], k: int) -> PendingP
         bucket.flush()  # the numbers are computed now, before the next step writes the tensors
         pending._buckets.append((bucket, slots, accelerator))
     return pending
+
+
+def _take_on_host(pending: PendingPrint, name: str, tensor: torch.Tensor, k: int,
+                  batch: HostBatch | None) -> None:
+    """A CPU tensor's numbers: through the batch (a HostSlot, filled at resolve) where it
+    reads the tensor, else computed now."""
+    if batch is not None and tensor.dtype in _BATCHED_DTYPES:
+        values = tensor.detach() if tensor.requires_grad else tensor
+        slot = None
+        if values.numel() <= SMALL_MAX:
+            try:
+                slot = batch.add(host_read_view(values))
+            except (RuntimeError, TypeError):  # conj/neg bits, a subclass without numpy()
+                pass
+        else:
+            numbers, sketched, slot = stats.host_stats_and_later_sketch(values, k, batch.add_folded)
+            if slot is None:  # NaN/Inf or huge values: the sketch was made at once
+                pending._host.append((name, numbers, sketched))
+                return
+        if slot is not None:
+            pending._batched.append((name, slot))
+            pending._batch = batch
+            return
+    pending._host.append((name, *stats.host_stats_and_sketch(tensor, k)))
 
 
 __all__ = ["take", "optimizer_tensors", "describe", "PendingPrint"]

@@ -152,3 +152,38 @@ def test_the_device_path_gives_each_tensor_its_own_statistics_and_sketch(monkeyp
         assert np.allclose(got_numbers, numbers, rtol=1e-5, atol=1e-6), name
         expected = np.frombuffer(packed)  # the same linear map, summed in another order: float32 rounding
         assert np.abs(got_sketch - expected).max() <= 1e-5 * np.linalg.norm(expected), name
+
+
+def test_the_cpu_batch_gives_each_tensor_its_own_statistics_and_sketch():
+    """take() with a HostBatch (the recorder's CPU path): small tensors copied into its arena,
+    large ones folded there, other dtypes and NaN one by one; each tensor's numbers must be its
+    own, as stats.host_stats_and_sketch computes them alone."""
+    import torch
+
+    from probe.capture.numbers import stats
+    from probe.capture.numbers.host_batch import HostBatch
+    from probe.fingerprint import take
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(3 + 97 * i, generator=generator) * (i + 1)) for i in range(40)]
+    tensors += [("large", torch.randn(300, 257, generator=generator)),
+                ("large64", torch.randn(70_000, generator=generator, dtype=torch.float64)),
+                ("transposed", torch.randn(40, 30, generator=generator).t()),
+                ("half", torch.randn(500, generator=generator).half()),
+                ("with_nan", torch.tensor([1.0, float("nan"), -2.0])),
+                ("large_with_inf", torch.cat((torch.randn(20_000, generator=generator), torch.tensor([float("inf")])))),
+                ("param", torch.nn.Parameter(torch.randn(64, 64, generator=generator)))]
+    batch = HostBatch(K)
+    for step in range(2):  # the second step reuses the batch's arenas and layouts
+        _, names, numbers_found, sketches_found = take.take(step, tensors, K, batch).resolve()
+        assert sorted(names) == sorted(name for name, _ in tensors)
+        by_name = {name: (numbers, sketch) for name, numbers, sketch in zip(names, numbers_found, sketches_found)}
+        for name, tensor in tensors:
+            numbers, packed = stats.host_stats_and_sketch(tensor, K)
+            got_numbers, got_sketch = by_name[name]
+            assert np.allclose(got_numbers, numbers, rtol=1e-5, atol=1e-6, equal_nan=True), name
+            expected = np.frombuffer(packed)
+            if np.isfinite(expected).all():  # the same linear map, summed in another order
+                assert np.abs(got_sketch - expected).max() <= 1e-5 * np.linalg.norm(expected), name
+            else:
+                assert not np.isfinite(got_sketch).all(), name
