@@ -106,7 +106,7 @@ class FingerprintResult:
         first = None
         if focus is not None:
             first = {"step": self.jump_step, "rank": self.rank, "key": focus.name, **_place(focus),
-                     "origin": "jump",
+                     "origin": "introduced", "parting": "jump",
                      "metrics": {"rel_l2": focus.gap, "low": focus.low, "high": focus.high,
                                  "allowed": focus.allowed}}
         configs = self.dump_configs()
@@ -132,15 +132,19 @@ class FingerprintResult:
 
 def _place(tensor: TensorStep) -> dict:
     """first_divergence's module/op/phase/slot for a tensor of the fingerprint: a gradient is
-    made by backward, a parameter or a state tensor by the optimizer step; the slot names it
+    made by backward, a parameter or a state tensor by the optimizer step (phase "forward", as
+    a step file records the optimizer's calls); the slot names it
     as a step file's param records do ("param.bias", "param_grad.bias", "state.exp_avg.bias")."""
     parts = tensor.name.split("/")
     param = parts[1] if len(parts) > 1 else tensor.name
     module, _, leaf = param.rpartition(".")
     slot = {"param": f"param.{leaf}", "grad": f"param_grad.{leaf}"}.get(
         tensor.kind, f"state.{parts[-1]}.{leaf}")
+    # the compare contract's phases: a step file records the optimizer's updates as forward
+    # calls (`Tensor.addcdiv_ [updates fc2.bias] (forward, ...)`); "made_by" says which
     return {"module": module, "param": param, "op": None,
-            "phase": "backward" if tensor.kind == "grad" else "optimizer", "slot": slot}
+            "phase": "backward" if tensor.kind == "grad" else "forward", "slot": slot,
+            "made_by": "backward" if tensor.kind == "grad" else "optimizer"}
 
 
 #: keys a full dump of one step leaves out of the run's config

@@ -71,6 +71,9 @@ def test_probe_compare_json_names_step_1337_and_exits_1(reference, injected, tmp
     assert (first["step"], first["key"], first["module"], first["slot"]) == (
         training.INJECT_STEP, training.INJECTED, "fc2", "param.bias")
     assert data["parting"]["kind"] == "jump"
+    # the compare contract's values: the optimizer's updates are forward calls in a step file
+    assert (first["phase"], first["origin"], first["made_by"], first["parting"]) == (
+        "forward", "introduced", "optimizer", "jump")
     configs = data["dump_configs"]
     assert configs["a"]["step"] == configs["b"]["step"] == [training.INJECT_STEP]
     assert configs["a"]["task"] == "tensor" and configs["a"]["dump_path"] != configs["b"]["dump_path"]
