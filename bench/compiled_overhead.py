@@ -12,6 +12,7 @@ regions at their boundaries; level mix runs them through graph taps while captur
 plain torch.compile's graphs compiled once more with probe's taps around the same backend),
 and the steps without capture run the user's compiled graphs.
 """
+import argparse
 import os
 import statistics
 import sys
@@ -24,10 +25,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import probe  # noqa: E402
 from examples import models  # noqa: E402
 
-backend = sys.argv[1] if len(sys.argv) > 1 else "inductor"
-repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 30
-names = (sys.argv[3] if len(sys.argv) > 3 else "mlp,deepmlp,gpt").split(",")
-levels = (sys.argv[4] if len(sys.argv) > 4 else "module,mix").split(",")
+_parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_parser.add_argument("backend", nargs="?", default="inductor",
+                     help="the torch.compile backend (inductor, aot_eager, eager; default inductor)")
+_parser.add_argument("repeats", nargs="?", type=int, default=30, help="steps per median (default 30)")
+_parser.add_argument("models", nargs="?", default="mlp,deepmlp,gpt", help="comma-separated: mlp, deepmlp, gpt")
+_parser.add_argument("levels", nargs="?", default="module,mix", help="comma-separated capture levels")
+_args = _parser.parse_args()
+backend, repeats = _args.backend, _args.repeats
+names, levels = _args.models.split(","), _args.levels.split(",")
 CONSTRUCTORS = {"mlp": ("MLP", 32), "deepmlp": ("DeepMLP", 32), "gpt": ("TinyGPT", 8)}
 
 
