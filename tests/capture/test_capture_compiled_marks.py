@@ -174,4 +174,7 @@ def test_an_identity_on_a_residual_records_the_gradient_of_its_own_branch_as_eag
                            dump("compiled", lambda model: probe.compile(model, backend="aot_eager")))
     assert result.verdict == "pass", result.to_text()[:1500]
     rows = {row.key: row.status for row in result.rows}
-    assert rows["idn/Identity#0/backward/grad_output.0"] == "match"
+    # where dynamo cuts the graph at graph marks (torch 2.4) they are left off, and the
+    # compiled side records no module call inside the graph: the eager record has no partner
+    marks = torch_versions.dynamo_breaks_at_graph_marks() is None
+    assert rows["idn/Identity#0/backward/grad_output.0"] == ("match" if marks else "only_a")
