@@ -105,10 +105,16 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
     same_model: the note that the dumps record different models, or None; baseline: the
     trusted third dump that measured the envelopes (--baseline), or None."""
     rows = [row for outcome in outcomes for row in outcome.rows]
+    # a parameter shard that differs on one rank, gathered by every rank: judged across ranks
+    entered = shard_entry.apply(outcomes)
+    first, cause = story(outcomes, entered)
+    told_first = first
+    drifting = find_drift(first, "diverged", steps_info, rows)
     # drift that stays within every op's rounding envelope is rounding: settled before any
-    # verdict is counted (drift_rounding.py)
-    settled = None if strict else drift_rounding.settle(
-        find_drift(story(outcomes)[0], "diverged", steps_info, rows), rows, steps_info, strict)
+    # verdict is counted (drift_rounding.py); then nothing diverges, and there is no story
+    settled = drift_rounding.settle(drifting, rows, steps_info, strict)
+    if settled is not None:
+        first, cause = None, None
     for info in steps_info:
         if info.get("verdict") is None:
             info["verdict"] = step_verdict(info["counts"], strict)
@@ -124,7 +130,6 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
         devices_ab = max(placed, key=placed.get)  # the root attributes agree; the records do not
     if devices_ab[0] != devices_ab[1] or placement or moves or placed:
         notes.append(device_note(*devices_ab, placement, moves))
-    first, cause = story(outcomes)
     failing = [o for o in outcomes if _unpaired_fails(o.counts(), strict)]
     if first is None and failing:
         lonely = [row for row in failing[0].rows if row.status in (R.ONLY_A, R.ONLY_B)]
@@ -172,7 +177,8 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
     changes = R.group_changes(rows)
     precision = R.PrecisionTally.total(outcome.precision for outcome in outcomes)
     notes.extend(precision.notes())
-    drift = find_drift(first, verdict, steps_info, rows)
+    # the story's first divergence is a divergent row, so the verdict was "diverged" above too
+    drift = drifting if first is told_first else find_drift(first, verdict, steps_info, rows)
     if drift is not None:  # no op introduced an error: the runs part through accumulated rounding
         apply_drift(drift, rows, list(top_ops) + list(summaries))
         cause = None
@@ -272,28 +278,28 @@ def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.Record
     return first
 
 
-def story(outcomes) -> tuple[R.RecordRow | None, R.RecordRow | None]:
+def story(outcomes, entered: dict | None = None) -> tuple[R.RecordRow | None, R.RecordRow | None]:
     """(first divergence, likely cause) of a whole compare: one story for every report.
 
     The earliest step file pair with a divergence decides the step. Among its ranks, a rank
     where an op introduced its error tells the story (on the other ranks the error arrives
     through a collective, DDP's gradient all-reduce, and is only inherited): a rank-1-only
     fault is named on rank 1. When no op of that step introduced its error, the likely cause
-    is the first introduced one of a later step file, if any."""
+    is the first introduced one of a later step file, if any. entered: shard_entry.apply's
+    {step: (row, order)}: a shard that differed on entry on one rank tells its step's story
+    unless an op introduced an error before it."""
     diverged = [o for o in outcomes if o.diverged]
     if not diverged:
         return None, None
     step = min(o.step for o in diverged)
-    # a parameter shard that differs on one rank, gathered by every rank: that rank tells it
-    entered = {each: shard_entry.find([o for o in outcomes if o.step == each])
-               for each in sorted({o.step for o in diverged})}
+    shard = (entered or {}).get(step)
     told = []
     for outcome in (o for o in diverged if o.step == step):
         first = first_divergence(outcome.rows)
         told.append((outcome.rank, first, likely_cause(outcome.rows, first)))
     introducing = [t for t in told if t[2] is not None and t[2].origin == R.INTRODUCED]
-    if entered[step] is not None and all(entered[step][1] <= t[2].order for t in introducing):
-        return entered[step][0], entered[step][0]
+    if shard is not None and all(shard[1] <= t[2].order for t in introducing):
+        return shard[0], shard[0]
     if introducing:
         rank, first, cause = min(introducing, key=lambda t: (t[2].order, t[0]))
         return first, cause

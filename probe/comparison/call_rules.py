@@ -47,7 +47,7 @@ from probe.comparison import result as R
 from probe.comparison.record_rules import (
     amplified_cause, amplifies, cause_text, inherited_cause, input_summary,
 )
-from probe.comparison.records import LOCAL_GRAD, is_param_slot
+from probe.comparison.records import LOCAL_GRAD, is_param_slot, module_within
 from probe.comparison.structs import (
     CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
     forward_carriers, is_carrier, rel_error, sci,
@@ -389,7 +389,7 @@ def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRo
     inside = [r for r in judged if r.kind == "api" and r.io == "out" and r.status in R.PAIRED
               and r.step == head.step and r.rank == head.rank and r.phase == head.phase
               and r.order and first < r.order < last
-              and (not head.module or r.module == head.module or r.module.startswith(head.module + "."))]
+              and module_within(r.module, head.module)]
     if not inside or any(r.status == R.DIVERGED for r in inside):
         return
     worst = max(inside, key=rel_error)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from probe.comparison import result as R
 from probe.comparison.call_rules import explain
 from probe.comparison.result import count_rows
+from probe.comparison.rounding import ROUNDING
 
 #: envelope verdicts a drifting output may have (rounding.py, envelope.Envelope.judge)
 _SETTLED = ("within", "unbounded")
@@ -51,10 +52,12 @@ def settle(drift: dict, rows, steps_info: list[dict], strict: bool) -> str | Non
         envelope = row.envelope
         within = f"; {envelope['text']}" if envelope else ""
         explain(row, f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
-                     f"rounding{within}", "rounding")
+                     f"rounding{within}", ROUNDING)
+    by_file: dict = {}
+    for row in rows:
+        by_file.setdefault((row.step, row.rank), []).append(row)
     for info in steps_info:
-        mine = [row for row in rows if row.step == info["step"] and row.rank == info["rank"]]
-        info["counts"] = count_rows(mine)
+        info["counts"] = count_rows(by_file.get((info["step"], info["rank"]), []))
         info["verdict"] = None
     return (f"drift within rounding: the runs part through accumulated rounding from step {drift['step']} on "
             f"({len(settled)} records beyond the fixed tolerance, each within its rounding envelope, grown over the "

@@ -528,19 +528,7 @@ def _elementwise(fam, name, out, inputs, values, u, parts) -> Envelope:
         den = a.amin + (1.0 if name == "log1p" else 0.0)
         # B's values lie within ||a - b|| of A's: the secant between the two runs' values, not
         # the slope at A's alone (Adam's sqrt(v) of a noise gradient differs by more than v)
-        low = den - a.err if math.isfinite(a.err) else 0.0
-        if den <= 0:
-            factor = math.inf
-        elif name == "sqrt":
-            factor = 1.0 / (math.sqrt(den) + math.sqrt(max(low, 0.0)))
-        elif low <= 0:
-            factor = math.inf
-        elif name == "rsqrt":
-            factor = 0.5 / low ** 1.5
-        elif name == "reciprocal":
-            factor = 1.0 / (den * low)
-        else:
-            factor = 1.0 / low
+        factor = _inverse_slope(name, den, den - a.err if math.isfinite(a.err) else 0.0)
         conditioning = a.amax / den if den > 0 else math.inf
         prop = sens(a, factor)
     elif name in ("mul", "multiply", "addcmul", "square", "pow"):
@@ -630,10 +618,27 @@ def _backward(fam, name, out, inputs, forward, u, u_acc, u_cast, parts) -> Envel
     return None
 
 
+def _inverse_slope(name: str, den: float, low: float) -> float:
+    """The largest |f'| of sqrt, rsqrt, reciprocal or log (log1p: den and low shifted by 1)
+    between values of at least ``low`` (den: A's smallest, at least low); for sqrt the secant
+    from A's values to B's, finite even where B's may reach 0."""
+    if den <= 0:
+        return math.inf
+    if name == "sqrt":
+        return 1.0 / (math.sqrt(den) + math.sqrt(max(low, 0.0)))
+    if low <= 0:
+        return math.inf
+    if name == "rsqrt":
+        return 0.5 / low ** 1.5
+    if name == "reciprocal":
+        return 1.0 / (den * low)
+    return 1.0 / low
+
+
 def _derivative_bound(name: str, fx: list, out: Operand, gy: Operand) -> float:
     """How much an elementwise op's backward scales its grad_output's difference: the largest
     |f'| over the forward's values, from their recorded extremes (a product's gradient is the
-    other factor: max|b|; rsqrt's 0.5 min|x|^-1.5). At least the ratio of the gradients' norms in
+    other factor: max|b|; rsqrt's 0.5 min|x|^-1.5, _inverse_slope). At least the ratio of the gradients' norms in
     A, which is exact for a product by a number the record does not hold."""
     ratio = out.norm / gy.norm if gy.norm > 0 and math.isfinite(out.norm) else 0.0
     x = fx[0] if fx else None
@@ -646,14 +651,8 @@ def _derivative_bound(name: str, fx: list, out: Operand, gy: Operand) -> float:
     elif name in ("div", "divide", "true_divide"):
         den = fx[1].amin if len(fx) > 1 else 0.0
         bound = max(inverse(den, 1), fx[0].amax * inverse(den, 2)) if len(fx) > 1 else 0.0
-    elif name == "rsqrt" and x is not None:
-        bound = 0.5 * inverse(x.amin, 1.5)
-    elif name == "sqrt" and x is not None:
-        bound = 0.5 * inverse(x.amin, 0.5)
-    elif name == "reciprocal" and x is not None:
-        bound = inverse(x.amin, 2)
-    elif name == "log" and x is not None:
-        bound = inverse(x.amin, 1)
+    elif name in ("rsqrt", "sqrt", "reciprocal", "log") and x is not None:
+        bound = _inverse_slope(name, x.amin, x.amin)
     elif name == "exp" and x is not None:
         bound = math.exp(min(x.max, 700.0)) if math.isfinite(x.max) else math.inf
     else:

@@ -86,7 +86,8 @@ from collections import defaultdict
 
 from probe.comparison.mapping import NameMapping
 from probe.comparison.records import (
-    LOCAL_GRAD, Records, base_op, build_calls, is_foreach, is_param_slot, parameter_blocks, tensor_print,
+    LOCAL_GRAD, Records, base_op, build_calls, is_foreach, is_param_slot, module_within, parameter_blocks,
+    tensor_print,
 )
 from probe.comparison.structs import Call, NormalizedStep, Side
 from probe.dump.schema import make_key
@@ -123,10 +124,6 @@ def name_optimizer_targets(normalized: NormalizedStep) -> NormalizedStep:
 _PARAM_GRAD = "param_grad."
 #: the collective FSDP2 reduces gradients with, as the API level names it on every torch
 _REDUCE_SCATTER = "distributed.reduce_scatter_single"
-
-
-def _inside(module: str, owner: str) -> bool:
-    return not owner or module == owner or module.startswith(owner + ".")
 PLACEMENT = "placement"
 
 
@@ -157,7 +154,7 @@ def link(records: Records) -> int:
                 continue  # a second output slot of the same call
             call = reduced.setdefault((owner, _REDUCE_SCATTER, cols["index"][row]), [])
             call.extend((cols["seq"][row], source) for (module, _, _), rows in local.items()
-                        if _inside(module, owner) for source in rows)
+                        if module_within(module, owner) for source in rows)
             continue
         if not slot.startswith(_PARAM_GRAD) or cols["phase"][row] != "backward" or cols["io"][row] != "out":
             continue

@@ -37,6 +37,11 @@ def is_param_slot(slot: str) -> bool:
     return slot.startswith("param.")
 
 
+def module_within(module: str, owner: str) -> bool:
+    """module is owner or inside it ("blocks.1.fc" within "blocks.1"; everything within the root "")."""
+    return not owner or module == owner or module.startswith(owner + ".")
+
+
 class Records:
     """Column name -> Python list, one entry per record (row i of each list = record i)."""
 

@@ -6,7 +6,7 @@ a corrupted copy), that rank's all-gather input differs while no recorded op mad
 other ranks' inputs agree, and every rank's gathered output differs. Judged rank by rank,
 the collective on rank 0 looks as if it introduced the error: its own inputs agree.
 
-``find`` judges the ranks of one step file set together. A collective call whose input
+``find`` judges the ranks of one step file set together (``apply``: of every step). A collective call whose input
 differs on some ranks, where nothing recorded made it, and agrees on the others:
 
 * on the other ranks that call's outputs are inherited (they gather the differing input);
@@ -21,6 +21,8 @@ rank-by-rank verdicts stand.
 from __future__ import annotations
 
 from probe.comparison import result as R
+from probe.comparison.record_rules import param_name
+from probe.comparison.records import is_param_slot, module_within
 from probe.comparison.structs import rel_error, sci
 
 #: collective ops by the last part of their recorded name (distributed.all_gather_single,
@@ -39,8 +41,11 @@ def _call(row: R.RecordRow) -> tuple:
     return row.module, row.op, row.index, row.phase
 
 
-def _under(module: str, owner: str) -> bool:
-    return not owner or module == owner or module.startswith(owner + ".")
+def apply(outcomes) -> dict:
+    """{step: find() of its step files} for every step where a record diverged."""
+    steps = sorted({outcome.step for outcome in outcomes if outcome.diverged})
+    found = {step: find([outcome for outcome in outcomes if outcome.step == step]) for step in steps}
+    return {step: entered for step, entered in found.items() if entered is not None}
 
 
 def find(outcomes) -> tuple[R.RecordRow, tuple] | None:
@@ -76,27 +81,28 @@ def find(outcomes) -> tuple[R.RecordRow, tuple] | None:
     rank = min(r for r, row in ranks.items() if row.origin == R.INTRODUCED)
     source = ranks[rank]
     gathered = f"{call[0] or '<root>'} {call[1]}#{call[2]}"
-    params = sorted((row for row in by_rank[rank].rows
-                     if row.status == R.DIVERGED and row.slot.startswith("param.") and _under(row.module, call[0])),
-                    key=lambda row: row.order)
-    where = [str(r) for r in sorted(ranks)]
-    elsewhere = sorted(agreeing[call] - set(ranks))
-    if params:
-        param = params[0]
-        name = f"{param.module}.{param.slot.removeprefix('param.')}" if param.module else param.slot.removeprefix("param.")
+    param = min((row for row in by_rank[rank].rows
+                 if row.status == R.DIVERGED and is_param_slot(row.slot) and module_within(row.module, call[0])),
+                key=lambda row: row.order, default=None)
+    elsewhere = _ranks(agreeing[call] - set(ranks))
+    if param is not None:
+        name = param_name(param, None)
         param.origin = R.INTRODUCED
         param.cause = (f"rank {rank}'s shard of parameter {name} differs on entry, before anything in this step "
                        f"computed it: {gathered} gathers it from rank {rank}'s {source.slot} (rel L2 "
-                       f"{sci(rel_error(source))}), which differs on rank{'s' if len(where) > 1 else ''} "
-                       f"{', '.join(where)} and agrees on rank{'s' if len(elsewhere) > 1 else ''} "
-                       f"{', '.join(str(r) for r in elsewhere)}; the gathered {name} differs by rel L2 "
-                       f"{sci(rel_error(param))} on every rank")
+                       f"{sci(rel_error(source))}), which differs on {_ranks(ranks)} and agrees on {elsewhere}; "
+                       f"the gathered {name} differs by rel L2 {sci(rel_error(param))} on every rank")
         param.reasons.append(f"rank {rank}'s shard differs on entry")
         return param, source.order
     source.cause = (f"rank {rank}'s {source.slot} of {gathered} differs while no recorded op made it (a parameter "
-                    f"shard, data); it agrees on rank{'s' if len(elsewhere) > 1 else ''} "
-                    f"{', '.join(str(r) for r in elsewhere)}")
+                    f"shard, data); it agrees on {elsewhere}")
     return source, source.order
+
+
+def _ranks(ranks) -> str:
+    """"rank 1", "ranks 0, 2"."""
+    ordered = sorted(ranks)
+    return f"rank{'s' if len(ordered) > 1 else ''} {', '.join(str(rank) for rank in ordered)}"
 
 
 def _inherit(call, ranks: dict, by_rank: dict) -> None:

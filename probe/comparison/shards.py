@@ -133,7 +133,7 @@ def _logical(key, copies, by_rank, merged: MergedStep):
     if sum(int(record["numel"]) for record in shards) != numel:
         return None  # not every shard was recorded (a rank filter): stays rank-local
     base = dict(shards[0])
-    base["shape"] = "[" + ", ".join(str(int(size)) for size in shape) + "]"
+    base["shape"] = _shape_text(shape)
     base["numel"] = numel
     if len(shards) > 1:
         base.update(_combined(shards, numel))
@@ -164,7 +164,7 @@ def _reduced(copies, by_rank) -> dict | None:
     (an output recorded right after, in the same module, of the logical shape, equal on every
     rank) is what the op computes on one device. Its values stand for the partial record's;
     None when no such record follows."""
-    shape = "[" + ", ".join(str(int(size)) for size in copies[0][2].get("shape") or []) + "]"
+    shape = _shape_text(copies[0][2].get("shape") or [])
     found = []
     for rank, row, _ in copies:
         records = by_rank[rank]
@@ -179,14 +179,18 @@ def _reduced(copies, by_rank) -> dict | None:
                 break
         else:
             return None
-    first = found[0]
-    if len(found) != len({rank for rank, _, _ in copies}) \
-            or any(not _equal(first[name], other[name]) for other in found[1:] for name in _SAME):
+    first = found[0]  # one per rank: the copies must agree, as a replicated tensor's do
+    if any(not _equal(first[name], other[name]) for other in found[1:] for name in _SAME):
         return None
     rank, row, _ = copies[0]
     logical = by_rank[rank].row(row)  # the op's own record, with the reduction's values
     logical.update({name: value for name, value in first.items() if name not in _IDENTITY})
     return logical
+
+
+def _shape_text(shape) -> str:
+    """[4, 16]: a shape as the records' shape column writes it."""
+    return "[" + ", ".join(str(int(size)) for size in shape) + "]"
 
 
 def assemble(shape, parts):
