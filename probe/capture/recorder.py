@@ -38,11 +38,10 @@ import torch
 from probe import compat
 from probe.capture.numbers import stats
 from probe.capture.numbers.device_bucket import DTYPES as _BUCKET_DTYPES, DeviceBucket, DeviceSlot, device_path_on_cpu
-from probe.capture.numbers.host_view import host_read_view
 from probe.capture.eager.placement import dtensor_class, local_and_placement
 from probe.capture.numbers.shard_sketch import shard_layout, shard_sketch
 from probe.capture.numbers.sketch import pack as pack_sketch
-from probe.capture.numbers.host_batch import SMALL_MAX, HostBatch, HostSlot
+from probe.capture.numbers.host_batch import HostBatch, HostSlot
 from probe.capture.numbers.stats import host_stats_and_sketch
 from probe.capture.eager.filters import BY_KEY, CaptureFilter
 from probe.capture.eager.naming import Namer
@@ -65,7 +64,6 @@ _ref = weakref.ref
 _STRIDED = torch.strided
 #: small float32/float64 CPU tensors' statistics and sketches a batch at a time (host_batch.py)
 HOST_BATCH = True
-_BATCHED_DTYPES = (torch.float32, torch.float64)
 
 
 def _DEAD():
@@ -141,9 +139,6 @@ class Recorder:
         if host_batch is True:
             host_batch = HostBatch(self._sketch_size)
         self._host_batch = host_batch or None
-        # larger float CPU tensors: statistics now, the sketch's product with the batch's
-        self._fold_later = (self._host_batch.add_folded
-                            if self._host_batch is not None and self._sketch_size > 0 else None)
 
     # ------------------------------------------------------------------ rows
     #
@@ -294,32 +289,17 @@ class Recorder:
             else:
                 values_t, counts_t = stats.device_stats(values, self._sketch_size)
                 pending = (values_t, counts_t, numel)
-        else:
-            pending = self._batched(values, numel)
-            if pending is not None:
+        elif self._host_batch is not None:
+            numbers, sketched, pending = self._host_batch.take(values)
+            if numbers is None:  # batched: the slot will hold them
                 numbers = _UNKNOWN_STATS
-            elif self._fold_later is not None and values.dtype in _BATCHED_DTYPES:
-                numbers, sketched, pending = stats.host_stats_and_later_sketch(
-                    values, self._sketch_size, self._fold_later)
-            else:
-                numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
+        else:
+            numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
         if self._plain:
             return head + numbers + (numel, "", -1), pending, sketched
         digest = stats.checksum(tensor) if self._want_checksum else ""
         tensor_id = self._store(tensor) if self._want_tensor else -1
         return head + numbers + (numel, digest, tensor_id), pending, sketched
-
-    def _batched(self, values: Tensor, numel: int) -> HostSlot | None:
-        """A HostSlot for a float32/float64 CPU tensor of at most SMALL_MAX values; None:
-        compute it now."""
-        batch = self._host_batch
-        if batch is None or numel > SMALL_MAX or values.dtype not in _BATCHED_DTYPES:
-            return None
-        try:
-            array = host_read_view(values)
-        except (RuntimeError, TypeError):  # conj/neg bits, subclasses without numpy()
-            return None
-        return batch.add(array)
 
     def copy_when_recorded(self, on: bool) -> None:
         """Device path: copy each tensor when it is recorded instead of reading it at the

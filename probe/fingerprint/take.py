@@ -35,11 +35,8 @@ import numpy as np
 import torch
 
 from probe.capture.numbers import device_bucket, stats
-from probe.capture.numbers.host_batch import SMALL_MAX, HostBatch
-from probe.capture.numbers.host_view import host_read_view
+from probe.capture.numbers.host_batch import HostBatch
 from probe.fingerprint import schema
-
-_BATCHED_DTYPES = (torch.float32, torch.float64)
 
 _NAN_SKETCH: dict = {}
 
@@ -159,25 +156,16 @@ def take(step: int, tensors: list[tuple[str, torch.Tensor]], k: int,
 def _take_on_host(pending: PendingPrint, name: str, tensor: torch.Tensor, k: int,
                   batch: HostBatch | None) -> None:
     """A CPU tensor's numbers: through the batch (a HostSlot, filled at resolve) where it
-    reads the tensor, else computed now."""
-    if batch is not None and tensor.dtype in _BATCHED_DTYPES:
-        values = tensor.detach() if tensor.requires_grad else tensor
-        slot = None
-        if values.numel() <= SMALL_MAX:
-            try:
-                slot = batch.add(host_read_view(values))
-            except (RuntimeError, TypeError):  # conj/neg bits, a subclass without numpy()
-                pass
-        else:
-            numbers, sketched, slot = stats.host_stats_and_later_sketch(values, k, batch.add_folded)
-            if slot is None:  # NaN/Inf or huge values: the sketch was made at once
-                pending._host.append((name, numbers, sketched))
-                return
-        if slot is not None:
-            pending._batched.append((name, slot))
-            pending._batch = batch
-            return
-    pending._host.append((name, *stats.host_stats_and_sketch(tensor, k)))
+    takes the tensor, else computed now."""
+    if batch is None:
+        pending._host.append((name, *stats.host_stats_and_sketch(tensor, k)))
+        return
+    numbers, sketched, slot = batch.take(tensor.detach() if tensor.requires_grad else tensor)
+    if slot is None:
+        pending._host.append((name, numbers, sketched))
+        return
+    pending._batched.append((name, slot))
+    pending._batch = batch
 
 
 __all__ = ["take", "optimizer_tensors", "describe", "PendingPrint"]

@@ -52,12 +52,15 @@ import numpy as np
 import torch
 
 from probe.capture.numbers import sketch, stats
+from probe.capture.numbers.host_view import host_read_view
 
 BLOCK = sketch.BLOCK
 #: values an arena holds (float32: 4 MB, so the batch pass reads them from the CPU's cache)
 CAPACITY = 1 << 20
 #: tensors up to this many values are batched (the unfolded sketch's tensors)
 SMALL_MAX = sketch.DENSE_MAX
+#: the dtypes a batch holds
+BATCHED_DTYPES = (torch.float32, torch.float64)
 #: a small tensor whose largest |value| squared times its size exceeds this may overflow a
 #: row's sum of squares: it is computed alone (as stats.host_stats decides its norm's dtype)
 _SQUARES_MAX = {4: 1e37, 8: 1e306}
@@ -132,6 +135,21 @@ class HostBatch:
             arena.sizes.append(size)
             arena.slots.append(slot)
         return slot
+
+    def take(self, values: torch.Tensor) -> tuple:
+        """(numbers, sketch, slot) of a strided, non-empty CPU tensor: a float32/float64 one of
+        at most SMALL_MAX values is copied into the batch (numbers and sketch None: the slot
+        will hold both); a larger one's statistics are computed now and its sketch's fold is
+        batched (sketch None: the slot will hold it); anything else is computed now (slot None)."""
+        if values.dtype in BATCHED_DTYPES:
+            if values.numel() <= SMALL_MAX:
+                try:
+                    return None, None, self.add(host_read_view(values))
+                except (RuntimeError, TypeError):  # conj/neg bits, subclasses without numpy()
+                    pass
+            if self.sketch_size > 0:
+                return stats.host_stats_and_later_sketch(values, self.sketch_size, self.add_folded)
+        return (*stats.host_stats_and_sketch(values, self.sketch_size), None)
 
     def add_folded(self, array: np.ndarray, numbers: tuple) -> HostSlot:
         """A slot for the sketch of a larger float32/float64 array whose statistics (numbers)
