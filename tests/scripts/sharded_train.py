@@ -248,32 +248,21 @@ def run_scenario(out_dir, scenario, rank):
 def main(out_dir, scenarios):
     import torch.distributed as dist
 
+    from tests.two_ranks import end_rank
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for scenario in scenarios:
         run_scenario(out_dir, scenario, rank)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank()
 
 
 def launch(out_dir, scenarios, timeout=300):
     """Run the scenarios in one 2-rank torchrun job; raise with its output when it fails."""
-    import subprocess
+    from tests.two_ranks import launch as two_ranks
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", os.path.abspath(__file__), str(out_dir), *scenarios]
-    done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True,
-                          timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
-    return done
+    return two_ranks(__file__, out_dir, scenarios, timeout)
 
 
 def losses(out_dir, scenario, rank):
