@@ -10,19 +10,16 @@ training_step returns goes into each step's fingerprint. The last file is writte
 when it fails).
 
 A model compiled inside the module (``self.net = torch.compile(self.net)``) is captured
-from inside its compiled graph at level api/mix, as any plain torch.compile is.
-``trainer.fit(torch.compile(module))`` is not: Lightning then compiles the module's
-``training_step`` and ``forward`` as attributes of that one instance, which capture does not
-look for, so dynamo traces probe's hooks into them; the callback warns once.
+from inside its compiled graph at level api/mix, as any plain torch.compile is, and so is
+``trainer.fit(torch.compile(module))``: Lightning then compiles the module's
+``training_step`` and ``forward`` on that one instance, and capture treats the module as a
+compiled region whose boundary is those functions (capture/eager/compiled_regions.py).
 
 Works with the ``lightning`` package, else with ``pytorch_lightning``.
 """
 
 from __future__ import annotations
 
-import warnings
-
-from probe import compat
 from probe.integrations.core import CapturingCallback, missing
 
 try:
@@ -39,16 +36,6 @@ class ProbeCallback(CapturingCallback, Callback):
     ``config`` as for PrecisionDebugger. ``.debugger`` is the PrecisionDebugger it drives."""
 
     _steps_at_begin: int | None = None  # trainer.global_step when the open step began
-
-    def on_fit_start(self, trainer, pl_module):
-        # from_compiled sets training_step on the instance to a dynamo-compiled function
-        if compat.dynamo_original(vars(pl_module).get("training_step")) is not None:
-            warnings.warn(
-                "probe: trainer.fit got a torch.compile'd LightningModule: Lightning compiles "
-                "its training_step and forward on the instance, and capture traces into that "
-                "compiled code (graph breaks: the captured steps run partly eager). Compile "
-                "the model inside the module instead (self.net = torch.compile(self.net)) to "
-                "capture it from inside its graph (docs/trainers.md)", UserWarning, stacklevel=2)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._steps_at_begin is None:

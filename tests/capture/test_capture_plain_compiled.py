@@ -64,7 +64,15 @@ def block_method(model, backend):
     return model
 
 
-COMPILES = [whole, per_block, block_method]
+def instance_forward(model, backend):
+    """The idiom ``module.forward = torch.compile(module.forward)``, as Lightning's
+    trainer.fit(torch.compile(module)) does it: compiled functions of the instance."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, backend=backend)
+    return model
+
+
+COMPILES = [whole, per_block, block_method, instance_forward]
 
 
 def _model(scale=None):
@@ -167,7 +175,7 @@ def _compiled_callables(runnable):
         return [runnable.forward]
     blocks = runnable.blocks
     return [block.forward if isinstance(block, torch._dynamo.eval_frame.OptimizedModule)
-            else block._compiled_call_impl for block in blocks]
+            or "forward" in vars(block) else block._compiled_call_impl for block in blocks]
 
 
 def test_a_probe_compiled_model_is_not_tapped_twice(tmp_path):

@@ -1,7 +1,7 @@
 """probe.integrations.lightning.ProbeCallback with a compiled model in a LightningModule
 (``self.net = torch.compile(self.net)``, backend aot_eager, CPU): captured from inside the
-compiled graph, training bit-identical, two runs pass. ``trainer.fit(torch.compile(module))``
-is warned about: Lightning compiles that module's training_step on the instance."""
+compiled graph, training bit-identical, two runs pass. So is ``trainer.fit(torch.compile(module))``,
+where Lightning compiles that module's training_step and forward on the instance."""
 
 import warnings
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torch_versions import needs_compiled_capture, needs_plain_compile_taps, plain_compile_has_taps
+from tests.torch_versions import needs_compiled_capture, needs_plain_compile_taps
 
 pytest.importorskip("lightning", reason="Lightning is not installed: pip install -e '.[lightning]'")
 
@@ -116,16 +116,31 @@ def test_two_identical_compiled_lightning_runs_compare_as_pass(runs):
     assert result.verdict == "pass" and result.counts["matched"] > 0
 
 
-@pytest.mark.skipif(not plain_compile_has_taps(), reason=(
-    f"torch {torch.__version__}'s dynamo fails, rather than breaking the graph, on capture's hooks "
-    "traced into Lightning's compiled training_step (measured on 2.4.1): that run does not finish"))
-def test_fitting_a_torch_compiled_lightning_module_warns_to_compile_its_inner_model(tmp_path):
-    class Regressor(CompiledRegressor):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = self.net._orig_mod  # the whole module is compiled below instead
+class WholeRegressor(CompiledRegressor):
+    """The same module, its network left eager: trainer.fit gets torch.compile(module)."""
 
-    with pytest.warns(UserWarning, match=r"probe: trainer.fit got a torch.compile'd "
-                                         r"LightningModule.*self.net = torch.compile"):
-        train(tmp_path, tmp_path / "dump", torch.compile(Regressor(), backend="aot_eager"),
-              steps=1)
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = self.net._orig_mod
+
+
+@needs_plain_compile_taps()
+def test_fitting_a_torch_compiled_lightning_module_is_captured_from_inside_its_graph(tmp_path):
+    def fit_compiled(name, dump=None):
+        torch.manual_seed(0)
+        module = torch.compile(WholeRegressor(), backend="aot_eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outcome = train(tmp_path / name, dump and tmp_path / dump, module)
+        return outcome, [str(w.message) for w in caught if str(w.message).startswith("probe:")]
+
+    (plain_losses, plain_breaks), _ = fit_compiled("plain")
+    (losses_a, breaks_a), messages = fit_compiled("trainer_a", "a")
+    assert not messages, messages
+    assert losses_a == plain_losses and breaks_a == plain_breaks
+    records = {record["key"]: record for record in probe.load(str(tmp_path / "a")).records(step=1)}
+    assert records[MARKER]["value"] == "2.0"  # recorded inside Lightning's compiled training_step
+    assert "net.1/functional.layer_norm#0/backward/grad_input.0" in records
+    (losses_b, _), _ = fit_compiled("trainer_b", "b")
+    assert losses_b == losses_a
+    assert probe.compare(str(tmp_path / "a"), str(tmp_path / "b")).verdict == "pass"

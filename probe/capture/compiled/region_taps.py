@@ -61,17 +61,22 @@ def _callback(backend, fullgraph: bool):
 
 
 def _compiled_callables(model, targets) -> list:
-    """(compiled callable, module whose submodules it traces or None) of each region."""
+    """(compiled callable, module whose submodules it traces or None, the function whose code
+    dynamo caches its graphs on) of each region."""
     found = []
     for target in targets:
         if not target.region:
             continue
+        forward = type(target.module).forward
         if target.compiled_call:
-            found.append((compat.compiled_call(target.module), target.module))
+            found.append((compat.compiled_call(target.module), target.module, forward))
         elif target.hook_on is not None:
             own = vars(target.hook_on)  # OptimizedModule: forward (lazy modules: _forward)
-            found.append((own.get("_forward", own.get("forward")), target.module))
-    found.extend((function, None) for function in
+            found.append((own.get("_forward", own.get("forward")), target.module, forward))
+        else:  # compiled functions of the instance (Lightning's training_step and forward)
+            found.extend((function, target.module, compat.dynamo_original(function))
+                         for function in compiled_functions.instance_functions(target.module))
+    found.extend((function, None, compat.dynamo_original(function)) for function in
                  compiled_functions.functions(model, [target.module for target in targets]))
     return found
 
@@ -88,9 +93,9 @@ class RegionTaps:
             return
         global _warned
         try:
-            for function, region in _compiled_callables(model, targets):
+            for function, region, owner in _compiled_callables(model, targets):
                 try:
-                    self._tap(function, region)
+                    self._tap(function, region, owner)
                 except Exception as error:  # never fail the user's start() over the taps
                     if not _warned:
                         _warned = True
@@ -101,7 +106,7 @@ class RegionTaps:
             self.remove()
             raise
 
-    def _tap(self, function, region) -> None:
+    def _tap(self, function, region, owner) -> None:
         found = compat.dynamo_callback_cell(function)
         if found is None:
             return
@@ -110,7 +115,7 @@ class RegionTaps:
         if any(isinstance(link, TapBackend) for link in compat.dynamo_backend_links(original)) \
                 or any(cell is mine for mine, _ in self._swapped):
             return  # probe.compile'd already, or a callable reached twice
-        if not _room_for_taps(function, region):
+        if not _room_for_taps(function, owner):
             return
         cell.cell_contents = _callback(compat.dynamo_backend(original), fullgraph)
         self._swapped.append((cell, original))
@@ -130,12 +135,11 @@ class RegionTaps:
 _room: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _room_for_taps(function, region) -> bool:
+def _room_for_taps(function, owner) -> bool:
     """Whether the tapped graphs fit beside the user's within dynamo's recompile limit: both
-    sets are cached on the same code (the region's forward, the compiled function)."""
+    sets are cached on the same code, ``owner``'s (the region's forward, the function)."""
     known = _room.get(function)
     if known is None:
-        owner = type(region).forward if region is not None else compat.dynamo_original(function)
         entries = compat.dynamo_cache_entries(getattr(owner, "__code__", None))
         limit = compat.dynamo_recompile_limit()
         known = entries is None or limit is None or 2 * max(entries, 1) <= limit

@@ -8,11 +8,19 @@ file that defines it, or as methods of its class: probe finds them there and, wh
 is on, has each one's dynamo context take probe's modes off the stack around the call, the way
 compiled_regions.Gate does around a compiled module.
 
+A module may also hold compiled functions of its own, as instance attributes: Lightning's
+``trainer.fit(torch.compile(module))`` sets ``module.training_step`` and ``module.forward`` to
+the compiled versions, and ``module.forward = torch.compile(module.forward)`` is a common
+idiom. Such a module is a compiled region (compiled_regions.targets) whose boundary is those
+functions: instance_functions() finds them, and find() gates them with the rest.
+
 The gate is an entry of the context's ``enter_exit_hooks``: dynamo runs them before it
 evaluates the function's frame and runs what they return after the call, exceptions included.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -47,12 +55,31 @@ def functions(model: torch.nn.Module, modules=None) -> list:
     return [function for _, function in _find(model, modules)]
 
 
+def instance_functions(module: torch.nn.Module) -> list:
+    """The torch.compile'd functions ``module`` holds as its own attributes (not its class's),
+    e.g. the ``training_step`` Lightning compiles on the instance."""
+    return [value for value in vars(module).values()
+            if isinstance(value, types.FunctionType) and compat.dynamo_original(value) is not None]
+
+
 def _find(model, modules) -> list:
     """(dynamo context, compiled function) of each compiled function ``model`` reaches."""
     kind = _compiling_context_type()
     if not kind:
         return []
-    key = frozenset(type(module) for module in (model.modules() if modules is None else modules))
+    modules = list(model.modules() if modules is None else modules)
+    own: dict = {}
+    for module in modules:  # not cached: an instance's attributes change without its class
+        for function in instance_functions(module):
+            _collect(function, own, kind)
+    return list(own.values()) + [found for found in _find_in_classes(modules, kind)
+                                 if id(found[0]) not in own]
+
+
+def _find_in_classes(modules, kind) -> list:
+    """(dynamo context, compiled function) of each compiled function the classes of
+    ``modules`` reach: class attributes and the globals of their forward's file."""
+    key = frozenset(type(module) for module in modules)
     known = _found.get(key)
     if known is not None and all(_ids(namespace) == ids for namespace, ids in known[1]):
         return known[0]

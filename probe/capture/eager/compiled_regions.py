@@ -4,7 +4,13 @@ A compiled region is a module whose calls run through TorchDynamo:
 
 * ``torch.compile(model)`` or ``model.blocks[i] = torch.compile(block)``: an
   ``OptimizedModule`` holding the user's module as ``_orig_mod``;
-* ``block.compile()``: the module itself, called through its ``_compiled_call_impl``.
+* ``block.compile()``: the module itself, called through its ``_compiled_call_impl``;
+* a module holding compiled functions as its own attributes: Lightning's
+  ``trainer.fit(torch.compile(module))`` compiles the instance's ``training_step`` and
+  ``forward``, and users write ``module.forward = torch.compile(module.forward)``. A
+  compiled forward alone has its hooks on the module, as an OptimizedModule has; with other
+  compiled methods, which a trainer calls directly and which may call the module from inside
+  their frame, it gets no forward hooks, and compiled_functions gates those methods.
 
 Dynamo traces every Python function the region's forward reaches, probe's hooks and its
 TorchFunctionMode included: they would be traced into the graph or break it, and the step
@@ -29,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from probe import compat
-from probe.capture.eager import wrappers
+from probe.capture.eager import compiled_functions, wrappers
 
 _OPTIMIZED = "OptimizedModule"
 
@@ -67,6 +73,12 @@ def targets(model: torch.nn.Module) -> list[Target]:
                          and compat.compiled_call(module) is not None)
         if boundary is not None or compiled_call:
             found.append(Target(path, module, boundary, True, compiled_call))
+            inside = True
+        elif not inside and compiled_functions.instance_functions(module):
+            # a compiled forward alone is entered through Module.__call__, whose hooks run
+            # outside its frame; a compiled training_step may call the module from inside
+            alone = compiled_functions.instance_functions(module) == [vars(module).get("forward")]
+            found.append(Target(path, module, module if alone else None, True, False))
             inside = True
         elif inside:
             found.append(Target(path, module, None, False, False))
