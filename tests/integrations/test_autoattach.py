@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 import probe
 from tests.step_checks import assert_each_step_holds_micro_batches
+from tests.torch_versions import needs_compiled_capture, plain_compile_has_taps
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAIN_LOOP = os.path.join(REPO_ROOT, "examples", "trainers", "plain_loop.py")
@@ -69,19 +71,23 @@ def test_the_users_own_sitecustomize_still_runs_under_probe_run(tmp_path):
     assert done.stdout.strip() == "yes"
 
 
-@pytest.fixture
-def attached(tmp_path, monkeypatch):
+def _attach(tmp_path, monkeypatch, level):
     """Automatic capture attached in this process, as the start-up hook does; removed after."""
     from probe.autoattach import session
 
     (tmp_path / "cfg.json").write_text(json.dumps({"dump_path": str(tmp_path / "dump"),
-                                                   "level": "module"}))
+                                                   "level": level}))
     monkeypatch.setenv("PROBE_ATTACH", "1")
     monkeypatch.setenv("PROBE_CONFIG", str(tmp_path / "cfg.json"))
     capture = session.attach()
     yield capture
     if session.current() is capture:
         capture.stand_down()
+
+
+@pytest.fixture
+def attached(tmp_path, monkeypatch):
+    yield from _attach(tmp_path, monkeypatch, "module")
 
 
 def test_the_model_is_the_first_trained_module_not_a_frozen_or_no_grad_forward(attached, tmp_path):
@@ -138,3 +144,43 @@ def test_the_models_keyword_inputs_are_recorded_from_step_0(attached, tmp_path):
         slots = {(record["phase"], record["slot"]) for record in dump.records(step=step)
                  if record["module"] == ""}
         assert {("forward", "kwarg.features"), ("backward", "grad_input.features")} <= slots, step
+
+
+@needs_compiled_capture()
+@pytest.mark.parametrize("level", ["module", "mix"])
+def test_a_plain_compiled_model_is_captured_without_edits_from_its_first_step(
+        tmp_path, monkeypatch, level):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    counters.clear()
+    attaching = _attach(tmp_path, monkeypatch, level)
+    attached = next(attaching)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            compiled(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    attached.stand_down()
+    next(attaching, None)
+    torch._dynamo.reset()
+    # the first step starts inside the compiled model's call: its gate must still close
+    assert sum(counters["graph_break"].values()) == 0
+    assert not [str(w.message) for w in caught if "probe" in str(w.message)]
+    dump = probe.load(str(tmp_path / "dump"))
+    assert dump.steps == [0, 1, 2]
+    for step in dump.steps:
+        keys = {record["key"] for record in dump.records(step=step)}
+        assert "/Sequential#0/forward/output.0" in keys
+        assert not any("_orig_mod" in key for key in keys)
+        if level == "module":  # the parameters inside the region, at its boundary
+            assert "1/LayerNorm#0/forward/param.weight" in keys, step
+        elif plain_compile_has_taps():  # ops inside the graph, named as eager code names them
+            assert "1/functional.layer_norm#0/forward/output.0" in keys, step
+            assert "1/functional.layer_norm#0/backward/grad_input.0" in keys, step

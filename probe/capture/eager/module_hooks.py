@@ -229,11 +229,21 @@ class ModuleHooks:
         """What the root's forward pre-hook does, for a call of the root that was already
         under way when install() ran (torch had read that call's hook list): the forward hook
         then closes it as usual. Returns None or the (args, kwargs) to run the call with."""
+        position = next((i for i, target in enumerate(self.targets or ())
+                         if target.hook_on is module), None)
+        region = position is not None and self.targets[position].region
         if not self.record:
             self.recorder.module_stack.append("")
-            return None
-        user = wrappers.unwrap(module)
-        return self._pre_record("", wrappers.user_kind(user), user, module, args, kwargs)
+            replaced = None
+        else:
+            user = wrappers.unwrap(module)
+            pre = functools.partial(self._pre_record, "", wrappers.user_kind(user), user)
+            if region and self.region_params:
+                pre = functools.partial(self._pre_region, pre, _inside(self.targets, position))
+            replaced = pre(module, args, kwargs)
+        if region:  # a compiled root: the gate's pre-hook missed this call too
+            self.gate.enter()
+        return replaced
 
     # ------------------------------------------------------------------ forward
 
