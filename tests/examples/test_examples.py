@@ -126,6 +126,28 @@ def test_reinforcement_learning_fp32_update_is_within_tolerance_of_fp64(reinforc
     assert re.search(r"^   verdict: pass$", stdout, re.M), stdout
 
 
+def test_ppo_against_another_summation_order_parts_by_drift_and_its_step_is_rounding_only(tmp_path):
+    """examples/reinforcement_learning/where_they_part.py --smoke: fingerprints of every PPO
+    update find the step where the runs part, call it drift (no jump), print the config that
+    dumps it, and the full dump of that step compares as rounding only."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "reinforcement_learning", "where_they_part.py"),
+         "--smoke", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True,
+        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    stdout = done.stdout
+    parting = re.search(r"The runs part at step (\d+) by DRIFT", stdout)
+    assert parting, stdout
+    step = parting.group(1)
+    assert "No jump" in stdout and "JUMP" not in stdout
+    assert f'"step": [{step}]' in stdout  # the config that dumps that step in full
+    assert f"3. update step {step} dumped in full in both runs" in stdout
+    assert "rounding only: no op of that update step differs beyond its tolerance" in stdout
+    for side in ("cpu", "other"):
+        assert (out / f"{side}_step{step}" / f"step{step}" / "rank0.h5").is_file()
+
+
 def test_reinforcement_learning_with_random_on_cpu_repeats_across_devices(reinforcement_learning_run):
     """Part 3: trainings launched by probe run with "random_on_cpu": true, on the CPU and on
     --device (the CPU here: no GPU in CI), give the same returns episode by episode."""
