@@ -164,6 +164,17 @@ def dynamo_config():
     return config
 
 
+def dynamo_restart_exceptions() -> tuple:
+    """The exceptions dynamo raises through a backend to compile the frame again another way
+    (``TensorifyScalarRestartAnalysis`` under dynamic shapes, ...): control flow, not a
+    failure; a backend must let them through. 2.4 to 2.15 define ``RestartAnalysis``."""
+    try:
+        from torch._dynamo.exc import RestartAnalysis
+    except ImportError:  # pragma: no cover - a dynamo without it has nothing to pass on
+        return ()
+    return (RestartAnalysis,)
+
+
 def lookup_backend(name: str):
     from torch._dynamo import lookup_backend as lookup
 

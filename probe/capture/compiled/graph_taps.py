@@ -149,12 +149,16 @@ class TapBackend:
                 if compat.has_input_source(theirs):
                     compat.set_input_source(mine, compat.input_source(theirs))
             plan, real, examples = _instrument(work, list(example_inputs))
+        except compat.dynamo_restart_exceptions():
+            raise
         except Exception as error:  # never fail the user's compile over probe's plan
             _warn_once("plan", f"probe: cannot instrument a compiled graph ({error!r}); its "
                        "values are not recorded")
             return inner(gm, example_inputs)
         try:
             compiled = inner(work, examples)
+        except compat.dynamo_restart_exceptions():
+            raise  # dynamo compiles the frame again, with this backend again
         except Exception as error:  # the user's graph compiles; probe's additions did not
             _warn_once("compile", f"probe: cannot compile a compiled graph with probe's taps "
                        f"({error!r}); it runs as compiled without them, its values are not "
