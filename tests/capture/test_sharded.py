@@ -262,6 +262,9 @@ def test_one_device_and_tensor_parallel_llama_pair_nine_in_ten_records_of_each_s
         result = compare(a, b)
         assert result.verdict == "pass", result.to_text()[:2000]
         assert min(_paired_shares(result)) >= 0.9, (_paired_shares(result), result.counts)
+        collectives = [row for row in result.rows if row.status in ("only_a", "only_b")
+                       and row.op.startswith("ops._c10d_functional.")]
+        assert result.counts["sharded_only"] >= len(collectives) > 0
     scores = [row for row in result.rows
               if row.key_a == "model.layers.1.self_attn/functional.softmax#0/forward/output.0"]
     assert scores and all(row.status == "match" and row.shape_a == "[2, 4, 8, 8]" for row in scores)
@@ -280,18 +283,21 @@ def test_a_tensor_parallel_llama_query_shard_scaled_on_rank_1_is_named_at_its_li
     assert "parameter model.layers.0.self_attn.q_proj.weight differs" in first.cause
 
 
-def test_ddp_and_fsdp2_llama_pair_nine_in_ten_records_of_each_side_and_pass(job):
+def test_ddp_and_fsdp2_llama_pair_every_record_but_fsdp2s_own_collectives_and_reduced_gradients(job):
     """FSDP2 on each decoder layer and the root: its all-gathers, reduce-scatters and reduced
-    gradient shards have no DDP partner; everything else pairs, rank by rank."""
+    gradient shards have no DDP partner, and are counted as what only a sharded run makes
+    (counts.sharded_only); everything else pairs, rank by rank, both ways."""
     _llama_or_skip("fsdp-")
     fsdp2_trains_like_ddp_or_skip()
     from probe import compare
 
-    for a, b in (("ddp-mix.statistics-llama", "fsdp-mix.statistics-llama"),
-                 ("fsdp-mix.statistics-llama", "ddp-mix.statistics-llama")):
+    for a, b, fsdp2_only in (("ddp-mix.statistics-llama", "fsdp-mix.statistics-llama", "only_b"),
+                             ("fsdp-mix.statistics-llama", "ddp-mix.statistics-llama", "only_a")):
         result = compare(job / a, job / b)
         assert result.verdict == "pass", result.to_text()[:2000]
         assert min(_paired_shares(result)) >= 0.9, (_paired_shares(result), result.counts)
+        assert result.counts[fsdp2_only] == result.counts["sharded_only"] > 0, result.counts
+        assert "only a sharded run makes" in result.to_text().splitlines()[0]
 
 
 @pytest.mark.parametrize("task", ["statistics", "tensor"])

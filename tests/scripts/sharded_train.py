@@ -25,6 +25,9 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
              steps on token batches; tp: q/k/v/gate/up ColwiseParallel, o/down RowwiseParallel;
              fsdp: fully_shard on each decoder layer and on the root)
 
+Run with plain ``python`` (no torchrun), the scenarios of stack ``one`` train on one device:
+``python tests/scripts/sharded_train.py OUT one-mix.statistics-llama``.
+
 An ``example-<script>[-<option>...]`` scenario runs examples/distributed/train_<script>.py
 for one step, dumped under OUT_DIR/<scenario>, with --<option> (bugR: --bug-rank R).
 
@@ -322,6 +325,10 @@ def main(out_dir, scenarios):
     from tests.two_ranks import end_rank
 
     torch.set_num_threads(1)
+    if "WORLD_SIZE" not in os.environ:  # plain python, not torchrun: one device (stack one)
+        for scenario in scenarios:
+            run_scenario(out_dir, scenario, 0)
+        return
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for scenario in scenarios:
