@@ -49,9 +49,12 @@ def merge_rank_blocks(merged: MergedStep, reference: Records) -> int:
     logical_rows = {}
     extents = {}  # call (key without its slot) -> (local, logical) extent of a split dimension
     arguments = []
-    for key in views[0].columns["key"]:
+    shapes, numbers = views[0].columns["shape"], views[0].columns["value"]
+    for row, key in enumerate(views[0].columns["key"]):
         if key in merged.logical or key in merged.partial or key not in whole:
             continue
+        if (shapes[row] or numbers[row]) and (shapes[row], numbers[row]) == (whole[key][0], whole[key][2]):
+            continue  # the whole tensor, or the same number, on this rank already (most records)
         if not all(key in found for found in index):
             continue
         blocks = [view.row(found[key]) for view, found in zip(views, index)]
