@@ -27,7 +27,7 @@ LAYERS = [
 COMPARE_STAGES = [
     ("support", {"__init__", "structs", "records", "mapping", "tolerances", "metrics", "sketch", "result",
                  "envelope"}),
-    ("load", {"load", "shards"}),
+    ("load", {"load", "shards", "rank_blocks"}),
     ("normalize", {"normalize"}),
     ("align", {"align", "foreach_pairing"}),
     ("measure", {"measure"}),

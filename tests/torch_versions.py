@@ -34,19 +34,31 @@ def lacks_dtype(name: str) -> str | None:
     return f"torch {torch.__version__} has no dtype {name}"
 
 
+def transformers_gap() -> str | None:
+    """Why transformers cannot run here, else None: not installed (`pip install -e
+    '.[models]'`), or installed in a version that disabled its torch backend for this torch
+    (transformers 5 needs torch >= 2.6; `make setup` installs 4.x there, see
+    scripts/torch_pins.py)."""
+    try:
+        import transformers
+    except ImportError:
+        return "transformers is not installed: pip install -e '.[models]'"
+    if not transformers.utils.is_torch_available():
+        return (f"transformers {transformers.__version__} does not support torch "
+                f"{torch.__version__} (it disabled its torch backend)")
+    return None
+
+
 def transformers_or_skip():
-    """transformers, or a skip that says why: not installed (`pip install -e '.[models]'`), or
-    installed in a version that disabled its torch backend for this torch (transformers 5
-    needs torch >= 2.6; `make setup` installs 4.x there, see scripts/torch_pins.py).
-    Works inside a test and at a test module's top level."""
+    """transformers, or a skip that says why (transformers_gap). Works inside a test and at a
+    test module's top level."""
     import pytest
 
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed: pip install -e '.[models]'")
-    if not transformers.utils.is_torch_available():
-        pytest.skip(f"transformers {transformers.__version__} does not support torch "
-                    f"{torch.__version__} (it disabled its torch backend)",
-                    allow_module_level=True)
+    gap = transformers_gap()
+    if gap is not None:
+        pytest.skip(gap, allow_module_level=True)
+    import transformers
+
     return transformers
 
 

@@ -155,7 +155,10 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
         notes.append("checksums tell bit-equal or not; magnitudes are lower bounds from the statistics")
     unmatched = counts["only_a"] + counts["only_b"]
     if unmatched and not strict:
-        notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']}); they are not compared")
+        sharded = (f"; {counts['sharded_only']} of them only a sharded run makes (collectives, reduced "
+                   "gradient shards)") if counts["sharded_only"] else ""
+        notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']})"
+                     f"{sharded}; they are not compared")
     reduced = reduced_gradients_note(rows)
     if reduced:
         notes.append(reduced)
@@ -216,12 +219,9 @@ def reduced_gradients_note(rows) -> str:
     """Like with like: FSDP2 records each gradient twice (param_grad call 0: this rank's, before
     the reduce-scatter; call 1: the reduced shard); DDP and one device record call 0 alone.
     The reduced ones then have no partner, and the note says which quantity was compared."""
-    paired = {(row.step, row.rank, row.module, row.slot) for row in rows
-              if row.slot.startswith("param_grad.") and row.index == 0 and row.status in R.PAIRED}
     lonely = {"A": 0, "B": 0}
-    for row in rows:
-        if row.slot.startswith("param_grad.") and row.index > 0 and row.status in (R.ONLY_A, R.ONLY_B) \
-                and (row.step, row.rank, row.module, row.slot) in paired:
+    for row in R.sharded_only_rows(rows):
+        if row.slot.startswith("param_grad."):
             lonely["A" if row.status == R.ONLY_A else "B"] += 1
     side = next((name for name, count in lonely.items() if count), None)
     if side is None:

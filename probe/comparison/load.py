@@ -59,7 +59,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from probe.comparison import shards
+from probe.comparison import rank_blocks, shards
 from probe.comparison.records import Records
 from probe.errors import CompareError
 
@@ -346,8 +346,9 @@ class ShardedPlan:
                                      _fetch(merged_a, files_a, rank), _fetch(merged_b, files_b, rank),
                                      files_a[rank], files_b[rank])
                     continue
-                view_a, local_a = shards.logical_view(merged_a)
-                view_b, local_b = shards.logical_view(merged_b)
+                view_a, view_b, local_a, local_b, blocks = _logical_views(merged_a, merged_b)
+                if step == self.steps[0]:
+                    self.notes += _block_notes(blocks, len(self.ranks_a), len(self.ranks_b))
                 if step == self.steps[0] and (local_a or local_b):
                     self.notes.append(
                         f"{local_a} rank-local records of A and {local_b} of B not compared: "
@@ -355,6 +356,28 @@ class ShardedPlan:
                 rank_a, rank_b = self.ranks_a[0], self.ranks_b[0]
                 yield _files(step, rank_a, rank_b, view_a, view_b, _fetch(merged_a, files_a, rank_a),
                              _fetch(merged_b, files_b, rank_b), files_a[rank_a], files_b[rank_b])
+
+
+def _logical_views(merged_a, merged_b) -> tuple:
+    """Each side's logical records across world sizes, with the rank-local records that are
+    each rank's block of a tensor the other side holds whole merged first (rank_blocks.py):
+    (view_a, view_b, rank-local left out of A, of B, (blocks merged in A, in B))."""
+    view_a, _ = shards.logical_view(merged_a)
+    view_b, _ = shards.logical_view(merged_b)
+    blocks_b = rank_blocks.merge_rank_blocks(merged_b, view_a)
+    blocks_a = rank_blocks.merge_rank_blocks(merged_a, view_b)
+    view_a, local_a = shards.logical_view(merged_a)
+    view_b, local_b = shards.logical_view(merged_b)
+    return view_a, view_b, local_a, local_b, (blocks_a, blocks_b)
+
+
+def _block_notes(blocks, world_a: int, world_b: int) -> list[str]:
+    notes = []
+    for side, count, world, other in (("A", blocks[0], world_a, world_b), ("B", blocks[1], world_b, world_a)):
+        if count:
+            notes.append(f"{side}: merged {count} plain records of {world} ranks, each rank's block of a "
+                         f"tensor the other run holds whole (one dimension split {world} ways)")
+    return notes
 
 
 def _fetch(merged, files: dict, rank):

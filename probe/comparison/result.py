@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from probe.comparison.structs import (  # noqa: F401  the names every report reads from here
     AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
     ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, OpSummary, RecordRow,
-    StepOutcome, count_rows, json_safe, where_text,
+    StepOutcome, count_rows, json_safe, sharded_only_rows, where_text,
 )
 
 

@@ -103,7 +103,7 @@ def merge_ranks(by_rank: dict) -> MergedStep:
         if values is not None:
             logical_rows[key] = values
     for rank, records in by_rank.items():
-        merged.views[rank] = _view(records, logical_rows)
+        merged.views[rank] = view_with(records, logical_rows)
     merged.logical = set(logical_rows)
     return merged
 
@@ -133,10 +133,10 @@ def _logical(key, copies, by_rank, merged: MergedStep):
     if sum(int(record["numel"]) for record in shards) != numel:
         return None  # not every shard was recorded (a rank filter): stays rank-local
     base = dict(shards[0])
-    base["shape"] = _shape_text(shape)
+    base["shape"] = shape_text(shape)
     base["numel"] = numel
     if len(shards) > 1:
-        base.update(_combined(shards, numel))
+        base.update(combined_statistics(shards, numel))
         if "sketch" in base:
             base["sketch"] = _summed_sketch([record["sketch"] for record in shards])
         base["checksum"] = ""
@@ -164,7 +164,7 @@ def _reduced(copies, by_rank) -> dict | None:
     (an output recorded right after, in the same module, of the logical shape, equal on every
     rank) is what the op computes on one device. Its values stand for the partial record's;
     None when no such record follows."""
-    shape = _shape_text(copies[0][2].get("shape") or [])
+    shape = shape_text(copies[0][2].get("shape") or [])
     found = []
     for rank, row, _ in copies:
         records = by_rank[rank]
@@ -188,7 +188,7 @@ def _reduced(copies, by_rank) -> dict | None:
     return logical
 
 
-def _shape_text(shape) -> str:
+def shape_text(shape) -> str:
     """[4, 16]: a shape as the records' shape column writes it."""
     return "[" + ", ".join(str(int(size)) for size in shape) + "]"
 
@@ -203,7 +203,7 @@ def assemble(shape, parts):
     return out
 
 
-def _combined(shards, numel) -> dict:
+def combined_statistics(shards, numel) -> dict:
     finite = [record for record in shards if int(record["numel"]) > 0]
     total = sum(record["mean"] * int(record["numel"]) for record in finite)
     return {
@@ -243,7 +243,7 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def _view(records: Records, logical_rows: dict) -> Records:
+def view_with(records: Records, logical_rows: dict) -> Records:
     """records with each sharded record's values replaced by its logical record's."""
     columns = {name: list(values) for name, values in records.columns.items()}
     keys = columns["key"]

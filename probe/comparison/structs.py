@@ -429,7 +429,8 @@ class StepOutcome:
 
 def count_rows(rows) -> dict:
     """matched: paired records; diverged: those beyond tolerance; changed: those within
-    tolerance whose checksums differ (size unknown); only_a/only_b: without partner."""
+    tolerance whose checksums differ (size unknown); only_a/only_b: without partner;
+    sharded_only: those of only_a/only_b that only a sharded run makes (sharded_only_rows)."""
     counts = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
     for row in rows:
         if row.status in PAIRED:
@@ -438,7 +439,28 @@ def count_rows(rows) -> dict:
                 counts[row.status] += 1
         else:
             counts[row.status] += 1
+    counts["sharded_only"] = len(sharded_only_rows(rows))
     return counts
+
+
+#: the ops of collectives (torch.distributed's and the functional ones tensor parallel calls)
+COLLECTIVE_OPS = ("distributed.", "ops._c10d_functional.")
+
+
+def sharded_only_rows(rows) -> list:
+    """The records without partner that only a sharded run makes, so that one device or DDP
+    (whose gradient all-reduce runs in its C++ reducer, unrecorded) has no counterpart to
+    them: the records of collectives (FSDP2's all-gathers and reduce-scatters, tensor
+    parallel's all-reduces of partial sums) and FSDP2's reduced gradient shards (param_grad
+    call 1, where call 0, this rank's gradient before the reduction, paired), with the
+    local gradients compare links to such a call as its inputs (slot ``local_grad.<name>``,
+    normalize.link_reduced_gradients)."""
+    paired = {(row.step, row.rank, row.module, row.slot) for row in rows
+              if row.slot.startswith("param_grad.") and row.index == 0 and row.status in PAIRED}
+    return [row for row in rows if row.status in (ONLY_A, ONLY_B) and (
+        row.op.startswith(COLLECTIVE_OPS) or row.slot.startswith("local_grad.")
+        or (row.slot.startswith("param_grad.") and row.index > 0
+            and (row.step, row.rank, row.module, row.slot) in paired))]
 
 
 def json_safe(value):

@@ -24,6 +24,12 @@ from probe.report.fmt import err, num
 _num = num
 
 
+def _sharded_only(counts: dict) -> str:
+    """'(12 of them only a sharded run makes: collectives, reduced gradient shards) ' or ''."""
+    found = counts.get("sharded_only", 0)
+    return f"({found} of them only a sharded run makes: collectives, reduced gradient shards) " if found else ""
+
+
 def verdict_line(result: R.CompareResult) -> str:
     counts = result.counts
     if result.verdict == "pass":
@@ -35,7 +41,9 @@ def verdict_line(result: R.CompareResult) -> str:
         explained = counts.get("explained", 0)
         extra += (f"; {explained} of them beyond their own tolerance but explained (amplified rounding, "
                   "see the notes)") if explained else ""
-        extra += f"; {unmatched} without partner (not compared)" if unmatched else ""
+        sharded = counts.get("sharded_only", 0)
+        sharded = f", {sharded} of them only a sharded run makes" if sharded else ""
+        extra += f"; {unmatched} without partner (not compared{sharded})" if unmatched else ""
         rounding = envelope_summary.headline(getattr(result, "envelope", None))
         if rounding:
             return f"PASS: {rounding}: {counts['matched']} records in {where} (evidence: {result.evidence}){extra}"
@@ -256,7 +264,7 @@ def counts_lines(result: R.CompareResult) -> list[str]:
     lines = [
         f"counts: {c['matched']} records paired in {files} step file{'s' if files != 1 else ''}: {within} within "
         f"tolerance{bytes_differ}, {c['diverged']} diverged; {c['only_a']} only in A, {c['only_b']} only in B "
-        f"(evidence: {result.evidence})"
+        f"{_sharded_only(c)}(evidence: {result.evidence})"
     ]
     if files > 1:
         diverged = [(s["step"], s["rank"]) for s in result.steps if s["verdict"] != "pass"]

@@ -27,7 +27,7 @@ def _row(outcome, key):
 def test_identical_runs_have_no_divergence():
     outcome, first = _compare(mlp_run(), mlp_run())
     assert first is None and not outcome.diverged
-    assert outcome.counts() == {"matched": len(mlp_run().rows), "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0}
+    assert outcome.counts() == {"matched": len(mlp_run().rows), "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0, "sharded_only": 0}
     assert all(row.score == 0.0 for row in outcome.rows if row.metrics and row.metrics.evidence == "tensor")
 
 

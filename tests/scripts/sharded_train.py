@@ -21,7 +21,12 @@ A scenario name is ``<stack>-<capture>[-<variant>...]``:
              the batch of rank 0; default for ddp and fsdp: each rank its own), xgrad (the
              batch requires grad), adamwbn (a BatchNorm after the second Linear, whose
              bias gradient is rounding noise, and AdamW, which turns that noise into
-             lr-sized updates)
+             lr-sized updates), llama (the model is a tiny random-init transformers Llama, 2
+             steps on token batches; tp: q/k/v/gate/up ColwiseParallel, o/down RowwiseParallel;
+             fsdp: fully_shard on each decoder layer and on the root)
+
+Run with plain ``python`` (no torchrun), the scenarios of stack ``one`` train on one device:
+``python tests/scripts/sharded_train.py OUT one-mix.statistics-llama``.
 
 An ``example-<script>[-<option>...]`` scenario runs examples/distributed/train_<script>.py
 for one step, dumped under OUT_DIR/<scenario>, with --<option> (bugR: --bug-rank R).
@@ -65,7 +70,39 @@ def batches(seed):
     return [torch.randn(4, IN, generator=data) for _ in range(STEPS)]
 
 
-def train(model, xs, debugger=None, adamw=False):
+#: the tiny Llama: 2 decoder layers of width 32, 4 heads sharing 2 key/value heads
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+LLAMA_STEPS, LLAMA_SEQUENCE = 2, 8
+
+
+def build_llama():
+    """The same random-init transformers Llama on every rank and device (nothing downloaded);
+    eager attention, whose reshapes to (batch, sequence, -1, head_dim) leave a tensor-parallel
+    rank its own heads."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**LLAMA)
+    config._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_batches(seed):
+    data = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, LLAMA["vocab_size"], (2, LLAMA_SEQUENCE), generator=data)
+            for _ in range(LLAMA_STEPS)]
+
+
+def llama_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def square_loss(model, x):
+    return model(x).square().mean()
+
+
+def train(model, xs, debugger=None, adamw=False, loss_of=square_loss):
     optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3) if adamw
                  else torch.optim.SGD(model.parameters(), lr=0.1))
     losses = []
@@ -73,7 +110,7 @@ def train(model, xs, debugger=None, adamw=False):
         if debugger is not None:
             debugger.start(model)
         optimizer.zero_grad()
-        loss = model(x).square().mean()
+        loss = loss_of(model, x)
         loss.backward()
         optimizer.step()
         if debugger is not None:
@@ -95,7 +132,40 @@ def debugger_for(capture, dump_path):
         dump_path=dump_path, level=level, task=task, step=[], rank=[]))
 
 
+def parallel_llama(stack, variants, rank):
+    """The tiny Llama as each stack shards it, as torchtitan's parallelize does; scale1
+    (tp): rank 1's shard of the first layer's query weight times 1.001."""
+    model = build_llama()
+    if stack == "fsdp":
+        fully_shard, _ = fully_shard_api()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif stack == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    elif stack == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, plan)
+        if "scale1" in variants and rank == 1:
+            with torch.no_grad():
+                model.model.layers[0].self_attn.q_proj.weight._local_tensor.mul_(1.001)
+    return model
+
+
 def parallel_model(stack, variants, rank):
+    if "llama" in variants:
+        return parallel_llama(stack, variants, rank)
     approximate = "tanh" if "tanh1" in variants and rank == 1 else "none"
     model = build(approximate, norm="adamwbn" in variants)
     if stack == "fsdp":
@@ -234,10 +304,14 @@ def run_scenario(out_dir, scenario, rank):
         else:
             model = parallel_model(stack, variants, rank)
             same_batch = stack in ("tp", "one") or "data" in variants
-            xs = batches(100 if same_batch else 100 + rank)
-            if "xgrad" in variants:  # tensor parallel then all-reduces the input's gradient
-                xs = [x.requires_grad_() for x in xs]
-            losses = train(model, xs, debugger, adamw="adamwbn" in variants)
+            seed = 100 if same_batch else 100 + rank
+            if "llama" in variants:
+                losses = train(model, llama_batches(seed), debugger, loss_of=llama_loss)
+            else:
+                xs = batches(seed)
+                if "xgrad" in variants:  # tensor parallel then all-reduces the input's gradient
+                    xs = [x.requires_grad_() for x in xs]
+                losses = train(model, xs, debugger, adamw="adamwbn" in variants)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json"), "w") as out:
         json.dump(losses, out)
     with open(os.path.join(out_dir, f"{scenario}.rank{rank}.warnings.json"), "w") as out:
@@ -251,6 +325,10 @@ def main(out_dir, scenarios):
     from tests.two_ranks import end_rank
 
     torch.set_num_threads(1)
+    if "WORLD_SIZE" not in os.environ:  # plain python, not torchrun: one device (stack one)
+        for scenario in scenarios:
+            run_scenario(out_dir, scenario, 0)
+        return
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for scenario in scenarios:
