@@ -7,7 +7,10 @@ For each example model (examples/models.py), compiled whole (torch.compile(model
 the GPT, per block (regional, as torchtitan does), after warm-up steps (compilation, the first
 captured step), steps without capture and captured steps (task statistics: start(), the step,
 stop(), step(); files written by the writer process) alternate; each number is the median
-wall time of ``repeats`` steps. ratio = captured / plain. Level module records the compiled
+wall time of ``repeats`` steps. ratio = captured / plain; cpu ratio = the same for the
+training thread's own CPU time (time.thread_time): what capture costs that thread, without
+the writer process's CPU (the step files' HDF5 work) or other jobs, which land on the wall
+time when no core is idle. Level module records the compiled
 regions at their boundaries; level mix runs them through graph taps while captured (the
 plain torch.compile's graphs compiled once more with probe's taps around the same backend),
 and the steps without capture run the user's compiled graphs.
@@ -71,22 +74,25 @@ def measure(name, how, level):
         plain()
         captured()
     times = {"plain": [], "captured": []}
+    cpu = {"plain": [], "captured": []}  # the training thread's own CPU time
     for _ in range(repeats):
         for label, step in (("plain", plain), ("captured", captured)):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             step()
             times[label].append(time.perf_counter() - start)
+            cpu[label].append(time.thread_time() - start_cpu)
     debugger.close()
-    return statistics.median(times["plain"]), statistics.median(times["captured"])
+    return (statistics.median(times["plain"]), statistics.median(times["captured"]),
+            statistics.median(cpu["captured"]) / statistics.median(cpu["plain"]))
 
 
 print(f"torch {torch.__version__}, backend {backend}, {torch.get_num_threads()} threads, "
       f"median of {repeats} steps")
-print(f"{'model':10} {'compiled':9} {'level':7} {'plain ms':>9} {'captured ms':>12} {'ratio':>6}")
+print(f"{'model':10} {'compiled':9} {'level':7} {'plain ms':>9} {'captured ms':>12} {'ratio':>6} {'cpu ratio':>9}")
 for name in names:
     variants = [("whole", whole)] + ([("regional", regional)] if name == "gpt" else [])
     for label, how in variants:
         for level in levels:
-            plain_s, captured_s = measure(name, how, level)
+            plain_s, captured_s, cpu_ratio = measure(name, how, level)
             print(f"{name:10} {label:9} {level:7} {plain_s * 1e3:9.2f} {captured_s * 1e3:12.2f} "
-                  f"{captured_s / plain_s:6.2f}", flush=True)
+                  f"{captured_s / plain_s:6.2f} {cpu_ratio:9.2f}", flush=True)

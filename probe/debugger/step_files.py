@@ -42,10 +42,7 @@ class StepFiles:
 
     def open(self, step: int, rank: int, world_size: int) -> Recorder:
         """The recorder of a newly captured step (its writer opens when first needed)."""
-        from probe.dump.layout import make_folder  # h5py, once something is dumped
-
         cfg = self.config
-        make_folder(cfg.dump_path, "dump_path")
         self._take_lock(rank)
         attrs = {
             "run_id": self.run_id,
@@ -110,11 +107,17 @@ class StepFiles:
             lock.release()
 
     def _take_lock(self, rank: int) -> None:
+        """Hold this rank's lock in dump_path, making the folder the first time: a bad
+        dump_path fails at the first start(), not at the first write. Later steps leave the
+        folder to the file writer, which makes it again if it went missing (a mkdir each
+        start() cost 50-110 us on a busy machine)."""
+        from probe.dump.layout import make_folder  # h5py, once something is dumped
         from probe.dump.rank_lock import RankLock
 
         if self._lock is None or self._lock.rank != rank:
             if self._lock is not None:
                 self._lock.release()
+            make_folder(self.config.dump_path, "dump_path")
             self._lock = RankLock(self.config.dump_path, rank, self.run_id)
 
     def _in_background(self) -> bool:

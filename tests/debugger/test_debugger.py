@@ -194,6 +194,34 @@ def test_step_while_started_stops_first(tmp_path):
     assert os.path.isfile(tmp_path / "step0" / "rank0.h5")
 
 
+@pytest.mark.parametrize("writer", ["process", "inline"])
+def test_a_dump_folder_removed_between_steps_comes_back_with_the_next_steps_file(tmp_path, writer):
+    """start() makes dump_path once, with the rank's lock; the file writer makes it again."""
+    import shutil
+
+    folder = tmp_path / "dump"
+    debugger = PrecisionDebugger(Config(dump_path=str(folder), writer=writer))
+    for step in range(3):
+        if step == 1:
+            shutil.rmtree(folder)
+        debugger.start()
+        torch.relu(torch.ones(2))
+        debugger.stop()
+        debugger.step()
+        debugger.wait()
+    assert sorted(load(str(folder)).steps) == [1, 2]
+    debugger.close()
+
+
+def test_the_first_start_makes_the_dump_folder_and_holds_the_ranks_lock(tmp_path):
+    folder = tmp_path / "dump"
+    debugger = PrecisionDebugger(Config(dump_path=str(folder)))
+    debugger.start()
+    assert (folder / ".rank0.lock").exists()  # before anything is written
+    debugger.stop()
+    debugger.close()
+
+
 def test_several_start_stop_pairs_accumulate_into_one_step_file(tmp_path):
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
     debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), level="mix"))

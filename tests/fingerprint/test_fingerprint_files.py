@@ -74,6 +74,29 @@ def test_a_reader_sees_the_steps_a_live_writer_adds(tmp_path):
     writer.close()
 
 
+def test_steps_of_different_tensor_counts_read_back_row_for_row(tmp_path):
+    """The writer keeps a memory layout per row count it has appended: a step with fewer or
+    more tensors than the one before must still land whole, in its own rows."""
+    path = str(tmp_path / "counts.h5")
+    writer = file.FingerprintWriter(path, {}, K)
+    values = np.random.default_rng(2)
+    written = {}
+    for step, count in enumerate([3, 1, 3, 2, 1, 3]):
+        rows = np.zeros((count + 1, 8 + K))
+        rows[:-1, 1] = range(count)
+        rows[:-1, 2:] = values.normal(size=(count, 6 + K))
+        written[step] = rows[:-1, 2:].copy()
+        writer.append(step, float(step), TENSORS if step == 0 else [], rows)
+    writer.close()
+    whole = file.read(path)
+    assert whole.steps.tolist() == list(range(6)) and whole.loss.tolist() == [float(s) for s in range(6)]
+    for step, expected in written.items():
+        count = len(expected)
+        assert np.array_equal(whole.numbers[step, :count], expected[:, :6])
+        assert np.array_equal(whole.sketch[step, :count], expected[:, 6:])
+        assert np.isnan(whole.numbers[step, count:]).all()
+
+
 def test_compare_runs_without_torch_and_calls_slow_growth_drift_with_exit_0(tmp_path):
     reference = _run(tmp_path, "a", None)
     drifting = _run(tmp_path, "b", lambda step, t: 1e-7 * 1.25 ** step)
