@@ -116,6 +116,11 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
                 source = origin.get(used, used)
                 if (call, source) in use_zero or used in taps or not _trained(source):
                     continue
+                if source in output_zero and _only_user(used, call, taps):
+                    # all of the value's gradient flows through this call: the gradient of
+                    # its output zero is this use's too, and the backward hands out one less
+                    use_zero[(call, source)] = output_zero[source]
+                    continue
                 placeholder, index = zero_like(source)
                 with graph.inserting_before(call):
                     shifted = graph.call_function(torch.add, (used, placeholder))
@@ -156,6 +161,12 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
                 if made in output_zero:
                     grads.append(("grad_" + slot, [output_zero[made]], "in"))
     return zeros, added
+
+
+def _only_user(value, call, taps) -> bool:
+    """Whether ``call`` is the only node that reads ``value`` (probe's taps aside): no other
+    call, and no graph output through which a gradient could come from outside."""
+    return all(user is call or user in taps for user in value.users)
 
 
 def _argument_slots(slots):
