@@ -11,6 +11,10 @@ gradient of that value. So, for a graph that will be trained:
   ``z_(C,x)`` is what flowed into ``x`` through ``C`` only, the eager per-call ``grad_input``
   (and the sum over a submodule call's uses of its input is the module's ``grad_input.0``).
 
+Where one call alone reads ``y``, ``z_(C,y)`` would get the same gradient as ``z_y``: that use
+takes ``z_y``'s gradient instead of a zero of its own (each zero costs the compiled backward
+one more activation-sized gradient to hand out).
+
 The ``z`` are new graph inputs, zeros made for every run of the graph (requires_grad); a hook
 on each records its gradient in the backward. Adding an exact zero changes no value (a -0.0
 becomes +0.0); the extra adds and the gradients handed out of the backward may change how a
