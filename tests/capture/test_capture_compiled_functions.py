@@ -109,3 +109,36 @@ def test_a_function_compiled_after_an_earlier_start_is_found_at_the_next_one():
     namespace.helper = torch.compile(namespace.helper, backend="aot_eager")
     assert len(find(model)) == 1
     assert len(find(model, list(model.modules()))) == 1
+
+
+class HeldFunction(nn.Module):
+    """Holds a compiled free function as its own attribute (not a method of its own)."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = torch.compile(torch.nn.functional.gelu, backend="aot_eager")
+
+    def forward(self, x):
+        return self.fc(self.act(self.fc(x))).sum()
+
+
+def test_a_compiled_function_held_by_a_module_is_gated_and_the_module_keeps_its_records(tmp_path):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = HeldFunction()
+    debugger = probe.PrecisionDebugger({"level": "mix", "dump_path": str(tmp_path / "d"),
+                                        "writer": "inline"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with debugger.capture(model):
+            model(torch.randn(4, 8)).backward()
+    debugger.close()
+    torch._dynamo.reset()
+    assert sum(counters["graph_break"].values()) == 0
+    assert not [str(w.message) for w in caught if "dynamo" in str(w.message).lower()]
+    keys = {record["key"] for record in probe.load(str(tmp_path / "d")).records()}
+    # the module is no compiled region: its own and its submodule's forward hooks record
+    assert {"/HeldFunction#0/forward/output.0", "fc/Linear#1/forward/output.0"} <= keys

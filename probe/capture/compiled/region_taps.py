@@ -75,7 +75,7 @@ def _compiled_callables(model, targets) -> list:
             found.append((own.get("_forward", own.get("forward")), target.module, forward))
         else:  # compiled functions of the instance (Lightning's training_step and forward)
             found.extend((function, target.module, compat.dynamo_original(function))
-                         for function in compiled_functions.instance_functions(target.module))
+                         for function in compiled_functions.compiled_methods(target.module))
     found.extend((function, None, compat.dynamo_original(function)) for function in
                  compiled_functions.functions(model, [target.module for target in targets]))
     return found

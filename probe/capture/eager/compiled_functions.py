@@ -62,6 +62,14 @@ def instance_functions(module: torch.nn.Module) -> list:
             if isinstance(value, types.FunctionType) and compat.dynamo_original(value) is not None]
 
 
+def compiled_methods(module: torch.nn.Module) -> list:
+    """The instance_functions of ``module`` that compile one of its own methods (Lightning's
+    ``training_step``, ``module.forward = torch.compile(module.forward)``): they make the
+    module a compiled region. A compiled free function kept as an attribute does not."""
+    return [function for function in instance_functions(module)
+            if getattr(compat.dynamo_original(function), "__self__", None) is module]
+
+
 def _find(model, modules) -> list:
     """(dynamo context, compiled function) of each compiled function ``model`` reaches."""
     kind = _compiling_context_type()

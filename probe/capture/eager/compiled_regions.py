@@ -74,10 +74,10 @@ def targets(model: torch.nn.Module) -> list[Target]:
         if boundary is not None or compiled_call:
             found.append(Target(path, module, boundary, True, compiled_call))
             inside = True
-        elif not inside and compiled_functions.instance_functions(module):
+        elif not inside and compiled_functions.compiled_methods(module):
             # a compiled forward alone is entered through Module.__call__, whose hooks run
             # outside its frame; a compiled training_step may call the module from inside
-            alone = compiled_functions.instance_functions(module) == [vars(module).get("forward")]
+            alone = compiled_functions.compiled_methods(module) == [vars(module).get("forward")]
             found.append(Target(path, module, module if alone else None, True, False))
             inside = True
         elif inside:
