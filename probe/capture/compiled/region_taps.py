@@ -32,7 +32,7 @@ import weakref
 from probe import compat
 from probe.capture.compiled import graph_marks
 from probe.capture.compiled.graph_taps import TapBackend
-from probe.capture.eager import compiled_functions
+from probe.capture.eager import compiled_functions, compiled_regions
 
 #: (the user's backend, TapBackend wrapping it, {fullgraph: dynamo callback}); looked up by
 #: equality: torch.compile makes a new, equal, backend wrapper for every call
@@ -75,9 +75,11 @@ def _compiled_callables(model, targets) -> list:
             found.append((own.get("_forward", own.get("forward")), target.module, forward))
         else:  # compiled functions of the instance (Lightning's training_step and forward)
             found.extend((function, target.module, compat.dynamo_original(function))
-                         for function in compiled_functions.compiled_methods(target.module))
+                         for function in compiled_functions.compiled_methods(target.module,
+                                                                             target.held))
     found.extend((function, None, compat.dynamo_original(function)) for function in
-                 compiled_functions.functions(model, [target.module for target in targets]))
+                 compiled_functions.functions(model, [target.module for target in targets],
+                                              compiled_regions.held_functions(targets)))
     return found
 
 

@@ -26,6 +26,7 @@ import torch
 
 from probe import compat
 
+_FUNCTION = types.FunctionType
 _MAX_CLASSES = 4096  # module classes looked at per model: a bound on a pathological model
 
 
@@ -42,44 +43,52 @@ _found: dict = {}
 _FOUND_LIMIT = 64
 
 
-def find(model: torch.nn.Module, modules=None) -> list:
-    """The dynamo contexts of the compiled functions that ``model``'s classes reach: the
-    globals of the files defining their ``forward`` and the functions in the classes.
-    ``modules``: the model's modules when the caller has walked them already."""
-    return [context for context, _ in _find(model, modules)]
+def find(model: torch.nn.Module, modules=None, held=None) -> list:
+    """The dynamo contexts of the compiled functions that ``model``'s modules hold and its
+    classes reach: the globals of the files defining their ``forward`` and the functions in
+    the classes. ``modules``: the model's modules, and ``held``: the compiled functions they
+    hold (instance_functions of each), when the caller has walked them already."""
+    return [context for context, _ in _find(model, modules, held)]
 
 
-def functions(model: torch.nn.Module, modules=None) -> list:
+def functions(model: torch.nn.Module, modules=None, held=None) -> list:
     """The compiled functions themselves, one per context find() returns (graph taps swap
     what they compile with: capture/compiled/region_taps.py)."""
-    return [function for _, function in _find(model, modules)]
+    return [function for _, function in _find(model, modules, held)]
 
 
-def instance_functions(module: torch.nn.Module) -> list:
+def instance_functions(module: torch.nn.Module) -> tuple:
     """The torch.compile'd functions ``module`` holds as its own attributes (not its class's),
-    e.g. the ``training_step`` Lightning compiles on the instance."""
-    return [value for value in vars(module).values()
-            if isinstance(value, types.FunctionType) and compat.dynamo_original(value) is not None]
+    e.g. the ``training_step`` Lightning compiles on the instance. start() asks this of every
+    module: the test for a plain function among the attributes runs in C first, as almost
+    no module holds one."""
+    values = vars(module).values()
+    if _FUNCTION not in set(map(type, values)):
+        return ()
+    return tuple(value for value in values
+                 if type(value) is _FUNCTION and compat.dynamo_original(value) is not None)
 
 
-def compiled_methods(module: torch.nn.Module) -> list:
-    """The instance_functions of ``module`` that compile one of its own methods (Lightning's
-    ``training_step``, ``module.forward = torch.compile(module.forward)``): they make the
-    module a compiled region. A compiled free function kept as an attribute does not."""
-    return [function for function in instance_functions(module)
+def compiled_methods(module: torch.nn.Module, held=None) -> list:
+    """The functions ``module`` holds (``held``: its instance_functions, when known) that
+    compile one of its own methods (Lightning's ``training_step``, ``module.forward =
+    torch.compile(module.forward)``): they make the module a compiled region. A compiled free
+    function kept as an attribute does not."""
+    return [function for function in (instance_functions(module) if held is None else held)
             if getattr(compat.dynamo_original(function), "__self__", None) is module]
 
 
-def _find(model, modules) -> list:
+def _find(model, modules, held) -> list:
     """(dynamo context, compiled function) of each compiled function ``model`` reaches."""
     kind = _compiling_context_type()
     if not kind:
         return []
     modules = list(model.modules() if modules is None else modules)
+    if held is None:  # not cached: an instance's attributes change without its class
+        held = [function for module in modules for function in instance_functions(module)]
     own: dict = {}
-    for module in modules:  # not cached: an instance's attributes change without its class
-        for function in instance_functions(module):
-            _collect(function, own, kind)
+    for function in held:
+        _collect(function, own, kind)
     return list(own.values()) + [found for found in _find_in_classes(modules, kind)
                                  if id(found[0]) not in own]
 
@@ -146,14 +155,14 @@ class FunctionGates:
         self.gate = gate
         self._hooked: list = []
 
-    def install(self, model: torch.nn.Module, modules=None) -> None:
+    def install(self, model: torch.nn.Module, modules=None, held=None) -> None:
         gate = self.gate
 
         def around_call():
             gate.enter()
             return gate.leave
 
-        for context in find(model, modules):
+        for context in find(model, modules, held):
             context.enter_exit_hooks.append(around_call)
             self._hooked.append((context, around_call))
 

@@ -48,6 +48,8 @@ class Target(NamedTuple):
     hook_on: torch.nn.Module | None  #: gets the forward hooks; None inside a region
     region: bool  #: a compiled region's root: the mode is taken off while it runs
     compiled_call: bool  #: ``module.compile()``: the boundary is its _compiled_call_impl
+    #: the compiled functions the module holds as its own attributes (found once per start())
+    held: tuple = ()
 
 
 def is_optimized(module: torch.nn.Module) -> bool:
@@ -71,25 +73,32 @@ def targets(model: torch.nn.Module) -> list[Target]:
             return
         compiled_call = (boundary is None and not inside
                          and compat.compiled_call(module) is not None)
+        held = compiled_functions.instance_functions(module)
+        methods = compiled_functions.compiled_methods(module, held) if held and not inside else ()
         if boundary is not None or compiled_call:
-            found.append(Target(path, module, boundary, True, compiled_call))
+            found.append(Target(path, module, boundary, True, compiled_call, held))
             inside = True
-        elif not inside and compiled_functions.compiled_methods(module):
+        elif methods:
             # a compiled forward alone is entered through Module.__call__, whose hooks run
             # outside its frame; a compiled training_step may call the module from inside
-            alone = compiled_functions.compiled_methods(module) == [vars(module).get("forward")]
-            found.append(Target(path, module, module if alone else None, True, False))
+            alone = methods == [vars(module).get("forward")]
+            found.append(Target(path, module, module if alone else None, True, False, held))
             inside = True
         elif inside:
-            found.append(Target(path, module, None, False, False))
+            found.append(Target(path, module, None, False, False, held))
         else:
-            found.append(Target(path, module, module, False, False))
+            found.append(Target(path, module, module, False, False, held))
         for name, child in compat.child_modules(module).items():
             if child is not None:
                 visit(child, f"{path}.{name}" if path else name, inside, None)
 
     visit(model, "", False, None)
     return found
+
+
+def held_functions(targets: list[Target]) -> list:
+    """The compiled functions all the targets' modules hold (compiled_functions.find's ``held``)."""
+    return [function for target in targets for function in target.held]
 
 
 def has_regions(model: torch.nn.Module) -> bool:

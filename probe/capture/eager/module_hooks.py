@@ -86,7 +86,8 @@ class ModuleHooks:
             targets = self.targets
             if targets is None:
                 targets = self.targets = compiled_regions.targets(self.model)
-            self._function_gates.install(self.model, [target.module for target in targets])
+            self._function_gates.install(self.model, [target.module for target in targets],
+                                         compiled_regions.held_functions(targets))
             if any(target.region for target in targets):
                 compat.warn_compiled_capture_gap()
             if not self.record:
