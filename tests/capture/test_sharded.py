@@ -87,8 +87,7 @@ def one_device_tensors(job):
 
 
 def _paired_share(result):
-    counts = result.counts
-    return counts["matched"] / (counts["matched"] + counts["only_a"])
+    return _paired_shares(result)[0]
 
 
 def _paired_shares(result):
