@@ -243,7 +243,7 @@ def test_no_module_imports_or_reads_another_modules_private_names():
 
 
 def test_private_torch_api_is_used_in_compat_only():
-    """probe/compat.py is the one place that names torch's private API: a new torch release is
+    """probe/compat/ is the one place that names torch's private API: a new torch release is
     checked there. Elsewhere a private attribute must be one probe defines itself."""
     own = _probe_private_names() | STDLIB_PRIVATE
     wrong = []

@@ -1,5 +1,5 @@
 """The supported torch range: what setup.cfg says, what `make setup` installs, and the private
-torch API probe/compat.py relies on, checked on whichever torch runs the suite (CI runs it on
+torch API probe/compat/ relies on, checked on whichever torch runs the suite (CI runs it on
 2.4.1, 2.8.0, 2.12.0, 2.13.0 and 2.15.0)."""
 
 import configparser

@@ -1,5 +1,5 @@
 """What each torch version can and cannot do, as measured by hand: the independent
-expectations tests hold probe's run-time checks (probe/compat.py) against."""
+expectations tests hold probe's run-time checks (probe/compat/) against."""
 
 import torch
 
@@ -146,11 +146,11 @@ def dynamo_breaks_at_graph_marks() -> str | None:
 
 def needs_compiled_capture():
     """The skip marker of the compiled-capture tests: on a torch that lacks what capturing a
-    compiled model needs (probe.compat.compiled_capture_gap), they skip naming what is missing."""
+    compiled model needs (probe.compat.version_gaps.compiled_capture_gap), they skip naming what is missing."""
     import pytest
-    from probe import compat
+    from probe.compat import version_gaps
 
-    gap = compat.compiled_capture_gap()
+    gap = version_gaps.compiled_capture_gap()
     return pytest.mark.skipif(gap is not None, reason=str(gap))
 
 

@@ -49,6 +49,7 @@ import weakref
 import torch
 
 from probe import compat
+from probe.compat import version_gaps
 from probe import config as config_module
 from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, RegionTaps,
                            activate_graph_taps, deactivate_graph_taps, region_targets,
@@ -127,7 +128,7 @@ class PrecisionDebugger:
         capture steps aside for the script's own debugger, which installs its own)."""
         mode, self._random_whole_run = self._random_whole_run, None
         if mode is not None:
-            _remove_mode(mode)
+            compat.remove_function_mode(mode)
 
     # ------------------------------------------------------------------ public lifecycle
 
@@ -196,7 +197,7 @@ class PrecisionDebugger:
             targets = None  # the model's modules (compiled_regions.targets), when it has one
             recorder.copy_when_recorded(self._model_is_sharded())
             if self._model is not None:
-                compat.warn_sharded_capture_gap(self._model)
+                version_gaps.warn_sharded_capture_gap(self._model)
                 targets = region_targets(self._model)  # one walk of the model for every part
                 if level in ("api", "mix"):
                     self._region_taps.install(self._model, targets)
@@ -206,7 +207,7 @@ class PrecisionDebugger:
                 self._hooks.install()
             if level in ("api", "mix"):
                 if not self._collectives_checked:
-                    self._collectives_checked = compat.warn_uncaptured_collectives()
+                    self._collectives_checked = version_gaps.warn_uncaptured_collectives()
                 self._mode = ApiCaptureMode(recorder, targets=targets)
                 self._mode.__enter__()
                 gate.mode = self._mode
@@ -314,7 +315,7 @@ class PrecisionDebugger:
         if model is None:
             return False
         if self._sharded[0] is not model:
-            self._sharded = (model, compat.is_sharded(model))
+            self._sharded = (model, version_gaps.is_sharded(model))
         return self._sharded[1]
 
     def _selected(self) -> bool:
@@ -406,11 +407,11 @@ class PrecisionDebugger:
                     f"stop(): another TorchFunctionMode ({top}) was entered after start() and is "
                     "still active; exit it before stop()"
                 )
-                _remove_mode(mode)
+                compat.remove_function_mode(mode)
         random_mode, self._random = self._random, None
         if random_mode is not None and any(
                 m is random_mode for m in compat.current_function_modes()):
-            _remove_mode(random_mode)
+            compat.remove_function_mode(random_mode)
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.remove()
@@ -437,22 +438,6 @@ def _statistics_read_later(model) -> bool:
     return False
 
 
-def _remove_mode(mode) -> None:
-    """Pop the modes above ours, pop ours, push the others back (order kept)."""
-    above = []
-    while True:
-        stack = compat.function_mode_stack()
-        if not stack:
-            return
-        top = stack[-1]
-        compat.pop_function_mode()
-        if top is mode:
-            break
-        above.append(top)
-    for other in reversed(above):
-        compat.push_function_mode(other)
-
-
 def _resolve_config(config) -> config_module.Config:
     if isinstance(config, config_module.Config):
         return config
@@ -469,23 +454,22 @@ def _resolve_config(config) -> config_module.Config:
 
 
 def _current_rank() -> int:
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    return _launch_number("get_rank", "RANK", 0)
 
 
 def _world_size() -> int:
+    return _launch_number("get_world_size", "WORLD_SIZE", 1)
+
+
+def _launch_number(getter: str, variable: str, default: int) -> int:
+    """The rank or world size: torch.distributed's once it is up, the launcher's before."""
     distributed = torch.distributed
     if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_world_size()
+        return getattr(distributed, getter)()
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return int(os.environ.get(variable, default))
     except ValueError:
-        return 1
+        return default
 
 
 @contextlib.contextmanager

@@ -350,6 +350,8 @@ def test_collectives_are_captured_through_the_mode_or_warned_about_once(tmp_path
 
     from probe import compat
 
+    from probe.compat import version_gaps
+
     from torch_versions import ALL_COLLECTIVES, collectives_this_torch_hides
 
     hidden = collectives_this_torch_hides()
@@ -379,7 +381,7 @@ def test_collectives_are_captured_through_the_mode_or_warned_about_once(tmp_path
     finally:
         dist.destroy_process_group()
     records = {row["key"]: row for row in load(tmp_path / "dump").records(step=0)}
-    told = [str(w.message) for w in caught if issubclass(w.category, compat.TorchVersionWarning)]
+    told = [str(w.message) for w in caught if issubclass(w.category, version_gaps.TorchVersionWarning)]
     if hidden:
         assert len(told) == 1, told
         listed = "any collective" if hidden == ALL_COLLECTIVES else ", ".join(

@@ -13,6 +13,7 @@ from torch import nn
 
 import probe
 from probe import compat
+from probe.compat import version_gaps
 import torch_versions
 from probe.capture.eager.values import SourceLocator
 
@@ -240,9 +241,9 @@ def test_the_source_lookup_survives_code_objects_with_unhashable_constants():
 
 def test_start_warns_once_where_this_torch_lacks_what_compiled_capture_needs(tmp_path,
                                                                                 monkeypatch):
-    monkeypatch.setattr(compat, "compiled_capture_gap",
+    monkeypatch.setattr(version_gaps, "compiled_capture_gap",
                         lambda: "torch 9.9 lacks torch.compiler.is_compiling")
-    monkeypatch.setattr(compat, "_warned_compiled", False)
+    monkeypatch.setattr(version_gaps, "_warned_compiled", False)
     model = torch.compile(TinyGPT(), backend=BACKEND)
     debugger = probe.PrecisionDebugger({"level": "module", "dump_path": str(tmp_path / "d")})
     with warnings.catch_warnings(record=True) as caught:
@@ -252,7 +253,7 @@ def test_start_warns_once_where_this_torch_lacks_what_compiled_capture_needs(tmp
             debugger.stop()
             debugger.step()
     debugger.close()
-    said = [w for w in caught if issubclass(w.category, compat.TorchVersionWarning)]
+    said = [w for w in caught if issubclass(w.category, version_gaps.TorchVersionWarning)]
     assert len(said) == 1 and "is_compiling" in str(said[0].message)
 
 

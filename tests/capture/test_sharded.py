@@ -360,7 +360,7 @@ def test_a_sharded_model_warns_once_where_this_torch_is_known_not_to_capture_it(
     the same two rank processes), at its first start()."""
     import json
 
-    from probe import compat
+    from probe.compat import version_gaps
 
     for rank in (0, 1):
         caught = []
@@ -368,7 +368,7 @@ def test_a_sharded_model_warns_once_where_this_torch_is_known_not_to_capture_it(
             with open(path) as found:
                 caught += [text for text in json.load(found)
                            if text.startswith("TorchVersionWarning") and "FSDP2" in text]
-        gap = compat.sharded_capture_gap()
+        gap = version_gaps.sharded_capture_gap()
         assert caught == ([] if gap is None else [f"TorchVersionWarning: probe: {gap}; "
                                                   "see docs/torch-versions.md"])
 

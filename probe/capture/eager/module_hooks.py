@@ -45,6 +45,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 
 from probe import compat
+from probe.compat import version_gaps
 from probe.capture.eager import compiled_functions, compiled_regions, wrappers
 from probe.capture.recorder import Recorder, charged
 
@@ -89,7 +90,7 @@ class ModuleHooks:
             self._function_gates.install(self.model, [target.module for target in targets],
                                          compiled_regions.held_functions(targets))
             if any(target.region for target in targets):
-                compat.warn_compiled_capture_gap()
+                version_gaps.warn_compiled_capture_gap()
             if not self.record:
                 if any(target.region for target in targets):
                     self._install_region_tracking(targets)
