@@ -1,7 +1,7 @@
 """Compare dump A (the reference) with dump B: the stages, step file pair by step file pair.
 
     load (load.py) -> for each pair of step files: engine.compare_step (normalize, align,
-    measure, judge, attribute) -> assemble (assemble.py) -> CompareResult
+    measure, judge) -> assemble (assemble.py) -> CompareResult
 
 The result is data. ``probe.compare`` (probe/compare_and_replay.py) adds the replay and the
 renderers (to_text, to_json, write_csv, write_html). A is the reference: relative errors

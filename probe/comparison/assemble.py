@@ -1,7 +1,8 @@
 """Result stage: every step's outcome put together into one CompareResult (data only).
 
 The verdict of each step file pair and of the whole compare, the first divergence and the
-likely cause (assemble.story), the top ops (attribute.py) and the notes a reader needs: the
+likely cause (assemble.story), the op summaries and top ops (result.py), made from the rows
+after the last rule, and the notes a reader needs: the
 evidence the metrics rest on, devices, records without partner, explained outputs.
 
 Story
@@ -169,25 +170,28 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
             f"{len(explained)} outputs are beyond their own dtype's tolerance but explained by accepted differences "
             f"of their inputs (amplified rounding; not divergences); the largest: {worst.key} at step {worst.step} "
             f"rank {worst.rank}, rel L2 {sci(worst.metrics.rel_l2)}: {worst.cause}")
-    summaries = [s for outcome in outcomes for s in outcome.summaries]
-    unranked = _unranked_backward(rows, summaries)
-    if unranked:
-        notes.append(unranked)
+    unranked_at = len(notes)  # the note on backward calls no record measures goes here
     diverged = counts["diverged"] > 0 or bool(failing)
     verdict = "diverged" if diverged else "pass"
     tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
-    top_ops = R.rank_top_ops(summaries, top)
     changes = R.group_changes(rows)
     precision = R.PrecisionTally.total(outcome.precision for outcome in outcomes)
     notes.extend(precision.notes())
     # the story's first divergence is a divergent row, so the verdict was "diverged" above too
     drift = drifting if first is told_first else find_drift(first, verdict, steps_info, rows)
     if drift is not None:  # no op introduced an error: the runs part through accumulated rounding
-        apply_drift(drift, rows, list(top_ops) + list(summaries))
+        apply_drift(drift, rows)
         cause = None
-        notes.insert(0, drift["text"])
     else:
         cause = entering_cause(first, cause, rows)
+    # the last rule has run: the summaries say what the rows say
+    summaries = R.op_summaries(outcomes)
+    top_ops = R.rank_top_ops(summaries, top)
+    unranked = _unranked_backward(rows, summaries)
+    if unranked:
+        notes.insert(unranked_at, unranked)
+    if drift is not None:
+        notes.insert(0, drift["text"])
     if settled is not None:
         notes.insert(0, settled)
     if same_model is not None:
@@ -400,15 +404,12 @@ def find_drift(first, verdict: str, steps_info: list[dict], rows: list) -> dict 
     return {"step": first.step, "rank": rank, "text": text}
 
 
-def apply_drift(found: dict, rows: list, ops: list) -> None:
-    """Take the "introduced" origins of rows and op summaries back where the compare is drift."""
+def apply_drift(found: dict, rows: list) -> None:
+    """Take the "introduced" origins of rows back where the compare is drift."""
     for row in rows:
         if row.status == R.DIVERGED and row.origin == R.INTRODUCED:
             row.origin = R.INHERITED
             row.cause = f"{row.cause}; drift: this difference grew over the earlier steps' updates"
-    for op in ops:
-        if op.origin == R.INTRODUCED:
-            op.origin = R.INHERITED
 
 
 #: an error entering this many unit roundoffs of the dtype is beyond two correct kernels' rounding

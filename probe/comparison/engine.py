@@ -1,7 +1,7 @@
 """Compare the records of one step file of A with one of B: the compare pipeline.
 
     StepInput --normalize--> calls --align--> call pairs and their Slots
-        --measure--> Measurements --judge--> statuses, origins --attribute--> StepOutcome
+        --measure--> Measurements --judge--> StepOutcome (statuses, origins)
 
 Each stage is a module with one job; it takes the previous stage's struct (structs.py) and
 returns its own, and no stage calls back into an earlier one. After measure no stage reads
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from probe.comparison import normalize
 from probe.comparison.align import align
-from probe.comparison.attribute import attribute
 from probe.comparison.foreach_pairing import pair_foreach
 from probe.comparison.judge import judge
 from probe.comparison.mapping import NameMapping
@@ -39,7 +38,7 @@ ALIGN_REFINERS = (
 
 def compare_step(step_input: StepInput, tolerances: Tolerances, mapping: NameMapping | None = None,
                  carry: Carry | None = None, strict: bool = False, baseline: dict | None = None) -> StepOutcome:
-    """Normalize, align, measure, judge and attribute one pair of step files.
+    """Normalize, align, measure and judge one pair of step files.
 
     carry: what A's previous step file of the same rank handed on (its content keys and its
     accepted differences, StepOutcome.explained), None for the first one. strict: the fixed
@@ -50,5 +49,4 @@ def compare_step(step_input: StepInput, tolerances: Tolerances, mapping: NameMap
     aligned = align(normalized, ALIGN_REFINERS, step_input.step, step_input.rank)
     measured = measure(aligned, step_input.fetch_a, step_input.fetch_b, tolerances, carry.content_keys,
                        step_input.progress, shared_autocast(step_input.autocast_a, step_input.autocast_b))
-    judged = judge(measured, carry.explained, (step_input.autocast_a, step_input.autocast_b), strict, baseline)
-    return attribute(judged)
+    return judge(measured, carry.explained, (step_input.autocast_a, step_input.autocast_b), strict, baseline)

@@ -7,8 +7,8 @@ order their outputs were made, so that what made a call's inputs is judged befor
 computation). Where the tensors were dumped, an output accepted as amplified by an
 elementwise op is checked by replaying the op in float64 on each run's own inputs
 (recheck.py). Last, the precision rule: an op one run computes in a lower dtype by the
-model's own casts. Every verdict on a record is made here, so the op summaries the attribute
-stage makes from the rows agree with them. The judge reads no record column: measure put
+model's own casts. The rules over every step file (assemble.py) come after; the op
+summaries are made from the rows after them. The judge reads no record column: measure put
 what it needs into each Measurement.
 
 Precision
@@ -50,12 +50,12 @@ from probe.comparison.recheck import recheck_amplified
 from probe.comparison.rounding import judge_envelopes, judge_untouched
 from probe.comparison.records import is_param_slot
 from probe.comparison.structs import (
-    ABSENT, MIXED, SCALAR, SHAPE, VALUE, JudgedStep, MeasuredStep, Measurement, Slot, rel_error, sci,
+    ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement, Slot, StepOutcome, rel_error, sci,
 )
 
 
 def judge(measured: MeasuredStep, previous_explained: dict | None = None, autocast: tuple = (None, None),
-          strict: bool = False, baseline: dict | None = None) -> JudgedStep:
+          strict: bool = False, baseline: dict | None = None) -> StepOutcome:
     """Judge one measured step file pair.
 
     previous_explained: StepOutcome.explained of A's previous step file of the same rank: a
@@ -108,7 +108,9 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
     explained = _explained(per_pair, of_row, rows)
     precision = R.PrecisionTally()
     judge_precision(rows, autocast[0], autocast[1], precision)
-    return JudgedStep(measured, rows, calls, explained, precision)
+    return StepOutcome(aligned.step, aligned.rank, rows, calls, measured.evidence, measured.bytes_read,
+                       devices=measured.devices, explained=explained, precision=precision,
+                       content_keys=measured.content_keys)
 
 
 def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:

@@ -6,7 +6,12 @@ Data only: the renderers (probe/report/) import this module, never the reverse.
 write_json``). ``to_dict()`` is the JSON without the headline and the divergences list;
 non-finite floats become the strings "inf", "-inf" and "nan" so the output stays strict JSON.
 
-The summaries folded over step files (assemble.py calls them): Fold what repeats over step files into one entry with the steps and ranks where it occurs.
+The op summaries (summarize_call): what each call pair adds, in tolerance units, made from its
+final rows once every rule has run (assemble.py calls it after the last one), so a summary
+says what its rows say; nothing writes one after.
+
+The summaries folded over step files (assemble.py calls them): what repeats over step files
+is folded into one entry with the steps and ranks where it occurs.
 
 A changed argument (GELU's ``approximate``) or parameter differs in every step of a run,
 and the op that adds the most error usually does so in every step: listing them once per
@@ -23,12 +28,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from probe.comparison.structs import (  # noqa: F401  the names every report reads from here
     AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
     ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, OpSummary, RecordRow,
-    StepOutcome, count_rows, json_safe, sharded_only_rows, where_text,
+    StepOutcome, count_rows, forward_carriers, is_carrier, json_safe, rel_error, sharded_only_rows, where_text,
 )
 
 
@@ -220,6 +225,73 @@ def _bigger(x: float, y: float) -> bool:
 NEGLIGIBLE = 1e-3
 
 
+def op_summaries(outcomes) -> list[OpSummary]:
+    """The summary of every paired call of every step file pair, from the rows as they stand."""
+    return [summary for outcome in outcomes for rows, forward in outcome.calls
+            if (summary := summarize_call(rows, forward)) is not None]
+
+
+def added_score(score: float, out_rel: float, carried_rel: float) -> float:
+    """The part of an output's score its inputs do not explain, in tolerance units: the
+    share ``1 - carried/out`` of its relative error that is new here. Scale-free: an op that
+    only scales what it was given (x / 0.03) adds nothing, even when the scaled output no
+    longer fits under the absolute floor ``atol`` and its score crosses 1."""
+    if not score or not out_rel:
+        return 0.0
+    if math.isinf(carried_rel):
+        return 0.0
+    if carried_rel <= 0:
+        return score
+    if math.isinf(out_rel):
+        return score
+    return score * max(0.0, 1.0 - carried_rel / out_rel)
+
+
+def summarize_call(rows: list[RecordRow], forward: list[RecordRow] = ()) -> OpSummary | None:
+    """Error this call pair introduces, in tolerance units: the largest added_score of its
+    outputs against the largest rel L2 error of its carried inputs (produced ones, state
+    carried over, and for a backward call the tensor records of its forward); parameters,
+    changed arguments and external inputs are error entering here, so they count as nothing
+    carried."""
+    outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"
+               and not r.stale]
+    if not outputs:
+        return None
+    carried = {e["slot"] for e in outputs[0].input_errors if is_carrier(e["source"], e["status"])}
+    input_rel = max((rel_error(r) for r in rows if r.io == "in" and r.slot in carried), default=0.0)
+    input_rel = max([input_rel] + [rel_error(r) for r in forward_carriers(forward)])
+    # an explained output adds nothing: its inputs' accepted differences account for it
+    added = [(0.0 if r.status == EXPLAINED else added_score(_score(r), rel_error(r), input_rel), _score(r), r)
+             for r in outputs]
+    introduced, _, worst = max(added, key=lambda item: (item[0], item[1]))
+    out_rel = rel_error(worst)
+    head = rows[0]
+    return OpSummary(
+        step=head.step,
+        rank=head.rank,
+        module=head.module,
+        op=head.op,
+        index=head.index,
+        phase=head.phase,
+        key=worst.key.rsplit("/", 1)[0],
+        kind=head.kind,
+        introduced=introduced,
+        output_rel_l2=out_rel,
+        input_rel_l2=input_rel,
+        ratio=(out_rel / input_rel) if input_rel > 0 else None,
+        diverged=any(r.status == DIVERGED for r in outputs),
+        origin=worst.origin,
+        source=worst.source,
+        target=head.target,
+    )
+
+
+def _score(row: RecordRow) -> float:
+    if row.score is None:
+        return math.inf if row.status == DIVERGED else 0.0
+    return row.score
+
+
 def ranked_pool(summaries: list[OpSummary]) -> list[OpSummary]:
     """The calls top ops rank, each computation once: API calls when any were captured, plus
     the calls of leaf modules (no recorded module below them) in a phase where no API call of
@@ -258,9 +330,8 @@ def rank_top_ops(summaries: list[OpSummary], top: int) -> list[OpSummary]:
         # an op that diverges somewhere is shown where it diverges: a fault on rank 1 only is
         # not also "where" rank 0 merely rounds a little differently
         shown = [s for s in calls if s.diverged] if worst.diverged else calls
-        worst.where = sorted({(s.step, s.rank) for s in shown})
-        worst.diverged_in = sum(1 for s in calls if s.diverged)
-        ranked.append(worst)
+        ranked.append(replace(worst, where=sorted({(s.step, s.rank) for s in shown}),
+                              diverged_in=sum(1 for s in calls if s.diverged)))
     ranked.sort(key=lambda s: (_only_inherited(s), -s.introduced, s.step, s.rank, s.key))
     return ranked[:top]
 

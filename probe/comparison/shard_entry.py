@@ -107,7 +107,7 @@ def _ranks(ranks) -> str:
 
 def _inherit(call, ranks: dict, by_rank: dict) -> None:
     """The collective's outputs combine the differing input of some ranks: inherited on every
-    rank (the ranks whose inputs agree gather another's), there and in the top ops table."""
+    rank (the ranks whose inputs agree gather another's)."""
     rank = min(ranks)
     source = ranks[rank]
     for other, outcome in by_rank.items():
@@ -121,6 +121,3 @@ def _inherit(call, ranks: dict, by_rank: dict) -> None:
                     and row.origin == R.INTRODUCED:
                 row.origin = R.INHERITED
                 row.cause = cause
-        for summary in outcome.summaries:
-            if (summary.module, summary.op, summary.index, summary.phase) == call and summary.origin == R.INTRODUCED:
-                summary.origin = R.INHERITED

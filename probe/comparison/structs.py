@@ -3,9 +3,10 @@
 Each stage takes the previous stage's struct and returns its own (engine.compare_step):
 
     StepInput (load) --normalize--> NormalizedStep --align--> AlignedStep (Slots)
-        --measure--> MeasuredStep (Measurements) --judge--> JudgedStep --attribute--> StepOutcome
+        --measure--> MeasuredStep (Measurements) --judge--> StepOutcome
 
-and assemble puts the StepOutcomes together into a CompareResult (result.py). A ``Slot`` is
+and assemble puts the StepOutcomes together into a CompareResult (result.py), with the op
+summaries made from the final rows. A ``Slot`` is
 one slot of a call pair: its RecordRow and the record rows of A and B (either may be None).
 A ``Measurement`` is a paired slot once measured: what it was measured as, its metrics and
 tolerance, and what the later stages need to know about its records (the parsed values,
@@ -23,9 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from probe.comparison.metrics import Metrics
+
+if TYPE_CHECKING:
+    from probe.comparison.result import PrecisionTally
 
 # row status
 MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
@@ -221,19 +225,6 @@ class MeasuredStep:
 
 
 @dataclass
-class JudgedStep:
-    measured: MeasuredStep
-    rows: list  # every RecordRow of the step file pair, in execution order
-    #: (rows, forward rows) of each paired call, in the order they were judged
-    calls: list
-    #: content_key -> key of A's records whose difference was accepted, and ("param", name) ->
-    #: the accepted gradient the optimizer updated that parameter from: what the next step
-    #: file of the rank accepts again (StepOutcome.explained)
-    explained: dict
-    precision: object = None  # judge.PrecisionTally
-
-
-@dataclass
 class StepInput:
     """One pair of step files as load hands them over."""
 
@@ -366,9 +357,10 @@ class RecordRow:
         return json_safe(data)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpSummary:
-    """One call pair ranked by the error it introduces (top_ops)."""
+    """One call pair ranked by the error it introduces (top_ops): made from the final rows of
+    the call, once every rule has run (result.summarize_call), and never written after."""
 
     step: int
     rank: int
@@ -400,22 +392,25 @@ class OpSummary:
 
 @dataclass
 class StepOutcome:
-    """What one pair of step files gave (engine.compare_step): its rows and call summaries;
-    assemble.py puts the outcomes of every pair together into a CompareResult."""
+    """What one pair of step files gave (engine.compare_step): its judged rows; assemble.py
+    puts the outcomes of every pair together into a CompareResult."""
 
     step: int
     rank: int
     rows: list[RecordRow]
-    summaries: list[OpSummary]
+    #: (rows, forward rows) of each paired call, in the order they were judged: what the op
+    #: summaries are made from once the rules over every step file have run (assemble.py)
+    calls: list[tuple[list[RecordRow], list[RecordRow]]] = field(default_factory=list)
     evidence: set = field(default_factory=set)
     tensor_bytes: int = 0
     #: (device in A, device in B) -> records of paired tensors that live on different devices
     devices: dict = field(default_factory=dict)
-    #: content_key -> key of A's records whose difference was accepted (EXPLAINED outputs):
-    #: the next step reads them again (a parameter the optimizer updated) and accepts them too
+    #: content_key -> key of A's records whose difference was accepted (EXPLAINED outputs), and
+    #: ("param", name) -> the accepted gradient the optimizer updated that parameter from: the
+    #: next step file of the rank reads them again and accepts them too (Carry.explained)
     explained: dict = field(default_factory=dict)
-    #: judge.PrecisionTally of this pair: lower dtypes on one side, counted (assemble adds them up)
-    precision: object = None
+    #: PrecisionTally of this pair: lower dtypes on one side, counted (assemble adds them up)
+    precision: PrecisionTally | None = None
     #: measure.content_keys of A's step file (Carry.content_keys of the rank's next step file)
     content_keys: set = field(default_factory=set)
 
