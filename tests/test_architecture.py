@@ -26,7 +26,7 @@ LAYERS = [
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
     ("support", {"__init__", "structs", "records", "mapping", "tolerances", "metrics", "sketch", "result",
-                 "envelope"}),
+                 "envelope", "ops"}),
     ("load", {"load", "shards", "rank_blocks"}),
     ("normalize", {"normalize"}),
     ("align", {"align", "foreach_pairing"}),

@@ -78,11 +78,10 @@ from probe.comparison import result as R
 from probe.comparison import drift_rounding, shard_entry
 from probe.comparison.result import count_rows
 from probe.comparison.envelope_summary import summarize
+from probe.comparison.ops import MOVE_OPS
 from probe.comparison.sketch import sketch_note
 from probe.comparison.structs import sci
 
-#: calls that only move a tensor between devices (or pin it): their output equals their input
-MOVE_OPS = ("Tensor.cuda", "Tensor.cpu", "Tensor.npu", "Tensor.xpu", "Tensor.mps", "Tensor.pin_memory")
 _EVIDENCE_ORDER = ("statistics", "checksum", "tensor")  # weakest first
 
 

@@ -45,8 +45,9 @@ import math
 
 from probe.comparison import result as R
 from probe.comparison.record_rules import (
-    amplified_cause, amplifies, cause_text, inherited_cause, input_summary,
+    amplified_cause, cause_text, inherited_cause, input_summary,
 )
+from probe.comparison.ops import BATCH_NORM_TRAINING, MEANS, RUNNING_STATISTICS, is_batch_norm, spec
 from probe.comparison.records import LOCAL_GRAD, is_param_slot, module_within
 from probe.comparison.structs import (
     CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
@@ -175,7 +176,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     # every input agreed or its difference was accepted: what the output may differ by is
     # what those differences explain through the op (judged below), not a new error
     accepted = not sources and not changed_args and all(is_accepted(r) for r in carriers)
-    amplifier = amplifies(rows[0].op) if rows else False
+    amplifier = spec(rows[0].op).amplifies if rows else False
     summary = [input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     summary += [input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
     outputs = [row for row in rows if row.io == "out" and row.status in R.PAIRED]
@@ -318,11 +319,11 @@ def _reduction_scales(rows, outputs) -> None:
     if head.phase == "backward":
         source = next((r for r in rows if r.slot == "grad_output.0" and r.metrics is not None
                        and r.metrics.evidence != "value"), None)
-        name = None
+        sums = ""
     else:
-        name = head.op.rsplit(".", 1)[-1]
+        sums = spec(head.op).sums
         source = next((r for r in rows if r.slot == "input.0" and r.metrics is not None
-                       and r.metrics.evidence != "value"), None) if name in ("sum", "mean", "nansum", "nanmean") else None
+                       and r.metrics.evidence != "value"), None) if sums else None
     if source is None or not source.metrics.numel:
         return
     for row in outputs:
@@ -332,7 +333,7 @@ def _reduction_scales(rows, outputs) -> None:
         if head.phase == "backward" and (row.shape_a or "").count(",") > 0:
             continue  # a weight gradient is a product, not a plain sum
         scale = source.metrics.ref_norm
-        if name in ("mean", "nanmean"):
+        if sums == MEANS:
             scale /= source.metrics.numel / m.numel
         row.scale_norm = max(row.scale_norm, scale)
 
@@ -411,20 +412,15 @@ def unexplain(row: R.RecordRow, cause: str) -> None:
     row.notes = [note for note in row.notes if not note.startswith(f"{R.EXPLAINED} (")]
 
 
-#: batch_norm(input, running_mean, running_var, weight, bias, training, ...): where training is
-_BATCH_NORM_TRAINING = ("kwarg.training", "input.5")
-_RUNNING_STATISTICS = frozenset({"input.1", "input.2", "kwarg.running_mean", "kwarg.running_var"})
-
-
 def _unread_running_statistics(rows) -> frozenset:
     """The running-statistics slots of a batch norm call in training mode (both runs): the
     output reads the batch's own statistics, so a difference there is no input of it."""
-    if not rows or rows[0].phase != "forward" or not rows[0].op.endswith("batch_norm"):
+    if not rows or rows[0].phase != "forward" or not is_batch_norm(rows[0].op):
         return frozenset()
     for row in rows:
-        if row.slot in _BATCH_NORM_TRAINING and row.metrics is not None and row.metrics.evidence == "value":
+        if row.slot in BATCH_NORM_TRAINING and row.metrics is not None and row.metrics.evidence == "value":
             if str(row.metrics.value_a).lower() == "true" and str(row.metrics.value_b).lower() == "true":
-                return _RUNNING_STATISTICS
+                return RUNNING_STATISTICS
     return frozenset()
 
 

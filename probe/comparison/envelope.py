@@ -31,15 +31,20 @@ The envelope has two parts, both absolute L2 norms of the output's difference:
 
 The op's **own error** is what the inputs do not explain: measured - propagated. It is
 "introduced" only when it exceeds FACTOR x rounding. docs/compare-rules.md derives the model
-and gives its measured check. Torch-free and numpy-free.
+and gives its measured check. Which family an op is of, and which formula of it it takes,
+is its spec (ops.py). Torch-free and numpy-free.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 from dataclasses import dataclass, field
+
+from probe.comparison.ops import (
+    ADDCDIV, ADDCMUL, ATTENTION, BROADCAST, CAST, CHANNELS, CONCAT, CONV, COPY, DIVIDE, DOT, ELEMENTWISE, EXP,
+    GATHER, LERP, LOG, LOG1P, LOSS, MEANS, NORM, OPTIMIZER, POW, PRODUCT, QUOTIENT, RECIPROCAL, RSQRT, SAMPLES,
+    SHIFT, SOFTMAX, SQRT, SQUARE, SUM, OpSpec, spec,
+)
 
 #: lambda of Higham and Mary's probabilistic bound: failure probability 2 exp(-lambda^2/2) = 3e-8
 LAMBDA = 6.0
@@ -62,72 +67,6 @@ UNIT_ROUNDOFF = {
     "float8_e4m3fn": 2.0 ** -4, "float8_e4m3fnuz": 2.0 ** -4,
     "float8_e5m2": 2.0 ** -3, "float8_e5m2fnuz": 2.0 ** -3,
 }
-
-# op families, by the op's base name (namespace, "_foreach_"/"_fused_" and in-place "_" dropped)
-DOT, CONV, NORM, SOFTMAX, SUM, LOSS, ATTENTION, DIVIDE, ELEMENTWISE, COPY, CAST, OPTIMIZER = (
-    "dot product", "convolution", "normalization", "softmax", "sum", "loss", "attention", "division",
-    "elementwise", "copy", "cast", "optimizer update")
-
-_FAMILIES = {
-    DOT: {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot",
-          "einsum", "inner", "outer", "bilinear", "Linear"},
-    CONV: {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-           "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"},
-    NORM: {"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "normalize"},
-    SOFTMAX: {"softmax", "log_softmax", "Softmax", "LogSoftmax", "logsumexp"},
-    SUM: {"sum", "mean", "nansum", "nanmean", "cumsum"},
-    LOSS: {"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy",
-           "binary_cross_entropy_with_logits", "kl_div", "CrossEntropyLoss", "MSELoss", "NLLLoss", "L1Loss"},
-    ATTENTION: {"scaled_dot_product_attention"},
-    DIVIDE: {"div", "divide", "true_divide", "reciprocal", "rsqrt", "sqrt", "addcdiv", "log", "log1p"},
-    ELEMENTWISE: {"add", "sub", "subtract", "rsub", "mul", "multiply", "neg", "abs", "relu", "gelu", "silu",
-                  "tanh", "sigmoid", "exp", "lerp", "addcmul", "clamp", "clamp_min", "clamp_max", "where",
-                  "masked_fill", "pow", "square", "maximum", "minimum", "relu6", "leaky_relu", "elu",
-                  "hardtanh", "softplus", "mish", "sign", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
-                  "Identity", "dropout", "Dropout", "sin", "cos", "erf"},
-    COPY: {"view", "reshape", "transpose", "permute", "contiguous", "clone", "cat", "concat", "stack", "split",
-           "chunk", "getitem", "__getitem__", "index_select", "embedding", "Embedding", "expand", "expand_as",
-           "squeeze", "unsqueeze", "flatten", "unflatten", "t", "narrow", "select", "detach", "copy",
-           "repeat", "repeat_interleave", "flip", "roll", "gather", "unbind", "view_as", "reshape_as",
-           "movedim", "swapaxes", "tril", "triu", "zero", "fill", "zeros_like", "ones_like"},
-    CAST: {"to", "float", "half", "bfloat16", "double", "type", "type_as"},
-    OPTIMIZER: {"adam", "adamw", "sgd", "fused_adam", "fused_adamw", "fused_sgd"},
-}
-#: copies whose backward sums gradients (of repeated indices, of broadcast copies): a reduction
-_SCATTER_ADD_BACKWARD = frozenset({"embedding", "Embedding", "index_select", "gather", "expand", "expand_as",
-                                   "repeat", "repeat_interleave"})
-#: ... over indices any of which may repeat: up to every row of the gradient lands on one
-_INDEXED = frozenset({"embedding", "Embedding", "index_select", "gather"})
-_FAMILY_OF = {name: family for family, names in _FAMILIES.items() for name in names}
-#: Lipschitz constant of elementwise functions of one argument (|f'| <= L): GELU's is 1.13
-_LIPSCHITZ = {"gelu": 1.13, "GELU": 1.13, "silu": 1.1, "SiLU": 1.1, "mish": 1.1, "elu": 1.0, "softplus": 1.0,
-              "sigmoid": 0.25, "Sigmoid": 0.25, "tanh": 1.0, "Tanh": 1.0, "sin": 1.0, "cos": 1.0,
-              "erf": 1.13}
-
-
-def base_name(op: str) -> str:
-    """functional.linear -> linear, torch._foreach_addcdiv_ -> addcdiv, Tensor.add_ -> add."""
-    name = op.rsplit(".", 1)[-1]
-    if name in _FAMILY_OF:
-        return name
-    name = name.removeprefix("_foreach_").removeprefix("_fused_")
-    if name not in _FAMILY_OF:
-        name = name.strip("_")
-    return name
-
-
-@functools.lru_cache(maxsize=4096)
-def family(op: str) -> str | None:
-    """The op family the envelope model knows, or None (the fixed tolerance then judges alone).
-    Module classes ending in Norm (LayerNorm, LlamaRMSNorm, BatchNorm2d) are normalizations."""
-    name = base_name(op)
-    found = _FAMILY_OF.get(name)
-    if found is None and name.rstrip("123d").lower().endswith("norm"):
-        return NORM
-    if found is None and name.startswith("fused_") and name.removeprefix("fused_") in _FAMILY_OF:
-        return OPTIMIZER
-    return found
-
 
 def unit_roundoff(dtype: str) -> float | None:
     return UNIT_ROUNDOFF.get(dtype.removeprefix("torch."))
@@ -175,21 +114,6 @@ class Operand:
     @property
     def one_sign(self) -> bool:
         return math.isfinite(self.min) and math.isfinite(self.max) and (self.min >= 0 or self.max <= 0)
-
-
-def parse_shape(text) -> tuple:
-    if isinstance(text, (tuple, list)):
-        return tuple(int(v) for v in text)
-    return _parse_shape_text(text)
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_shape_text(text) -> tuple:
-    try:
-        value = json.loads(text) if text else []
-    except (TypeError, ValueError):
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else ()
 
 
 @dataclass
@@ -280,7 +204,8 @@ def op_envelope(op: str, phase: str, slot: str, out: Operand, inputs: dict, forw
     values: slot -> plain value (scalars such as addcdiv's value); dtype: the dtype its rounding
     is judged in (the lower-precision side, autocast included; default the output's).
     None where the model does not know the op (the fixed tolerance judges alone)."""
-    fam = family(op)
+    op_spec = spec(op)
+    fam = op_spec.family
     dtype = dtype or out.dtype
     u = unit_roundoff(dtype)
     if fam is None or u is None or out.numel <= 0:
@@ -293,9 +218,8 @@ def op_envelope(op: str, phase: str, slot: str, out: Operand, inputs: dict, forw
                       and unit_roundoff(o.dtype) < u for o in inputs.values()) else 0.0
     tensors = [(s, o) for s, o in inputs.items() if o.numel > 0]
     parts: list = []
-    name = base_name(op)
     if phase == "backward":
-        return _backward(fam, name, out, inputs, forward, u, u_acc, u_cast, parts)
+        return _backward(op_spec, out, inputs, forward, u, u_acc, u_cast, parts)
     if fam == DOT:
         return _dot(out, tensors, u, u_acc, u_cast, parts, window=1)
     if fam == CONV:
@@ -303,34 +227,34 @@ def op_envelope(op: str, phase: str, slot: str, out: Operand, inputs: dict, forw
         window = _prod(weight.shape[2:]) if weight is not None and len(weight.shape) > 2 else 1
         return _dot(out, tensors, u, u_acc, u_cast, parts, window=window, conv=True)
     if fam == NORM:
-        return _norm(name, out, tensors, u, u_acc, parts)
+        return _norm(op_spec.form, out, tensors, u, u_acc, parts)
     if fam == SOFTMAX:
         x = _first(tensors)
         k = x.shape[_dim(values, len(x.shape))] if x is not None and x.shape else (x.numel if x else 1)
         spread = _spread(x)
         rounding = RUNS * (LAMBDA * math.sqrt(k) * u_acc + (ELEMENTWISE_ULPS + spread) * u) * max(out.norm, 1e-300)
-        prop = _sensitivity(parts, "input.0", x, 1.0 if name != "logsumexp" else 1.0)
+        prop = _sensitivity(parts, "input.0", x, 1.0)
         return Envelope(SOFTMAX, k, u, 1.0 + spread, rounding, prop, parts)
     if fam in (SUM, LOSS):
-        return _sum(fam, name, out, tensors, u, u_acc, parts)
+        return _sum(op_spec, out, tensors, u, u_acc, parts)
     if fam == ATTENTION:
         return _attention(out, inputs, u, u_acc, u_cast, parts)
     if fam in (DIVIDE, ELEMENTWISE, OPTIMIZER):
-        return _elementwise(fam, name, out, inputs, values, u, parts)
+        return _elementwise(op_spec, out, inputs, values, u, parts)
     if fam == COPY:
         # a gather (embedding, index_select) reads a row once per index: a repeated index
         # repeats its difference, up to every output row on one input row
         rows = out.numel // max(out.shape[-1] if out.shape else 1, 1)
 
         def repeats(operand) -> float:
-            if name in _INDEXED:
+            if op_spec.form == GATHER:
                 return math.sqrt(max(rows, 1))
-            if name in _SCATTER_ADD_BACKWARD:  # a broadcast copy (expand, repeat): each value k times
+            if op_spec.form == BROADCAST:  # a broadcast copy (expand, repeat): each value k times
                 return math.sqrt(max(out.numel // max(operand.numel, 1), 1))
             return 1.0
 
         prop = sum(_sensitivity(parts, s, o, repeats(o)) for s, o in tensors)
-        if name in ("cat", "concat", "stack") or not tensors:
+        if op_spec.form == CONCAT or not tensors:
             prop = math.sqrt(sum(o.err ** 2 for _, o in tensors))
         return Envelope(COPY, 1, u, 1.0, 0.0, prop, parts)
     if fam == CAST:
@@ -393,15 +317,15 @@ def _dot(out, tensors, u, u_acc, u_cast, parts, window, conv=False) -> Envelope:
     return Envelope(CONV if conv else DOT, k, u, conditioning, rounding, prop, parts)
 
 
-def _norm(name, out, tensors, u, u_acc, parts) -> Envelope:
+def _norm(form, out, tensors, u, u_acc, parts) -> Envelope:
     """(x - mean) / sqrt(var + eps) * w + b over rows of width K: two K-long sums, and the
     variance's cancellation when the mean is large against the spread."""
     x = _first(tensors)
     if x is None:
         return None
-    if name in ("batch_norm", "instance_norm") or name.lower().startswith(("batchnorm", "instancenorm")):
+    if form == CHANNELS:
         k = x.numel // x.shape[1] if len(x.shape) > 1 and x.shape[1] else x.numel
-    elif name == "group_norm":
+    elif form == SAMPLES:
         k = x.numel // x.shape[0] if x.shape else x.numel
     else:
         k = x.shape[-1] if x.shape else x.numel
@@ -426,14 +350,15 @@ def _norm(name, out, tensors, u, u_acc, parts) -> Envelope:
     return Envelope(NORM, k, u, conditioning, rounding, prop, parts)
 
 
-def _sum(fam, name, out, tensors, u, u_acc, parts) -> Envelope:
+def _sum(op_spec: OpSpec, out, tensors, u, u_acc, parts) -> Envelope:
     """A sum of K values errs by lambda sqrt(K) u sum|x|; sum|x| = |sum x| when every value has
     one sign (well conditioned), else at most sqrt(K) ||x|| per output."""
     x = _first(tensors)
     if x is None:
         return None
     k = max(x.numel // max(out.numel, 1), 1)
-    if name in ("mean", "nanmean") or fam == LOSS:
+    fam = op_spec.family
+    if op_spec.sums == MEANS or fam == LOSS:
         per = 1.0 / k
     else:
         per = 1.0
@@ -482,9 +407,10 @@ def _number(value) -> float | None:
     return float(value)
 
 
-def _elementwise(fam, name, out, inputs, values, u, parts) -> Envelope:
+def _elementwise(op_spec: OpSpec, out, inputs, values, u, parts) -> Envelope:
     """A few ulps of rounding per element; the inputs' differences through the op's
     derivative, bounded with the recorded extremes (a division by the smallest |denominator|)."""
+    fam, form = op_spec.family, op_spec.form
     tensors = {s: o for s, o in inputs.items() if o.numel > 0}
     ordered = [tensors[s] for s in sorted(tensors, key=_slot_order)]
     rounding = RUNS * ELEMENTWISE_ULPS * u * out.norm
@@ -506,7 +432,7 @@ def _elementwise(fam, name, out, inputs, values, u, parts) -> Envelope:
     def broadcast(operand):
         return math.sqrt(max(out.numel // max(operand.numel, 1), 1)) if operand is not None else 1.0
 
-    if name in ("div", "divide", "true_divide"):
+    if form == QUOTIENT:
         if b is None:  # by a number
             prop = sens(a, 1.0 / scalar if scalar else math.inf)
         else:
@@ -515,7 +441,7 @@ def _elementwise(fam, name, out, inputs, values, u, parts) -> Envelope:
             prop = sens(a, broadcast(a) / den if den > 0 else math.inf) + sens(
                 b, broadcast(b) * a.amax / den ** 2 if den > 0 else math.inf)
             rounding = RUNS * ELEMENTWISE_ULPS * u * out.norm
-    elif name == "addcdiv":  # a + value * t1 / t2
+    elif form == ADDCDIV:  # a + value * t1 / t2
         if b is None or c is None:
             return None
         den = c.amin
@@ -524,36 +450,36 @@ def _elementwise(fam, name, out, inputs, values, u, parts) -> Envelope:
         rounding = RUNS * ELEMENTWISE_ULPS * u * (out.norm + update)
         prop = sens(a, broadcast(a)) + sens(b, broadcast(b) * scalar / den if den > 0 else math.inf) + sens(
             c, broadcast(c) * scalar * b.amax / den ** 2 if den > 0 else math.inf)
-    elif name in ("sqrt", "rsqrt", "reciprocal", "log", "log1p"):
-        den = a.amin + (1.0 if name == "log1p" else 0.0)
+    elif form in (SQRT, RSQRT, RECIPROCAL, LOG, LOG1P):
+        den = a.amin + (1.0 if form == LOG1P else 0.0)
         # B's values lie within ||a - b|| of A's: the secant between the two runs' values, not
         # the slope at A's alone (Adam's sqrt(v) of a noise gradient differs by more than v)
-        factor = _inverse_slope(name, den, den - a.err if math.isfinite(a.err) else 0.0)
+        factor = _inverse_slope(form, den, den - a.err if math.isfinite(a.err) else 0.0)
         conditioning = a.amax / den if den > 0 else math.inf
         prop = sens(a, factor)
-    elif name in ("mul", "multiply", "addcmul", "square", "pow"):
-        if name == "addcmul" and c is not None:  # a + value * t1 * t2
+    elif form in (PRODUCT, ADDCMUL, SQUARE, POW):
+        if form == ADDCMUL and c is not None:  # a + value * t1 * t2
             prop = sens(a, broadcast(a)) + sens(b, broadcast(b) * scalar * c.amax) + sens(
                 c, broadcast(c) * scalar * b.amax) + scalar * b.err * c.err
             rounding = RUNS * ELEMENTWISE_ULPS * u * (out.norm + scalar * b.amax * c.norm)
-        elif name in ("square", "pow") and b is None:
-            exponent = scalar if name == "pow" else 2.0
+        elif form in (SQUARE, POW) and b is None:
+            exponent = scalar if form == POW else 2.0
             prop = sens(a, abs(exponent) * a.amax ** max(exponent - 1, 0)) if a is not None else 0.0
         elif b is None:
             prop = sens(a, scalar)
         else:
             prop = sens(a, broadcast(a) * b.amax) + sens(b, broadcast(b) * a.amax) + a.err * b.err
-    elif name == "exp":
+    elif form == EXP:
         prop = sens(a, out.amax)
         conditioning = 1.0 + _spread(a)
-    elif name == "lerp":  # a + w (b - a)
+    elif form == LERP:  # a + w (b - a)
         weight = scalar if c is None else c.amax
         prop = sens(a, broadcast(a) * (1 + weight)) + sens(b, broadcast(b) * weight)
     elif fam == OPTIMIZER:
         # a fused update divides by sqrt(v) + eps: bounded only where no input differs
         prop = 0.0 if all(o.err == 0 for o in ordered) else math.inf
     else:
-        lipschitz = _LIPSCHITZ.get(name, 1.0) * (scalar if name in ("add", "sub", "rsub") and b is not None else 1.0)
+        lipschitz = op_spec.lipschitz * (scalar if form == SHIFT and b is not None else 1.0)
         prop = sum(sens(o, broadcast(o) * (1.0 if o is a else lipschitz)) for o in ordered)
     return Envelope(fam, 1, u, conditioning, rounding, prop, parts)
 
@@ -564,11 +490,12 @@ def _slot_order(slot: str):
     return (rank, int(index) if index.isdigit() else 0, slot)
 
 
-def _backward(fam, name, out, inputs, forward, u, u_acc, u_cast, parts) -> Envelope | None:
+def _backward(op_spec: OpSpec, out, inputs, forward, u, u_acc, u_cast, parts) -> Envelope | None:
     """The gradient an op's backward makes: its grad_output through the op's derivative at the
     forward's values. Products again for matmuls and convolutions (dx = dy W^T, K the output
     width; dW = dy^T x, K the rows), reductions of width K for normalizations and softmax;
     elementwise: a few ulps. Bounded from above, conservatively, by the larger K."""
+    fam = op_spec.family
     gy = inputs.get("grad_output.0")
     if gy is None:
         return None
@@ -599,43 +526,43 @@ def _backward(fam, name, out, inputs, forward, u, u_acc, u_cast, parts) -> Envel
         scale = max(out.norm, gy.norm)
         rounding = RUNS * (LAMBDA * math.sqrt(k) * u_acc * (3.0 + spread) + ELEMENTWISE_ULPS * u) * scale
         return Envelope(fam, k, u, 3.0 + spread, rounding, math.inf if _any_err(gy, fx) else 0.0, parts)
-    if fam == COPY and name in _SCATTER_ADD_BACKWARD:
+    if fam == COPY and op_spec.form in (GATHER, BROADCAST):
         # the gradient rows of repeated indices (broadcast copies) are summed, in an order
         # that differs by device (atomics on a GPU): a sum of up to K rows, rounded once to
         # the gradient's dtype. Over the outputs, sum|g| is at most sqrt(K) ||dy||.
         rows = gy.numel // max(gy.shape[-1] if gy.shape else 1, 1)
-        k = max(gy.numel // max(out.numel, 1), 1) if name not in _INDEXED else max(rows, 1)
+        k = max(gy.numel // max(out.numel, 1), 1) if op_spec.form != GATHER else max(rows, 1)
         rounding = RUNS * (LAMBDA * k * u_acc * gy.norm + u * out.norm)
         prop = math.inf if any(o.err for o in fx) else _sensitivity(parts, "grad_output.0", gy, math.sqrt(k))
         return Envelope(SUM, k, u, 1.0, rounding, prop, parts)
     if fam in (ELEMENTWISE, DIVIDE, COPY, CAST):
         rounding = RUNS * ELEMENTWISE_ULPS * u * out.norm if fam != COPY else 0.0
         prop = math.inf if any(o.err for o in fx) else _sensitivity(parts, "grad_output.0", gy,
-                                                                     _derivative_bound(name, fx, out, gy))
+                                                                     _derivative_bound(op_spec, fx, out, gy))
         if fam == COPY and not any(o.err for o in fx):
             prop = gy.err
         return Envelope(fam, 1, u, 1.0, rounding, prop, parts)
     return None
 
 
-def _inverse_slope(name: str, den: float, low: float) -> float:
+def _inverse_slope(form: str, den: float, low: float) -> float:
     """The largest |f'| of sqrt, rsqrt, reciprocal or log (log1p: den and low shifted by 1)
     between values of at least ``low`` (den: A's smallest, at least low); for sqrt the secant
     from A's values to B's, finite even where B's may reach 0."""
     if den <= 0:
         return math.inf
-    if name == "sqrt":
+    if form == SQRT:
         return 1.0 / (math.sqrt(den) + math.sqrt(max(low, 0.0)))
     if low <= 0:
         return math.inf
-    if name == "rsqrt":
+    if form == RSQRT:
         return 0.5 / low ** 1.5
-    if name == "reciprocal":
+    if form == RECIPROCAL:
         return 1.0 / (den * low)
     return 1.0 / low
 
 
-def _derivative_bound(name: str, fx: list, out: Operand, gy: Operand) -> float:
+def _derivative_bound(op_spec: OpSpec, fx: list, out: Operand, gy: Operand) -> float:
     """How much an elementwise op's backward scales its grad_output's difference: the largest
     |f'| over the forward's values, from their recorded extremes (a product's gradient is the
     other factor: max|b|; rsqrt's 0.5 min|x|^-1.5, _inverse_slope). At least the ratio of the gradients' norms in
@@ -646,17 +573,18 @@ def _derivative_bound(name: str, fx: list, out: Operand, gy: Operand) -> float:
     def inverse(value: float, power: float) -> float:
         return value ** -power if value > 0 else math.inf
 
-    if name in ("mul", "multiply", "addcmul"):
+    form = op_spec.form
+    if form in (PRODUCT, ADDCMUL):
         bound = max((o.amax for o in fx), default=0.0)
-    elif name in ("div", "divide", "true_divide"):
+    elif form == QUOTIENT:
         den = fx[1].amin if len(fx) > 1 else 0.0
         bound = max(inverse(den, 1), fx[0].amax * inverse(den, 2)) if len(fx) > 1 else 0.0
-    elif name in ("rsqrt", "sqrt", "reciprocal", "log") and x is not None:
-        bound = _inverse_slope(name, x.amin, x.amin)
-    elif name == "exp" and x is not None:
+    elif form in (RSQRT, SQRT, RECIPROCAL, LOG) and x is not None:
+        bound = _inverse_slope(form, x.amin, x.amin)
+    elif form == EXP and x is not None:
         bound = math.exp(min(x.max, 700.0)) if math.isfinite(x.max) else math.inf
     else:
-        bound = _LIPSCHITZ.get(name, 1.0)
+        bound = op_spec.lipschitz
     return max(bound, ratio)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from probe.comparison.metrics import (
     Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
-from probe.comparison.records import Records, is_param_slot
+from probe.comparison.records import Records, is_param_slot, parse_shape
 from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.structs import (
     ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, Call, MeasuredStep, Measurement, RecordRow,
@@ -309,14 +309,7 @@ def _scalar_text(cols: dict, row: int) -> str | None:
 
 
 def _same_shape(text_a: str, text_b: str) -> bool:
-    return text_a == text_b or _shape(text_a) == _shape(text_b)
-
-
-def _shape(text: str):
-    try:
-        return tuple(json.loads(text)) if text else ()
-    except (ValueError, TypeError):
-        return text
+    return text_a == text_b or parse_shape(text_a) == parse_shape(text_b)
 
 
 STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "dtype")

@@ -85,8 +85,9 @@ import re
 from collections import defaultdict
 
 from probe.comparison.mapping import NameMapping
+from probe.comparison.ops import is_foreach, op_name
 from probe.comparison.records import (
-    LOCAL_GRAD, Records, base_op, build_calls, is_foreach, is_param_slot, module_within, parameter_blocks,
+    LOCAL_GRAD, Records, build_calls, is_param_slot, module_within, parameter_blocks,
     tensor_print,
 )
 from probe.comparison.structs import Call, NormalizedStep, Side
@@ -332,7 +333,7 @@ def _vote_in_bodies(calls: list[Call], records: Records, decisive: dict) -> None
 
 def _trailing_bodies(loop: list[Call]) -> list[list[Call]]:
     """The longest run of equal bodies (same ops in the same order) that ends the loop."""
-    ops = [base_op(c.op) for c in loop]
+    ops = [op_name(c.op) for c in loop]
     best: list = []
     for size in range(1, min(len(loop) // 2, 64) + 1):
         pattern = ops[len(ops) - size:]

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import math
 
-from probe.comparison.envelope import parse_shape
-from probe.comparison.records import Records
+from probe.comparison.records import Records, parse_shape
 from probe.comparison.shards import LOGICAL_IDS, MergedStep, combined_statistics, shape_text, view_with
 
 

@@ -18,13 +18,12 @@ No torch: the ops are numpy expressions over the decoded arrays.
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 
 from probe.comparison.call_rules import unexplain
-from probe.comparison.records import base_op
+from probe.comparison.ops import NotReplayable, Replay, spec
 from probe.comparison.structs import AMPLIFIED, EXPLAINED, MeasuredStep, Slot, sci
 
 
@@ -37,7 +36,7 @@ def recheck_amplified(slots: list[Slot], measured: MeasuredStep) -> None:
     if not outputs or measured.fetch_a is None or measured.fetch_b is None:
         return
     cols_a, cols_b = measured.aligned.records_a.columns, measured.aligned.records_b.columns
-    op = base_op(slots[0].row.op)
+    op = slots[0].row.op
     sides = []
     for side, cols, fetch in ((1, cols_a, measured.fetch_a), (2, cols_b, measured.fetch_b)):
         tensors, values = {}, {}
@@ -68,56 +67,17 @@ def recheck_amplified(slots: list[Slot], measured: MeasuredStep) -> None:
                           f"outputs (rel L2 {sci(errors[0])} and {sci(errors[1])})")
 
 
-def _scalar(values: dict, *names, default=None):
-    for name in names:
-        if name in values:
-            try:
-                value = json.loads(values[name])
-            except (TypeError, ValueError):
-                return None
-            return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    return default
-
-
-def _arg(tensors: dict, values: dict, slot: str):
-    """A tensor slot's array, or a scalar argument in that slot, or None."""
-    if slot in tensors:
-        return tensors[slot]
-    return _scalar(values, slot)
-
-
 def replay(op: str, tensors: dict, values: dict):
-    """The op's float64 result from its recorded inputs, or None when it is not one of the
-    elementwise ops handled here (or its arguments are not all known)."""
-    x = tensors.get("input.0")
-    if x is None:
+    """The op's float64 result from its recorded inputs (its spec's replay, ops.py), or None
+    when it has none or its arguments are not all known."""
+    how = spec(op).replay
+    if how is None:
         return None
     with np.errstate(all="ignore"):
-        if op in ("sqrt", "rsqrt", "reciprocal", "exp", "neg", "abs"):
-            return {"sqrt": np.sqrt, "rsqrt": lambda v: 1 / np.sqrt(v), "reciprocal": lambda v: 1 / v,
-                    "exp": np.exp, "neg": np.negative, "abs": np.abs}[op](x)
-        other = _arg(tensors, values, "input.1")
-        if op in ("add", "sub") and other is not None:
-            alpha = _scalar(values, "kwarg.alpha", "input.2", default=1)
-            if alpha is None:
-                return None
-            return x + alpha * other if op == "add" else x - alpha * other
-        if op in ("mul", "div") and other is not None:
-            if op == "div" and "kwarg.rounding_mode" in values and json.loads(values["kwarg.rounding_mode"]) is not None:
-                return None
-            return x * other if op == "mul" else x / other
-        if op == "lerp":
-            weight = _arg(tensors, values, "input.2")
-            if other is None or weight is None:
-                return None
-            return x + weight * (other - x)
-        if op in ("addcdiv", "addcmul"):
-            first, second = tensors.get("input.1"), tensors.get("input.2")
-            value = _scalar(values, "kwarg.value", "input.3", default=1)
-            if first is None or second is None or value is None:
-                return None
-            return x + value * (first / second if op == "addcdiv" else first * second)
-    return None
+        try:
+            return how(Replay(tensors, values))
+        except NotReplayable:
+            return None
 
 
 def own_error(op: str, side: dict, output: np.ndarray) -> float | None:

@@ -63,6 +63,7 @@ import re
 
 from probe.comparison import result as R
 from probe.comparison.metrics import Metrics
+from probe.comparison.ops import is_in_place, spec
 from probe.comparison.records import LOCAL_GRAD
 from probe.comparison.structs import (
     CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED, rel_error, sci,
@@ -174,28 +175,6 @@ def judge_value(row: R.RecordRow, metrics: Metrics, values: tuple) -> None:
         row.reasons.append(f"value {metrics.value_a} in A, {metrics.value_b} in B")
 
 
-#: ops whose output can differ far more than their inputs (relatively) without any error of
-#: their own: a division or reciprocal by values near their own error, a square root near 0,
-#: a subtraction of nearly equal values, exp/pow of a difference, and the optimizer updates
-#: built on them (Adam's m / (sqrt(v) + eps) is about sign(g) whatever |g|)
-_AMPLIFIERS = frozenset({
-    "div", "divide", "true_divide", "addcdiv", "reciprocal", "rsqrt", "sqrt", "sub", "rsub", "subtract",
-    "exp", "exp2", "expm1", "pow", "log", "log1p", "log_softmax", "softmax", "adam", "adamw", "sgd",
-    "fused_adam", "fused_adamw", "fused_sgd", "normalize", "batch_norm", "layer_norm", "group_norm",
-    "instance_norm", "rms_norm", "var", "std", "var_mean", "std_mean", "atan2", "tan",
-})
-
-
-def amplifies(op: str) -> bool:
-    """The op is one whose conditioning can amplify relative error (see _AMPLIFIERS)."""
-    name = op.rsplit(".", 1)[-1].removeprefix("_foreach_").removeprefix("_fused_").strip("_")
-    if name in _AMPLIFIERS or name.removeprefix("fused_") in _AMPLIFIERS:
-        return True
-    # a module (kind "module": the class name): BatchNorm2d, LayerNorm, LlamaRMSNorm, Softmax
-    lowered = name.lower().rstrip("123d")
-    return lowered.endswith(("norm", "softmax"))
-
-
 #: torch's device types (torch._C._get_privateuse1_backend_name aside); "cuda:0", "npu:3"
 _DEVICE = re.compile(
     r"^(cpu|cuda|npu|xpu|mps|hpu|xla|meta|mtia|ipu|lazy|ve|vulkan|hip|privateuseone|maia|fpga|ort)(:\d+)?$"
@@ -229,11 +208,6 @@ def is_placement_pair(slot: str, value_a, value_b) -> bool:
     return is_device_value(value_a) and is_device_value(value_b)
 
 
-def is_in_place(op: str) -> bool:
-    name = op.rsplit(".", 1)[-1]
-    return name.endswith("_") and not name.startswith("__") and not op.startswith("distributed.")
-
-
 class StaleRecords:
     """Collect candidates while the records are measured (check), decide after (resolve)."""
 
@@ -265,7 +239,7 @@ class StaleRecords:
         for row, side, seen in self.candidates:
             readers = [(reader, number) for reader, s, stats, number in self.readers if s == side and stats == seen]
             confirmed = any(
-                outputs and all((out.status in R.WITHIN or amplifies(out.op)) and id(out) not in candidate_rows
+                outputs and all((out.status in R.WITHIN or spec(out.op).amplifies) and id(out) not in candidate_rows
                                 for out in outputs)
                 for outputs in (outputs_of(number) for _, number in readers))
             if confirmed:

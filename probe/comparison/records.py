@@ -14,6 +14,7 @@ foreach/fused spellings of an op, the blocks of a parameter group, a tensor's fi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -35,6 +36,22 @@ def slot_io(slot: str) -> str:
 
 def is_param_slot(slot: str) -> bool:
     return slot.startswith("param.")
+
+
+def parse_shape(text) -> tuple:
+    """A shape column ("[4, 8]") as a tuple of ints; () when it is empty or not a shape."""
+    if isinstance(text, (tuple, list)):
+        return tuple(int(v) for v in text)
+    return _parse_shape_text(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_shape_text(text) -> tuple:
+    try:
+        value = json.loads(text) if text else []
+    except (TypeError, ValueError):
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else ()
 
 
 def module_within(module: str, owner: str) -> bool:
@@ -160,24 +177,10 @@ def build_calls(records: Records, rename=None) -> list[Call]:
     return result
 
 
-FOREACH_PREFIX = "torch._foreach_"
-FUSED_PREFIX = "torch._fused_"
 #: how a foreach element paired with a per-tensor call (CallPair.how)
 FOREACH = "foreach"
 #: how a fused kernel's element paired with the last call of a per-parameter chain
 FUSED = "fused"
-#: per-tensor spellings of a foreach op's base name (``_foreach_norm`` runs vector_norm)
-_ALIASES = {"vector_norm": "norm", "true_divide": "div", "multiply": "mul", "subtract": "sub"}
-
-
-def is_foreach(op: str) -> bool:
-    return op.startswith((FOREACH_PREFIX, FUSED_PREFIX))
-
-
-def base_op(op: str) -> str:
-    """The op whatever its spelling: torch._foreach_add_, Tensor.add_, torch.add -> "add"."""
-    name = op.removeprefix(FOREACH_PREFIX).rsplit(".", 1)[-1].rstrip("_")
-    return _ALIASES.get(name, name)
 
 
 def _signature(element: Call, records: Records) -> tuple:

@@ -30,10 +30,11 @@ import math
 
 from probe.comparison import result as R
 from probe.comparison.envelope import (
-    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, family, op_envelope, parse_shape, unit_roundoff,
+    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, op_envelope, unit_roundoff,
 )
 from probe.comparison.call_rules import explain, is_accepted
-from probe.comparison.records import is_param_slot
+from probe.comparison.ops import spec
+from probe.comparison.records import is_param_slot, parse_shape
 from probe.comparison.sketch import band as sketch_band
 from probe.comparison.structs import PARAM_INPUT, PRODUCED, sci
 from probe.comparison.tolerances import tolerance_dtype
@@ -153,7 +154,7 @@ def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False, 
         return
     head = call_rows[0][0]
     changed = None if strict else _changed_input(call_rows, input_kind)
-    known = family(head.op) is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
+    known = spec(head.op).family is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
     call = _Call(call_rows, forward_items) if known else None
     for row, stats in call_rows:
         if row.io != "out" or row.status not in R.PAIRED or stats is None:

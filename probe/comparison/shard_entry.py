@@ -22,20 +22,9 @@ from __future__ import annotations
 
 from probe.comparison import result as R
 from probe.comparison.record_rules import param_name
+from probe.comparison.ops import is_gathering_collective
 from probe.comparison.records import is_param_slot, module_within
 from probe.comparison.structs import rel_error, sci
-
-#: collective ops by the last part of their recorded name (distributed.all_gather_single,
-#: ops._c10d_functional.all_gather_into_tensor.default, ...)
-_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "broadcast", "all_to_all", "scatter", "gather",
-                "reduce")
-
-
-def is_collective(op: str) -> bool:
-    parts = op.split(".")
-    name = parts[-2] if parts[-1] == "default" and len(parts) > 1 else parts[-1]
-    return (op.startswith("distributed.") or "c10d" in op) and name.startswith(_COLLECTIVES)
-
 
 def _call(row: R.RecordRow) -> tuple:
     return row.module, row.op, row.index, row.phase
@@ -59,7 +48,7 @@ def find(outcomes) -> tuple[R.RecordRow, tuple] | None:
     agreeing: dict = {}  # call -> ranks whose inputs of the call were compared and agree
     for outcome in outcomes:
         for row in outcome.rows:
-            if row.io != "in" or row.status not in R.PAIRED or not is_collective(row.op):
+            if row.io != "in" or row.status not in R.PAIRED or not is_gathering_collective(row.op):
                 continue
             if row.status == R.DIVERGED:
                 entering.setdefault(_call(row), {}).setdefault(outcome.rank, row)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from probe.comparison.metrics import Metrics
+from probe.comparison.ops import is_collective_op
 
 if TYPE_CHECKING:
     from probe.comparison.result import PrecisionTally
@@ -438,10 +439,6 @@ def count_rows(rows) -> dict:
     return counts
 
 
-#: the ops of collectives (torch.distributed's and the functional ones tensor parallel calls)
-COLLECTIVE_OPS = ("distributed.", "ops._c10d_functional.")
-
-
 def sharded_only_rows(rows) -> list:
     """The records without partner that only a sharded run makes, so that one device or DDP
     (whose gradient all-reduce runs in its C++ reducer, unrecorded) has no counterpart to
@@ -453,7 +450,7 @@ def sharded_only_rows(rows) -> list:
     paired = {(row.step, row.rank, row.module, row.slot) for row in rows
               if row.slot.startswith("param_grad.") and row.index == 0 and row.status in PAIRED}
     return [row for row in rows if row.status in (ONLY_A, ONLY_B) and (
-        row.op.startswith(COLLECTIVE_OPS) or row.slot.startswith("local_grad.")
+        is_collective_op(row.op) or row.slot.startswith("local_grad.")
         or (row.slot.startswith("param_grad.") and row.index > 0
             and (row.step, row.rank, row.module, row.slot) in paired))]
 

@@ -12,6 +12,7 @@ import torch
 
 import probe
 from probe.comparison import envelope as E
+from probe.comparison import ops
 from tests import rounding_pairs as P
 from tests.verdict_models import TinyAttention, tokens
 
@@ -45,7 +46,7 @@ def test_a_matmul_summed_in_another_order_stays_within_its_envelope_which_is_not
     seen = float(np.linalg.norm(one - other))
     env = E.op_envelope("functional.linear", "forward", "output.0", _operand(one), {"input.0": _operand(x),
                                                                                      "input.1": _operand(w)})
-    assert env.family == E.DOT and env.k == k and env.propagated == 0
+    assert env.family == ops.DOT and env.k == k and env.propagated == 0
     assert 0 < seen <= env.rounding
     # Higham-Mary's sqrt(K) u, and ||x|| ||W|| ~ sqrt(K) ||y|| for spread data: within K x 10 of what is seen
     assert env.rounding <= 10 * k * seen
@@ -100,7 +101,7 @@ def test_an_embedding_gradient_summed_over_repeated_tokens_in_another_order_is_r
     seen = float(np.linalg.norm(one.astype(np.float64) - other))
     env = E.op_envelope("functional.embedding", "backward", "grad_input.1", _operand(one),
                         {"grad_output.0": _operand(gy)}, {"input.0": _operand(ids), "input.1": _operand(one)})
-    assert env.family == E.SUM and env.k == 64 and env.rounding > 0
+    assert env.family == ops.SUM and env.k == 64 and env.rounding > 0
     assert 0 < seen and env.judge(seen, seen) == "within"
 
 
