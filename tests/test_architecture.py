@@ -31,7 +31,7 @@ COMPARE_STAGES = [
     ("normalize", {"normalize"}),
     ("align", {"align", "foreach_pairing"}),
     ("measure", {"measure"}),
-    ("judge", {"record_rules", "call_rules", "recheck", "rounding", "judge"}),
+    ("judge", {"record_rules", "call_rules", "rounding", "judge"}),
     ("result", {"envelope_summary", "drift_rounding", "shard_entry", "assemble"}),
     ("orchestration", {"engine", "api"}),
 ]

@@ -121,8 +121,8 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
         if row.io != "in" or row.status not in R.PAIRED:
             continue
         if row.slot in unread:
-            if row.status == R.DIVERGED and explainable(row):
-                explain(row, f"differs (rel L2 {sci(rel_error(row))}) but a batch norm in training mode normalizes with "
+            if row.status == R.DIVERGED and row.explainable():
+                row.explain(f"differs (rel L2 {sci(rel_error(row))}) but a batch norm in training mode normalizes with "
                              "the batch's statistics: its running statistics only receive an update, they make no "
                              "part of the output", "")
             continue
@@ -143,9 +143,9 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             continue
         kind, producer = (PARAM_INPUT, None) if is_param_slot(row.slot) else input_kind(row)
         if kind == PRODUCED and row.status == R.DIVERGED and producer is not None:
-            if producer.status == R.EXPLAINED and explainable(row) and rel_error(row) <= 2 * rel_error(producer) + 1e-12:
+            if producer.status == R.EXPLAINED and row.explainable() and rel_error(row) <= 2 * rel_error(producer) + 1e-12:
                 # the same tensor, whose difference was accepted where it was made
-                explain(row, f"carries the accepted difference made by {producer.key} "
+                row.explain(f"carries the accepted difference made by {producer.key} "
                              f"(rel L2 {sci(rel_error(producer))}): {producer.cause or 'amplified rounding'}")
             elif producer.status in (R.ONLY_A, R.ONLY_B):
                 # made by a call the other run does not have: the runs compute it differently
@@ -162,7 +162,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             producers[id(row)] = producer
             if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
                 # the same tensor as its producer's output: accepted as that one was
-                row.accepted = bool(row.accepted) or rounding_ok(row) or is_accepted(producer)
+                row.accepted = bool(row.accepted) or row.rounding_ok() or producer.is_accepted()
         (carriers if is_carrier(kind, row.status) else sources).append(row)
         if row.status == R.DIVERGED:
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
@@ -175,7 +175,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     source_rel = max((rel_error(r) for r in sources), default=0.0)
     # every input agreed or its difference was accepted: what the output may differ by is
     # what those differences explain through the op (judged below), not a new error
-    accepted = not sources and not changed_args and all(is_accepted(r) for r in carriers)
+    accepted = not sources and not changed_args and all(r.is_accepted() for r in carriers)
     amplifier = spec(rows[0].op).amplifies if rows else False
     summary = [input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     summary += [input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
@@ -196,11 +196,11 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.reasons.append("computed with a changed argument")
         if row.status != R.DIVERGED:
             if row.status in R.WITHIN and not changed_args:
-                row.accepted = bool(row.accepted) or rounding_ok(row) or (accepted and (
+                row.accepted = bool(row.accepted) or row.rounding_ok() or (accepted and (
                     _explains(carriers, rel_error(row), carried_rel) or (amplifier and carried_rel > 0)))
             continue
         if not changed_args and _within_scaled_budget(row):
-            explain(row, f"a cancelling sum: tiny against the tensor it was reduced from (norm "
+            row.explain(f"a cancelling sum: tiny against the tensor it was reduced from (norm "
                          f"{row.scale_norm:.3g}, its own {row.metrics.ref_norm:.3g}); judged against that scale it "
                          f"is within tolerance", R.AMPLIFIED)
             continue
@@ -213,13 +213,13 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.origin = R.INTRODUCED
             row.cause = cause_text(changed_args + dtype_args, sources if from_source else [], kinds, producers,
                                False, carriers, out_rel, carried_rel)
-        elif accepted and explainable(row) and (within_ratio or conditioned):
-            explain(row, amplified_cause(row, carriers, out_rel, carried_rel, within_ratio), R.AMPLIFIED)
+        elif accepted and row.explainable() and (within_ratio or conditioned):
+            row.explain(amplified_cause(row, carriers, out_rel, carried_rel, within_ratio), R.AMPLIFIED)
         elif within_ratio:
             row.origin = R.INHERITED
             worst = max(carriers, key=rel_error)
             row.cause = inherited_cause(worst, kinds[id(worst)], producers.get(id(worst)), out_rel)
-        elif conditioned and explainable(row):
+        elif conditioned and row.explainable():
             row.origin = R.AMPLIFIED
             row.cause = amplified_cause(row, carriers, out_rel, carried_rel, False)
         else:
@@ -235,19 +235,6 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     _unused_inputs(rows, outputs, kinds)
 
 
-def accepted_difference(row: R.RecordRow) -> bool:
-    """An accepted output that differs at all: the next step file accepts the same values again
-    when it reads them (a parameter the optimizer updated, judged here with the precision of
-    what it was computed from, read there as a float32 parameter)."""
-    m = row.metrics
-    return is_accepted(row) and m is not None and m.evidence != "value" and m.err_l2 > 0
-
-
-def is_accepted_carry(row: R.RecordRow) -> bool:
-    """A divergent record that may carry an accepted difference from an earlier step (sized)."""
-    return explainable(row)
-
-
 def _accept_assembled(carriers, kinds) -> None:
     """A buffer that unrecorded framework code assembled from gradients linked to the call
     (FSDP2's reduce-scatter input: the flat copy of its module's local gradients, linked as
@@ -255,15 +242,15 @@ def _accept_assembled(carriers, kinds) -> None:
     difference is accepted and the buffer's is within twice the largest (a cast to the
     reduce dtype rounds once more), the buffer's is accepted too."""
     linked = [r for r in carriers if r.slot.startswith(LOCAL_GRAD)]
-    if not linked or not all(is_accepted(r) for r in linked):
+    if not linked or not all(r.is_accepted() for r in linked):
         return
     largest = max(linked, key=rel_error)
     bound = 2 * rel_error(largest) + 1e-12
     for row in carriers:
-        if kinds[id(row)] != UNRECORDED or not explainable(row) or rel_error(row) > bound:
+        if kinds[id(row)] != UNRECORDED or not row.explainable() or rel_error(row) > bound:
             continue
         if row.status == R.DIVERGED:
-            explain(row, f"assembled from the local gradients linked to this call, whose differences are "
+            row.explain(f"assembled from the local gradients linked to this call, whose differences are "
                          f"accepted (largest: {largest.key}, rel L2 {sci(rel_error(largest))})")
         elif row.status in R.WITHIN and row.accepted is None:
             row.accepted = True
@@ -284,29 +271,6 @@ def _explains(carriers, out_rel: float, carried_rel: float) -> bool:
     theirs, and, for inputs that differ by more than their own size (rounding noise compared
     with rounding noise), the growth of a product of two such inputs ((1 + e)^2 - 1)."""
     return bool(carriers) and out_rel <= AMPLIFICATION * carried_rel * max(1.0, 1.0 + carried_rel)
-
-
-def rounding_ok(row: R.RecordRow) -> bool:
-    """Its difference is within the relative tolerance of its scale (its own norm, or the norm
-    of what it was reduced from): rounding, not a small real difference hidden under the
-    absolute floor atol."""
-    m = row.metrics
-    if m is None or m.evidence == "value" or m.err_l2 == 0:
-        return True
-    if m.nan_mismatch or m.inf_mismatch or not math.isfinite(m.err_l2):
-        return False
-    # statistics and checksum evidence: the lower bound is all there is (as for the status)
-    return m.err_l2 <= (row.rtol or 0.0) * max(m.ref_norm, row.scale_norm)
-
-
-def is_accepted(row: R.RecordRow) -> bool:
-    """The row's difference is one a correct run may have: explained, or within tolerance and
-    rounding (or explained by accepted differences, as judge_call decided for outputs)."""
-    if row.status == R.EXPLAINED:
-        return True
-    if row.status not in R.WITHIN:
-        return False
-    return row.accepted if row.accepted is not None else rounding_ok(row)
 
 
 def _reduction_scales(rows, outputs) -> None:
@@ -340,31 +304,9 @@ def _reduction_scales(rows, outputs) -> None:
 
 def _within_scaled_budget(row: R.RecordRow) -> bool:
     m = row.metrics
-    if not row.scale_norm or row.scale_norm <= m.ref_norm or not explainable(row) or row.rtol is None:
+    if not row.scale_norm or row.scale_norm <= m.ref_norm or not row.explainable() or row.rtol is None:
         return False
     return m.err_l2 <= row.rtol * row.scale_norm + (row.atol or 0.0) * math.sqrt(max(m.numel, 0))
-
-
-def explainable(row: R.RecordRow) -> bool:
-    """A difference that other differences can explain: a sized, finite one (NaN or Inf on
-    one side only, a shape change or a tensor against a value never is)."""
-    m = row.metrics
-    if m is None or m.evidence == "value" or m.nan_mismatch or m.inf_mismatch:
-        return False
-    if row.size_unknown or (row.shape_a and row.shape_b and row.shape_a != row.shape_b):
-        return False
-    return math.isfinite(m.rel_l2)
-
-
-def explain(row: R.RecordRow, cause: str, origin: str = R.AMPLIFIED) -> None:
-    """Accept a difference beyond the row's own tolerance that accepted differences explain."""
-    row.status = R.EXPLAINED
-    row.origin = origin
-    row.cause = cause
-    row.divergence = ""
-    kept = [r for r in row.reasons if not (r.startswith("rel L2 ") and " tolerance (score " in r)]
-    row.notes.extend(f"{R.EXPLAINED} ({r})" for r in row.reasons if r not in kept)
-    row.reasons = kept
 
 
 def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRow]) -> None:
@@ -381,7 +323,7 @@ def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRo
     if not call or call[0].kind != "module":
         return
     outputs = [r for r in call if r.io == "out" and r.status == R.DIVERGED and r.origin == R.INTRODUCED
-               and r.divergence == R.OUTPUT and explainable(r)]
+               and r.divergence == R.OUTPUT and r.explainable()]
     orders = [r.order for r in call if r.order]
     if not outputs or not orders:
         return
@@ -396,20 +338,9 @@ def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRo
     worst = max(inside, key=rel_error)
     for row in outputs:
         if rel_error(row) <= AMPLIFICATION * rel_error(worst):
-            explain(row, f"every api call recorded inside {head.module or 'the root module'} agrees or is "
+            row.explain(f"every api call recorded inside {head.module or 'the root module'} agrees or is "
                          f"explained (largest: {worst.key}, rel L2 {sci(rel_error(worst))}); this output puts their "
                          f"results together (rel L2 {sci(rel_error(row))}) in code probe does not record")
-
-
-def unexplain(row: R.RecordRow, cause: str) -> None:
-    """Undo explain(): the output is a divergence its own op introduced."""
-    row.status = R.DIVERGED
-    row.origin = R.INTRODUCED
-    row.divergence = R.OUTPUT
-    row.cause = cause
-    row.reasons.extend(note.removeprefix(f"{R.EXPLAINED} (").removesuffix(")") for note in row.notes
-                       if note.startswith(f"{R.EXPLAINED} ("))
-    row.notes = [note for note in row.notes if not note.startswith(f"{R.EXPLAINED} (")]
 
 
 def _unread_running_statistics(rows) -> frozenset:
@@ -433,8 +364,8 @@ def _unused_inputs(rows, outputs, kinds) -> None:
         return
     for row in rows:
         if row.io == "in" and row.status == R.DIVERGED and kinds.get(id(row)) in (EXTERNAL, CARRIED, UNRECORDED) \
-                and explainable(row):
-            explain(row, f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
+                and row.explainable():
+            row.explain(f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
                          f"here (a buffer such as BatchNorm's running statistics in training mode)", "")
 
 
@@ -458,7 +389,7 @@ def explain_different_kernels(rows: list) -> None:
         return
     producers = ", ".join(sorted({item.get("producer") or "?" for item in divergent}))
     for row in inputs + outputs:
-        explain(row, f"the runs compute its input with different kernels ({producers} has no partner), "
+        row.explain(f"the runs compute its input with different kernels ({producers} has no partner), "
                              f"whose {row.tol_dtype} roundings differ by more than the tolerance's two: within "
                              f"{KERNEL_SLACK:g}x it (score {row.score:.3g}), not a divergence", R.INHERITED)
 

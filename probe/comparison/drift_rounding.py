@@ -20,7 +20,6 @@ that counts, step verdicts, the headline ("PASS: the runs differ by rounding onl
 from __future__ import annotations
 
 from probe.comparison import result as R
-from probe.comparison.call_rules import explain
 from probe.comparison.result import count_rows
 from probe.comparison.rounding import ROUNDING
 
@@ -51,7 +50,7 @@ def settle(drift: dict, rows, steps_info: list[dict], strict: bool) -> str | Non
     for row in settled:
         envelope = row.envelope
         within = f"; {envelope['text']}" if envelope else ""
-        explain(row, f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
+        row.explain(f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
                      f"rounding{within}", ROUNDING)
     by_file: dict = {}
     for row in rows:

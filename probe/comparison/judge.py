@@ -6,7 +6,7 @@ order their outputs were made, so that what made a call's inputs is judged befor
 (call_rules.py: introduced, inherited, explained as amplified rounding; two kernels of one
 computation). Where the tensors were dumped, an output accepted as amplified by an
 elementwise op is checked by replaying the op in float64 on each run's own inputs
-(recheck.py). Last, the precision rule: an op one run computes in a lower dtype by the
+(rounding.py). Last, the precision rule: an op one run computes in a lower dtype by the
 model's own casts. The rules over every step file (assemble.py) come after; the op
 summaries are made from the rows after them. The judge reads no record column: measure put
 what it needs into each Measurement.
@@ -38,16 +38,11 @@ from __future__ import annotations
 from collections import Counter
 
 from probe.comparison import result as R
-from probe.comparison.call_rules import (
-    accepted_difference, explain, explain_different_kernels, explain_module_by_its_calls, is_accepted_carry,
-    judge_call,
-)
+from probe.comparison.call_rules import explain_different_kernels, explain_module_by_its_calls, judge_call
 from probe.comparison.record_rules import (
     StaleRecords, judge_checksum_change, judge_shape, judge_tensor, judge_value,
 )
-from probe.comparison.measure import STATS
-from probe.comparison.recheck import recheck_amplified
-from probe.comparison.rounding import judge_envelopes, judge_untouched
+from probe.comparison.rounding import ACCEPTED, REPLAYED_DIFFERENTLY, recheck_amplified, judge_envelopes, judge_untouched
 from probe.comparison.records import is_param_slot
 from probe.comparison.structs import (
     ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement, Slot, StepOutcome, rel_error, sci,
@@ -99,9 +94,10 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
             judge_call(call, input_kind, forward, values)
             explain_different_kernels(call)
             explain_module_by_its_calls(call, rows)
-            recheck_amplified(slots, measured)
-            judge_envelopes(_with_stats(slots, of_row), _with_stats(forward_slots.get(_call_key(slots), ()), of_row)
-                            if pair.phase == "backward" else (), input_kind, strict, baseline)
+            apply(recheck_amplified(slots, measured))
+            apply(judge_envelopes(_with_operands(slots, of_row),
+                                  _with_operands(forward_slots.get(_call_key(slots), ()), of_row)
+                                  if pair.phase == "backward" else (), input_kind, strict, baseline))
             calls.append((call, forward))
         rows.extend(call)
     rows.sort(key=lambda row: row.order)
@@ -121,7 +117,7 @@ def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:
     updated = {row.target for row in rows if row.target}  # parameters a recorded optimizer call updates
     for slot in (slot for slots in per_pair for slot in slots):
         row = slot.row
-        if row.io == "out" and slot.a is not None and accepted_difference(row):
+        if row.io == "out" and slot.a is not None and row.accepted_difference():
             key = of_row[id(row)].content_key
             if key is not None:
                 explained[key] = (row.key, row.metrics.rel_l2 if row.metrics is not None else None)
@@ -152,7 +148,7 @@ def _judge_records(measured: MeasuredStep, previous_explained: dict | None, stri
         untouched = _untouched(row, item.kind, item.order, measured.aligned.step, measured.backward_from, differed)
         judge_checksum_change(row, untouched)
         if untouched and not strict:
-            judge_untouched(row, item.kind)
+            apply([found] if (found := judge_untouched(row, item.kind)) else [])
         differed = differed or _differs(row)
     return stale
 
@@ -205,14 +201,14 @@ def _carry_accepted(item: Measurement, previous_explained: dict | None) -> None:
         earlier = None
     elif earlier is not None:
         earlier = earlier[0]
-    if earlier is not None and row.status == R.DIVERGED and is_accepted_carry(row):
-        explain(row, f"carries the accepted difference of {earlier} from the previous step")
+    if earlier is not None and row.status == R.DIVERGED and row.explainable():
+        row.explain(f"carries the accepted difference of {earlier} from the previous step")
     elif earlier is not None and row.status in R.WITHIN:
         row.accepted = True
-    elif previous_explained and row.status == R.DIVERGED and is_accepted_carry(row):
+    elif previous_explained and row.status == R.DIVERGED and row.explainable():
         grad = previous_explained.get(("param", item.param))
         if grad is not None:
-            explain(row, f"an optimizer step that is not recorded (level \"module\") updated this "
+            row.explain(f"an optimizer step that is not recorded (level \"module\") updated this "
                          f"parameter from a gradient whose difference was accepted ({grad}); Adam-type "
                          "optimizers turn a rounding-noise gradient into an lr-sized update")
 
@@ -225,14 +221,34 @@ def _call_key(slots: list[Slot]) -> tuple | None:
     return head.module, head.op, head.index
 
 
-def _with_stats(slots, of_row: dict) -> list:
-    """[(RecordRow, A's statistics by name or None)]: what the envelope rules read of a call."""
+def _with_operands(slots, of_row: dict) -> list:
+    """[(RecordRow, A's recorded Operand or None)]: what the envelope rules read of a call."""
     found = []
     for slot in slots:
         m = of_row.get(id(slot.row))
-        stats = m.stats[0] if m is not None and m.stats else None
-        found.append((slot.row, dict(zip(STATS, stats)) if stats is not None else None))
+        found.append((slot.row, m.operand if m is not None else None))
     return found
+
+
+def apply(findings) -> None:
+    """Write what the rounding rules found (rounding.Finding) into the rows."""
+    for found in findings:
+        row = found.row
+        if found.envelope is not None:
+            row.envelope = found.envelope
+        if found.verdict == R.EXPLAINED:
+            row.explain(found.cause, found.origin)
+        elif found.verdict == REPLAYED_DIFFERENTLY:
+            row.unexplain(found.cause)
+        elif found.verdict == ACCEPTED:
+            row.accepted = True
+        else:
+            row.status = found.verdict or row.status
+            row.divergence = row.divergence if found.divergence is None else found.divergence
+            row.origin = row.origin if found.origin is None else found.origin
+            row.cause = row.cause if found.cause is None else found.cause
+            if found.reason:
+                row.reasons.append(found.reason)
 
 
 def _forward_rows(pairs, per_pair, slots: bool = False) -> dict:

@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from probe.comparison.envelope import Operand
 from probe.comparison.metrics import (
     Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
@@ -135,10 +136,11 @@ def _measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b
     values = (None, None)
     if metrics is not None and metrics.evidence == "value":
         values = (parse_value(metrics.value_a or ""), parse_value(metrics.value_b or ""))
+    stats = (_in_place_stats(cols_a, row_a), _in_place_stats(cols_b, row_b))
     return Measurement(slot, kind, producer, order, what, metrics, tol, values=values,
                        texts=(cols_a["value"][row_a], cols_b["value"][row_b]),
                        content_key=content_key(cols_a, row_a), param=_param_name(cols_a, row, kind, producer),
-                       stats=(_in_place_stats(cols_a, row_a), _in_place_stats(cols_b, row_b)), input_stats=inputs)
+                       stats=stats, input_stats=inputs, operand=_operand(cols_a, row_a) if stats[0] else None)
 
 
 def _param_name(cols: dict, row: RecordRow, kind: str, producer: int | None) -> str | None:
@@ -176,7 +178,7 @@ def content_keys(records: Records) -> set:
 
 
 #: the statistics of a record a Measurement holds (stats): what an in-place write check compares
-#: (record_rules.StaleRecords) and what the rounding envelopes read (rounding.operand)
+#: (record_rules.StaleRecords)
 STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
 
 
@@ -187,6 +189,14 @@ def _in_place_stats(cols: dict, row: int | None):
     if all(isinstance(v, float) and math.isnan(v) for v in values[:4]):
         return None
     return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values)
+
+
+def _operand(cols: dict, row: int) -> Operand:
+    """A's recorded tensor as the rounding envelopes read it: its statistics, parsed once."""
+    norm = float(cols["norm"][row])
+    return Operand(numel=int(cols["numel"][row]), norm=norm if math.isfinite(norm) else math.inf,
+                   min=float(cols["min"][row]), max=float(cols["max"][row]), mean=float(cols["mean"][row]),
+                   shape=parse_shape(cols["shape"][row]), dtype=cols["dtype"][row])
 
 
 def _moved(paired, cols_a: dict, cols_b: dict) -> dict:

@@ -32,9 +32,74 @@ from dataclasses import dataclass, field, replace
 
 from probe.comparison.structs import (  # noqa: F401  the names every report reads from here
     AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
-    ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, OpSummary, RecordRow,
-    StepOutcome, count_rows, forward_carriers, is_carrier, json_safe, rel_error, sharded_only_rows, where_text,
+    ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, RecordRow,
+    StepOutcome, count_rows, forward_carriers, is_carrier, json_safe, rel_error, sharded_only_rows,
 )
+
+
+@dataclass(frozen=True)
+class OpSummary:
+    """One call pair ranked by the error it introduces (top_ops): made from the final rows of
+    the call, once every rule has run (result.summarize_call), and never written after."""
+
+    step: int
+    rank: int
+    module: str
+    op: str
+    index: int
+    phase: str
+    key: str
+    kind: str
+    introduced: float  # output score minus the largest score of its produced inputs (tolerance units)
+    output_rel_l2: float
+    input_rel_l2: float
+    ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)
+    diverged: bool
+    origin: str
+    source: str = ""
+    where: list = field(default_factory=list)  # every (step, rank) where this op adds error
+    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
+    diverged_in: int = 0  # in how many of those its output is beyond tolerance
+
+    def to_dict(self) -> dict:
+        data = dict(self.__dict__)
+        where = data.pop("where") or [(self.step, self.rank)]
+        data["occurrences"] = len(where)
+        data["where"] = [{"step": step, "rank": rank} for step, rank in where]
+        data["where_text"] = where_text(where)
+        return json_safe(data)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    parts, start, previous = [], None, None
+    for number in sorted(set(numbers)):
+        if start is None:
+            start = previous = number
+        elif number == previous + 1:
+            previous = number
+        else:
+            parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+            start = previous = number
+    if start is not None:
+        parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+    return ", ".join(parts)
+
+
+def _counted(word: str, numbers: list[int]) -> str:
+    return f"{word}{'s' if len(set(numbers)) > 1 else ''} {_ranges(numbers)}"
+
+
+def where_text(pairs) -> str:
+    """(step, rank) pairs -> "steps 0-4, rank 0"; "steps 0-1, ranks 0-1; step 3, rank 0"."""
+    by_step: dict[int, list[int]] = {}
+    for step, rank in pairs:
+        by_step.setdefault(step, []).append(rank)
+    by_ranks: dict[tuple, list[int]] = {}
+    for step in sorted(by_step):
+        by_ranks.setdefault(tuple(sorted(set(by_step[step]))), []).append(step)
+    segments = sorted(by_ranks.items(), key=lambda item: item[1][0])
+    return "; ".join(f"{_counted('step', steps)}, {_counted('rank', list(ranks))}" for ranks, steps in segments)
 
 
 @dataclass

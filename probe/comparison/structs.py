@@ -30,6 +30,7 @@ from probe.comparison.metrics import Metrics
 from probe.comparison.ops import is_collective_op
 
 if TYPE_CHECKING:
+    from probe.comparison.envelope import Operand
     from probe.comparison.result import PrecisionTally
 
 # row status
@@ -203,6 +204,8 @@ class Measurement:
     #: it), that the in-place write check compares (record_rules.StaleRecords)
     stats: tuple = (None, None)
     input_stats: tuple | None = None
+    #: A's recorded tensor, its statistics parsed, as the rounding envelopes read it (None: none)
+    operand: Operand | None = None
 
     @property
     def row(self) -> RecordRow:
@@ -315,6 +318,66 @@ class RecordRow:
             and m.sketch is None  # sketches measure the change
         )
 
+    # the row's verdict as the judge's rules read and write it
+
+    def rounding_ok(self) -> bool:
+        """Its difference is within the relative tolerance of its scale (its own norm, or the norm
+        of what it was reduced from): rounding, not a small real difference hidden under the
+        absolute floor atol."""
+        m = self.metrics
+        if m is None or m.evidence == "value" or m.err_l2 == 0:
+            return True
+        if m.nan_mismatch or m.inf_mismatch or not math.isfinite(m.err_l2):
+            return False
+        # statistics and checksum evidence: the lower bound is all there is (as for the status)
+        return m.err_l2 <= (self.rtol or 0.0) * max(m.ref_norm, self.scale_norm)
+
+    def is_accepted(self) -> bool:
+        """Its difference is one a correct run may have: explained, or within tolerance and
+        rounding (or explained by accepted differences, as call_rules.judge_call decided)."""
+        if self.status == EXPLAINED:
+            return True
+        if self.status not in WITHIN:
+            return False
+        return self.accepted if self.accepted is not None else self.rounding_ok()
+
+    def accepted_difference(self) -> bool:
+        """An accepted output that differs at all: the next step file accepts the same values
+        again when it reads them (a parameter the optimizer updated, judged here with the
+        precision of what it was computed from, read there as a float32 parameter)."""
+        m = self.metrics
+        return self.is_accepted() and m is not None and m.evidence != "value" and m.err_l2 > 0
+
+    def explainable(self) -> bool:
+        """A difference that other differences can explain: a sized, finite one (NaN or Inf on
+        one side only, a shape change or a tensor against a value never is)."""
+        m = self.metrics
+        if m is None or m.evidence == "value" or m.nan_mismatch or m.inf_mismatch:
+            return False
+        if self.size_unknown or (self.shape_a and self.shape_b and self.shape_a != self.shape_b):
+            return False
+        return math.isfinite(m.rel_l2)
+
+    def explain(self, cause: str, origin: str = AMPLIFIED) -> None:
+        """Accept a difference beyond its own tolerance that accepted differences explain."""
+        self.status = EXPLAINED
+        self.origin = origin
+        self.cause = cause
+        self.divergence = ""
+        kept = [r for r in self.reasons if not (r.startswith("rel L2 ") and " tolerance (score " in r)]
+        self.notes.extend(f"{EXPLAINED} ({r})" for r in self.reasons if r not in kept)
+        self.reasons = kept
+
+    def unexplain(self, cause: str) -> None:
+        """Undo explain(): the output is a divergence its own op introduced."""
+        self.status = DIVERGED
+        self.origin = INTRODUCED
+        self.divergence = OUTPUT
+        self.cause = cause
+        self.reasons.extend(note.removeprefix(f"{EXPLAINED} (").removesuffix(")") for note in self.notes
+                            if note.startswith(f"{EXPLAINED} ("))
+        self.notes = [note for note in self.notes if not note.startswith(f"{EXPLAINED} (")]
+
     def to_dict(self) -> dict:
         data = {
             "step": self.step,
@@ -355,39 +418,6 @@ class RecordRow:
             data["input_errors"] = list(self.input_errors)
         if self.envelope is not None:
             data["envelope"] = dict(self.envelope)
-        return json_safe(data)
-
-
-@dataclass(frozen=True)
-class OpSummary:
-    """One call pair ranked by the error it introduces (top_ops): made from the final rows of
-    the call, once every rule has run (result.summarize_call), and never written after."""
-
-    step: int
-    rank: int
-    module: str
-    op: str
-    index: int
-    phase: str
-    key: str
-    kind: str
-    introduced: float  # output score minus the largest score of its produced inputs (tolerance units)
-    output_rel_l2: float
-    input_rel_l2: float
-    ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)
-    diverged: bool
-    origin: str
-    source: str = ""
-    where: list = field(default_factory=list)  # every (step, rank) where this op adds error
-    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
-    diverged_in: int = 0  # in how many of those its output is beyond tolerance
-
-    def to_dict(self) -> dict:
-        data = dict(self.__dict__)
-        where = data.pop("where") or [(self.step, self.rank)]
-        data["occurrences"] = len(where)
-        data["where"] = [{"step": step, "rank": rank} for step, rank in where]
-        data["where_text"] = where_text(where)
         return json_safe(data)
 
 
@@ -468,38 +498,6 @@ def json_safe(value):
     if isinstance(value, (list, tuple)):
         return [json_safe(item) for item in value]
     return value
-
-
-def _ranges(numbers: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    parts, start, previous = [], None, None
-    for number in sorted(set(numbers)):
-        if start is None:
-            start = previous = number
-        elif number == previous + 1:
-            previous = number
-        else:
-            parts.append(f"{start}-{previous}" if previous != start else f"{start}")
-            start = previous = number
-    if start is not None:
-        parts.append(f"{start}-{previous}" if previous != start else f"{start}")
-    return ", ".join(parts)
-
-
-def _counted(word: str, numbers: list[int]) -> str:
-    return f"{word}{'s' if len(set(numbers)) > 1 else ''} {_ranges(numbers)}"
-
-
-def where_text(pairs) -> str:
-    """(step, rank) pairs -> "steps 0-4, rank 0"; "steps 0-1, ranks 0-1; step 3, rank 0"."""
-    by_step: dict[int, list[int]] = {}
-    for step, rank in pairs:
-        by_step.setdefault(step, []).append(rank)
-    by_ranks: dict[tuple, list[int]] = {}
-    for step in sorted(by_step):
-        by_ranks.setdefault(tuple(sorted(set(by_step[step]))), []).append(step)
-    segments = sorted(by_ranks.items(), key=lambda item: item[1][0])
-    return "; ".join(f"{_counted('step', steps)}, {_counted('rank', list(ranks))}" for ranks, steps in segments)
 
 
 def sci(value: float) -> str:

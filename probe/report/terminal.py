@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from probe.comparison import envelope_summary, result as R
 from probe.comparison import load
-from probe.comparison.structs import where_text
+from probe.comparison.result import where_text
 from probe.report.fmt import err, num
 
 # kept for callers of the old name
