@@ -47,7 +47,7 @@ from probe.comparison import result as R
 from probe.comparison.record_rules import (
     amplified_cause, cause_text, inherited_cause, input_summary,
 )
-from probe.comparison.ops import BATCH_NORM_TRAINING, MEANS, RUNNING_STATISTICS, is_batch_norm, spec
+from probe.comparison.ops import BATCH_NORM_TRAINING, MEANS, RUNNING_STATISTICS, is_batch_norm
 from probe.comparison.records import LOCAL_GRAD, is_param_slot, module_within
 from probe.comparison.structs import (
     CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
@@ -121,7 +121,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
         if row.io != "in" or row.status not in R.PAIRED:
             continue
         if row.slot in unread:
-            if row.status == R.DIVERGED and row.explainable():
+            if row.status == R.DIVERGED and row.explainable:
                 row.explain(f"differs (rel L2 {sci(rel_error(row))}) but a batch norm in training mode normalizes with "
                              "the batch's statistics: its running statistics only receive an update, they make no "
                              "part of the output", "")
@@ -143,7 +143,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             continue
         kind, producer = (PARAM_INPUT, None) if is_param_slot(row.slot) else input_kind(row)
         if kind == PRODUCED and row.status == R.DIVERGED and producer is not None:
-            if producer.status == R.EXPLAINED and row.explainable() and rel_error(row) <= 2 * rel_error(producer) + 1e-12:
+            if producer.status == R.EXPLAINED and row.explainable and rel_error(row) <= 2 * rel_error(producer) + 1e-12:
                 # the same tensor, whose difference was accepted where it was made
                 row.explain(f"carries the accepted difference made by {producer.key} "
                              f"(rel L2 {sci(rel_error(producer))}): {producer.cause or 'amplified rounding'}")
@@ -162,7 +162,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             producers[id(row)] = producer
             if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
                 # the same tensor as its producer's output: accepted as that one was
-                row.accepted = bool(row.accepted) or row.rounding_ok() or producer.is_accepted()
+                row.accepted = bool(row.accepted) or row.rounding_ok or producer.is_accepted
         (carriers if is_carrier(kind, row.status) else sources).append(row)
         if row.status == R.DIVERGED:
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
@@ -175,8 +175,8 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     source_rel = max((rel_error(r) for r in sources), default=0.0)
     # every input agreed or its difference was accepted: what the output may differ by is
     # what those differences explain through the op (judged below), not a new error
-    accepted = not sources and not changed_args and all(r.is_accepted() for r in carriers)
-    amplifier = spec(rows[0].op).amplifies if rows else False
+    accepted = not sources and not changed_args and all(r.is_accepted for r in carriers)
+    amplifier = rows[0].spec.amplifies if rows else False
     summary = [input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     summary += [input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
     outputs = [row for row in rows if row.io == "out" and row.status in R.PAIRED]
@@ -196,7 +196,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.reasons.append("computed with a changed argument")
         if row.status != R.DIVERGED:
             if row.status in R.WITHIN and not changed_args:
-                row.accepted = bool(row.accepted) or row.rounding_ok() or (accepted and (
+                row.accepted = bool(row.accepted) or row.rounding_ok or (accepted and (
                     _explains(carriers, rel_error(row), carried_rel) or (amplifier and carried_rel > 0)))
             continue
         if not changed_args and _within_scaled_budget(row):
@@ -213,13 +213,13 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.origin = R.INTRODUCED
             row.cause = cause_text(changed_args + dtype_args, sources if from_source else [], kinds, producers,
                                False, carriers, out_rel, carried_rel)
-        elif accepted and row.explainable() and (within_ratio or conditioned):
+        elif accepted and row.explainable and (within_ratio or conditioned):
             row.explain(amplified_cause(row, carriers, out_rel, carried_rel, within_ratio), R.AMPLIFIED)
         elif within_ratio:
             row.origin = R.INHERITED
             worst = max(carriers, key=rel_error)
             row.cause = inherited_cause(worst, kinds[id(worst)], producers.get(id(worst)), out_rel)
-        elif conditioned and row.explainable():
+        elif conditioned and row.explainable:
             row.origin = R.AMPLIFIED
             row.cause = amplified_cause(row, carriers, out_rel, carried_rel, False)
         else:
@@ -242,12 +242,12 @@ def _accept_assembled(carriers, kinds) -> None:
     difference is accepted and the buffer's is within twice the largest (a cast to the
     reduce dtype rounds once more), the buffer's is accepted too."""
     linked = [r for r in carriers if r.slot.startswith(LOCAL_GRAD)]
-    if not linked or not all(r.is_accepted() for r in linked):
+    if not linked or not all(r.is_accepted for r in linked):
         return
     largest = max(linked, key=rel_error)
     bound = 2 * rel_error(largest) + 1e-12
     for row in carriers:
-        if kinds[id(row)] != UNRECORDED or not row.explainable() or rel_error(row) > bound:
+        if kinds[id(row)] != UNRECORDED or not row.explainable or rel_error(row) > bound:
             continue
         if row.status == R.DIVERGED:
             row.explain(f"assembled from the local gradients linked to this call, whose differences are "
@@ -285,7 +285,7 @@ def _reduction_scales(rows, outputs) -> None:
                        and r.metrics.evidence != "value"), None)
         sums = ""
     else:
-        sums = spec(head.op).sums
+        sums = head.spec.sums
         source = next((r for r in rows if r.slot == "input.0" and r.metrics is not None
                        and r.metrics.evidence != "value"), None) if sums else None
     if source is None or not source.metrics.numel:
@@ -304,7 +304,7 @@ def _reduction_scales(rows, outputs) -> None:
 
 def _within_scaled_budget(row: R.RecordRow) -> bool:
     m = row.metrics
-    if not row.scale_norm or row.scale_norm <= m.ref_norm or not row.explainable() or row.rtol is None:
+    if not row.scale_norm or row.scale_norm <= m.ref_norm or not row.explainable or row.rtol is None:
         return False
     return m.err_l2 <= row.rtol * row.scale_norm + (row.atol or 0.0) * math.sqrt(max(m.numel, 0))
 
@@ -323,7 +323,7 @@ def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRo
     if not call or call[0].kind != "module":
         return
     outputs = [r for r in call if r.io == "out" and r.status == R.DIVERGED and r.origin == R.INTRODUCED
-               and r.divergence == R.OUTPUT and r.explainable()]
+               and r.divergence == R.OUTPUT and r.explainable]
     orders = [r.order for r in call if r.order]
     if not outputs or not orders:
         return
@@ -364,7 +364,7 @@ def _unused_inputs(rows, outputs, kinds) -> None:
         return
     for row in rows:
         if row.io == "in" and row.status == R.DIVERGED and kinds.get(id(row)) in (EXTERNAL, CARRIED, UNRECORDED) \
-                and row.explainable():
+                and row.explainable:
             row.explain(f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
                          f"here (a buffer such as BatchNorm's running statistics in training mode)", "")
 

@@ -40,10 +40,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from probe.comparison.structs import sci
 from probe.comparison.ops import (
     ADDCDIV, ADDCMUL, ATTENTION, BROADCAST, CAST, CHANNELS, CONCAT, CONV, COPY, DIVIDE, DOT, ELEMENTWISE, EXP,
     GATHER, LERP, LOG, LOG1P, LOSS, MEANS, NORM, OPTIMIZER, POW, PRODUCT, QUOTIENT, RECIPROCAL, RSQRT, SAMPLES,
-    SHIFT, SOFTMAX, SQRT, SQUARE, SUM, OpSpec, spec,
+    SHIFT, SOFTMAX, SQRT, SQUARE, SUM, OpSpec,
 )
 
 #: lambda of Higham and Mary's probabilistic bound: failure probability 2 exp(-lambda^2/2) = 3e-8
@@ -179,6 +180,44 @@ class Envelope:
         return {"family": self.family, "k": self.k, "u": self.u, "conditioning": self.conditioning,
                 "rounding": self.rounding, "propagated": self.propagated, "expected": self.expected}
 
+    def report(self, band: tuple, divergent) -> dict:
+        """What a row reports of its envelope (RecordRow.envelope): band, the (low, seen, high)
+        of its measured difference, against what rounding alone makes here and upstream
+        (divergent: the input slots whose difference is no rounding)."""
+        low, seen, high = band
+        expected = self.expected_without(divergent)
+        return dict(self.to_dict(), expected=expected, seen=seen, low=low, high=high if math.isfinite(high) else None,
+                    gap=self.gap(seen, expected), verdict=self.judge(low, high), text=expected_text(expected, seen),
+                    divergent_inputs=sorted(divergent))
+
+
+def with_baseline(env: Envelope | None, measured: float) -> Envelope:
+    """The envelope a trusted second run measured: C - A at this output is what rounding made
+    there, the op's own rounding and its inputs' together. It stands for the op's rounding
+    (never below the model's); the model's part through the inputs is kept where it is bounded."""
+    if env is None or not math.isfinite(env.propagated):
+        family = env.family if env is not None else "measured"
+        return Envelope(f"{family} (measured by the baseline)", env.k if env else 1, env.u if env else 0.0,
+                        1.0, measured, 0.0, [])
+    return Envelope(f"{env.family} (measured by the baseline)", env.k, env.u, env.conditioning,
+                    max(env.rounding, measured), env.propagated, env.parts)
+
+
+def expected_text(expected: float, seen: float) -> str:
+    """expected from rounding: 3.1e-06, seen: 2.0e-06 (0.64x)."""
+    gap = seen / expected if expected > 0 else (0.0 if seen == 0 else math.inf)
+    return f"expected from rounding: {sci(expected)}, seen: {sci(seen)} ({gap:.2g}x)"
+
+
+def judged(op_spec: OpSpec, phase: str, slot: str, out: Operand, inputs: dict, forward: dict, values: dict,
+           band: tuple, divergent, measured: float | None = None) -> tuple[Envelope | None, dict | None]:
+    """(the envelope of one output, what its row reports of it), (None, None) where the model
+    does not know the op; measured: what a trusted second run differs from A by there (with_baseline)."""
+    env = op_envelope(op_spec, phase, slot, out, inputs, forward, values)
+    if measured is not None:
+        env = with_baseline(env, measured)
+    return (env, env.report(band, divergent)) if env is not None else (None, None)
+
 
 def _prod(values) -> int:
     total = 1
@@ -195,16 +234,15 @@ def _sensitivity(parts: list, slot: str, operand: Operand | None, factor: float)
     return share
 
 
-def op_envelope(op: str, phase: str, slot: str, out: Operand, inputs: dict, forward: dict | None = None,
+def op_envelope(op_spec: OpSpec, phase: str, slot: str, out: Operand, inputs: dict, forward: dict | None = None,
                 values: dict | None = None, dtype: str | None = None) -> Envelope | None:
-    """The envelope of output ``slot`` of one call of ``op``.
+    """The envelope of output ``slot`` of one call of an op (its spec: ops.spec(op)).
 
     inputs: slot -> Operand of the call's tensor inputs ("input.0", "input.1", "kwarg.bias",
     "param.weight", "grad_output.0"); forward: the same for the forward call of a backward one;
     values: slot -> plain value (scalars such as addcdiv's value); dtype: the dtype its rounding
     is judged in (the lower-precision side, autocast included; default the output's).
     None where the model does not know the op (the fixed tolerance judges alone)."""
-    op_spec = spec(op)
     fam = op_spec.family
     dtype = dtype or out.dtype
     u = unit_roundoff(dtype)

@@ -117,7 +117,7 @@ def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:
     updated = {row.target for row in rows if row.target}  # parameters a recorded optimizer call updates
     for slot in (slot for slots in per_pair for slot in slots):
         row = slot.row
-        if row.io == "out" and slot.a is not None and row.accepted_difference():
+        if row.io == "out" and slot.a is not None and row.accepted_difference:
             key = of_row[id(row)].content_key
             if key is not None:
                 explained[key] = (row.key, row.metrics.rel_l2 if row.metrics is not None else None)
@@ -201,11 +201,11 @@ def _carry_accepted(item: Measurement, previous_explained: dict | None) -> None:
         earlier = None
     elif earlier is not None:
         earlier = earlier[0]
-    if earlier is not None and row.status == R.DIVERGED and row.explainable():
+    if earlier is not None and row.status == R.DIVERGED and row.explainable:
         row.explain(f"carries the accepted difference of {earlier} from the previous step")
     elif earlier is not None and row.status in R.WITHIN:
         row.accepted = True
-    elif previous_explained and row.status == R.DIVERGED and row.explainable():
+    elif previous_explained and row.status == R.DIVERGED and row.explainable:
         grad = previous_explained.get(("param", item.param))
         if grad is not None:
             row.explain(f"an optimizer step that is not recorded (level \"module\") updated this "

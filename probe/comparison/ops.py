@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -146,6 +146,8 @@ class OpSpec:
     sums: str = ""
     lipschitz: float = 1.0
     replay: Callable[[Replay], object] | None = None
+    #: this spelling writes into its first argument (Tensor.add_, torch._foreach_lerp_)
+    in_place: bool = False
 
 
 def _specs(family: str | None, names: str, **spec) -> dict[str, OpSpec]:
@@ -240,10 +242,14 @@ def op_name(op: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def spec(op: str) -> OpSpec:
-    """The spec of an op (UNKNOWN where compare knows nothing of it). Module classes ending in
-    Norm (LayerNorm, LlamaRMSNorm, BatchNorm2d) are normalizations, those ending in Softmax
-    amplify; a fused_ op of a known family is an optimizer update."""
-    name = op_name(op)
+    """The spec of an op as this spelling calls it (UNKNOWN where compare knows nothing of it)."""
+    found = _named_spec(op_name(op))
+    return replace(found, in_place=True) if is_in_place(op) else found
+
+
+def _named_spec(name: str) -> OpSpec:
+    """Module classes ending in Norm (LayerNorm, LlamaRMSNorm, BatchNorm2d) are normalizations,
+    those ending in Softmax amplify; a fused_ op of a known family is an optimizer update."""
     found = SPECS.get(name)
     if found is not None:
         return found

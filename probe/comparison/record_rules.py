@@ -63,7 +63,6 @@ import re
 
 from probe.comparison import result as R
 from probe.comparison.metrics import Metrics
-from probe.comparison.ops import is_in_place, spec
 from probe.comparison.records import LOCAL_GRAD
 from probe.comparison.structs import (
     CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED, rel_error, sci,
@@ -226,7 +225,7 @@ class StaleRecords:
                     self.readers.append((row, side, seen, number))
                     return
             return
-        if not is_in_place(row.op) or before is None:
+        if not row.spec.in_place or before is None:
             return
         unchanged = [stats[side] is not None and stats[side] == before[side] for side in (0, 1)]
         if unchanged[0] != unchanged[1]:
@@ -239,7 +238,7 @@ class StaleRecords:
         for row, side, seen in self.candidates:
             readers = [(reader, number) for reader, s, stats, number in self.readers if s == side and stats == seen]
             confirmed = any(
-                outputs and all((out.status in R.WITHIN or spec(out.op).amplifies) and id(out) not in candidate_rows
+                outputs and all((out.status in R.WITHIN or out.spec.amplifies) and id(out) not in candidate_rows
                                 for out in outputs)
                 for outputs in (outputs_of(number) for _, number in readers))
             if confirmed:

@@ -48,9 +48,9 @@ import numpy as np
 
 from probe.comparison import result as R
 from probe.comparison.envelope import (
-    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, op_envelope, unit_roundoff,
+    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, expected_text, judged, unit_roundoff,
 )
-from probe.comparison.ops import NotReplayable, Replay, spec
+from probe.comparison.ops import NotReplayable, OpSpec, Replay
 from probe.comparison.records import is_param_slot
 from probe.comparison.sketch import band as sketch_band
 from probe.comparison.structs import AMPLIFIED, EXPLAINED, PARAM_INPUT, PRODUCED, MeasuredStep, Slot, sci
@@ -161,18 +161,6 @@ def measured_envelopes(rows) -> dict:
     return found
 
 
-def with_baseline(env: Envelope | None, measured: float) -> Envelope:
-    """The envelope a trusted second run measured: C - A at this output is what rounding made
-    there, the op's own rounding and its inputs' together. It stands for the op's rounding
-    (never below the model's); the model's part through the inputs is kept where it is bounded."""
-    if env is None or not math.isfinite(env.propagated):
-        family = env.family if env is not None else "measured"
-        return Envelope(f"{family} (measured by the baseline)", env.k if env else 1, env.u if env else 0.0,
-                        1.0, measured, 0.0, [])
-    return Envelope(f"{env.family} (measured by the baseline)", env.k, env.u, env.conditioning,
-                    max(env.rounding, measured), env.propagated, env.parts)
-
-
 def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False,
                     baseline: dict | None = None) -> list[Finding]:
     """Every paired output of one call pair with its envelope, and what the rules above find.
@@ -187,7 +175,7 @@ def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False,
     findings: list[Finding] = []
     changed = None if strict else _changed_input(call_rows, input_kind)
     source_found = changed is None or changed[0].status == R.DIVERGED
-    known = spec(head.op).family is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
+    known = head.spec.family is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
     call = _Call(call_rows, forward_items) if known else None
     for row, recorded in call_rows:
         if row.io != "out" or row.status not in R.PAIRED or recorded is None:
@@ -195,8 +183,7 @@ def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False,
         found = error_band(row)
         if found is None:
             continue
-        env = call.envelope(head, row, recorded, baseline) if call is not None else None
-        envelope = _envelope(env, found, call.divergent) if env is not None else None
+        env, envelope = call.envelope(head, row, recorded, found, baseline) if call is not None else (None, None)
         if strict or found[1] == 0:
             finding = None
         elif changed is not None:  # whatever the op: a copy rounds nothing
@@ -239,7 +226,7 @@ class _Call:
             f"forward.{row.slot}" for row in forward_tensors if row.status == R.DIVERGED}
         # every input's difference is one a correct run may have (rounding, or accepted
         # upstream), not a difference hidden under the absolute floor
-        self.agree = all(row.is_accepted() for row in self.tensor_in + forward_tensors) and not any(
+        self.agree = all(row.is_accepted for row in self.tensor_in + forward_tensors) and not any(
             row.status == R.DIVERGED for row in in_rows)
         # one precision on both sides, here and upstream: where the runs compute in different
         # dtypes (autocast, or the model's own casts) the precision rules decide
@@ -248,24 +235,14 @@ class _Call:
         self.untouched = [row for row in in_rows if row.status == R.DIVERGED and row.envelope is not None
                           and row.envelope["family"] == "untouched"]
 
-    def envelope(self, head, row, recorded, baseline) -> Envelope | None:
+    def envelope(self, head, row, recorded, found, baseline) -> tuple[Envelope | None, dict | None]:
+        """(its envelope, what the row reports of it) of one output; (None, None): none."""
         out = operand(recorded, row)
         if out is None:
-            return None
-        env = op_envelope(head.op, head.phase, row.slot, out, self.inputs, self.forward, self.values,
-                          tolerance_dtype(row.dtype_a, row.dtype_b))
-        if baseline is not None and row.key_a in baseline:
-            env = with_baseline(env, baseline[row.key_a])
-        return env
-
-
-def _envelope(env: Envelope, found, divergent) -> dict:
-    """What a row reports of its envelope (RecordRow.envelope)."""
-    low, seen, high = found
-    expected = env.expected_without(divergent)  # what rounding alone makes, here and upstream
-    return dict(env.to_dict(), expected=expected, seen=seen, low=low, high=high if math.isfinite(high) else None,
-                gap=env.gap(seen, expected), verdict=env.judge(low, high), text=expected_text(expected, seen),
-                divergent_inputs=sorted(divergent))
+            return None, None
+        measured = baseline.get(row.key_a) if baseline is not None else None
+        return judged(head.spec, head.phase, row.slot, out, self.inputs, self.forward, self.values, found,
+                      self.divergent, measured)
 
 
 def _apply(row: R.RecordRow, env: Envelope, envelope: dict, found, call: _Call) -> Finding | None:
@@ -281,7 +258,7 @@ def _apply(row: R.RecordRow, env: Envelope, envelope: dict, found, call: _Call) 
                        f"reads {source.slot}, which differs beyond its rounding envelope")
     if not call.agree or not call.one_precision:
         return None
-    if row.status in (R.MATCH, R.CHANGED) and verdict == "within" and not row.is_accepted():
+    if row.status in (R.MATCH, R.CHANGED) and verdict == "within" and not row.is_accepted:
         # within tolerance only by the absolute floor, yet within what rounding makes from
         # inputs that agree: a rounding difference, accepted where it is read again
         return Finding(row, ACCEPTED)
@@ -309,12 +286,6 @@ def _one_precision(row: R.RecordRow) -> bool:
     if row.metrics is None or row.metrics.evidence == "value" or not row.tol_dtype:
         return True
     return row.dtype_a == row.dtype_b and row.tol_dtype == tolerance_dtype(row.dtype_a, row.dtype_b)
-
-
-def expected_text(expected: float, seen: float) -> str:
-    """expected from rounding: 3.1e-06, seen: 2.0e-06 (0.64x)."""
-    gap = seen / expected if expected > 0 else (0.0 if seen == 0 else math.inf)
-    return f"expected from rounding: {sci(expected)}, seen: {sci(seen)} ({gap:.2g}x)"
 
 
 def _changed_input(call_rows, input_kind):
@@ -395,7 +366,7 @@ def recheck_amplified(slots: list[Slot], measured: MeasuredStep) -> list[Finding
     if not outputs or measured.fetch_a is None or measured.fetch_b is None:
         return findings
     cols_a, cols_b = measured.aligned.records_a.columns, measured.aligned.records_b.columns
-    op = slots[0].row.op
+    op = slots[0].row.spec
     sides = []
     for side, cols, fetch in ((1, cols_a, measured.fetch_a), (2, cols_b, measured.fetch_b)):
         tensors, values = {}, {}
@@ -429,10 +400,10 @@ def recheck_amplified(slots: list[Slot], measured: MeasuredStep) -> list[Finding
     return findings
 
 
-def replay(op: str, tensors: dict, values: dict):
+def replay(op: OpSpec, tensors: dict, values: dict):
     """The op's float64 result from its recorded inputs (its spec's replay, ops.py), or None
     when it has none or its arguments are not all known."""
-    how = spec(op).replay
+    how = op.replay
     if how is None:
         return None
     with np.errstate(all="ignore"):
@@ -442,7 +413,7 @@ def replay(op: str, tensors: dict, values: dict):
             return None
 
 
-def own_error(op: str, side: dict, output: np.ndarray) -> float | None:
+def own_error(op: OpSpec, side: dict, output: np.ndarray) -> float | None:
     """||output - replay(inputs)|| / ||replay||: how far one run's output is from its own
     inputs' float64 result (None when the op cannot be replayed or shapes do not fit)."""
     expected = replay(op, side["tensors"], side["values"])

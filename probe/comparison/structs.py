@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from probe.comparison.metrics import Metrics
-from probe.comparison.ops import is_collective_op
+from probe.comparison.ops import OpSpec, is_collective_op, spec
 
 if TYPE_CHECKING:
     from probe.comparison.envelope import Operand
@@ -308,6 +308,11 @@ class RecordRow:
         return self.key_a or self.key_b
 
     @property
+    def spec(self) -> OpSpec:
+        """What compare knows of its op (ops.py)."""
+        return spec(self.op)
+
+    @property
     def size_unknown(self) -> bool:
         """The checksums differ while the statistics agree within tolerance: the bytes changed,
         but no recorded number says by how much (the rel L2 is only a lower bound)."""
@@ -320,6 +325,7 @@ class RecordRow:
 
     # the row's verdict as the judge's rules read and write it
 
+    @property
     def rounding_ok(self) -> bool:
         """Its difference is within the relative tolerance of its scale (its own norm, or the norm
         of what it was reduced from): rounding, not a small real difference hidden under the
@@ -332,6 +338,7 @@ class RecordRow:
         # statistics and checksum evidence: the lower bound is all there is (as for the status)
         return m.err_l2 <= (self.rtol or 0.0) * max(m.ref_norm, self.scale_norm)
 
+    @property
     def is_accepted(self) -> bool:
         """Its difference is one a correct run may have: explained, or within tolerance and
         rounding (or explained by accepted differences, as call_rules.judge_call decided)."""
@@ -339,15 +346,17 @@ class RecordRow:
             return True
         if self.status not in WITHIN:
             return False
-        return self.accepted if self.accepted is not None else self.rounding_ok()
+        return self.accepted if self.accepted is not None else self.rounding_ok
 
+    @property
     def accepted_difference(self) -> bool:
         """An accepted output that differs at all: the next step file accepts the same values
         again when it reads them (a parameter the optimizer updated, judged here with the
         precision of what it was computed from, read there as a float32 parameter)."""
         m = self.metrics
-        return self.is_accepted() and m is not None and m.evidence != "value" and m.err_l2 > 0
+        return self.is_accepted and m is not None and m.evidence != "value" and m.err_l2 > 0
 
+    @property
     def explainable(self) -> bool:
         """A difference that other differences can explain: a sized, finite one (NaN or Inf on
         one side only, a shape change or a tensor against a value never is)."""
