@@ -25,14 +25,14 @@ LAYERS = [
 #: the compare pipeline (probe/comparison/), stage by stage: a stage may import its own
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
-    ("support", {"__init__", "structs", "records", "mapping", "tolerances", "metrics", "sketch", "result",
+    ("support", {"__init__", "structs", "records", "tolerances", "metrics", "sketch", "result",
                  "envelope", "ops"}),
-    ("load", {"load", "shards", "rank_blocks"}),
+    ("load", {"load", "shards"}),
     ("normalize", {"normalize"}),
     ("align", {"align", "foreach_pairing"}),
     ("measure", {"measure"}),
     ("judge", {"record_rules", "call_rules", "rounding", "judge"}),
-    ("result", {"envelope_summary", "drift_rounding", "shard_entry", "assemble"}),
+    ("result", {"story", "assemble"}),
     ("orchestration", {"engine", "api"}),
 ]
 
@@ -296,7 +296,7 @@ def test_capture_wings_import_one_way(wing, never):
     assert not reached, reached
 
 
-@pytest.mark.parametrize("module", ["judge", "record_rules", "call_rules", "assemble"])
+@pytest.mark.parametrize("module", ["judge", "record_rules", "call_rules", "story", "assemble"])
 def test_no_stage_after_measure_reads_a_record_column(module):
     """The judge, attribute and assemble stages read Measurements and rows, never the records:
     what they need of a record measure read once (docs/architecture.md). recheck.py, the

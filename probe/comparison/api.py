@@ -19,7 +19,7 @@ from probe.comparison import result as R
 from probe.comparison.assemble import assemble
 from probe.comparison.engine import compare_step
 from probe.comparison.rounding import measured_envelopes
-from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
+from probe.comparison.records import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.structs import Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError

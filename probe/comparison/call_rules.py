@@ -50,7 +50,7 @@ from probe.comparison.record_rules import (
 from probe.comparison.ops import BATCH_NORM_TRAINING, MEANS, RUNNING_STATISTICS, is_batch_norm
 from probe.comparison.records import LOCAL_GRAD, is_param_slot, module_within
 from probe.comparison.structs import (
-    CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
+    CARRIED, CARRIERS, CHANGED_INPUT, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
     forward_carriers, is_carrier, rel_error, sci,
 )
 
@@ -153,7 +153,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             elif producer.status in R.WITHIN and producer.order < row.order:
                 # the op that made this tensor agreed, yet it differs here: something that was
                 # not recorded changed it in between (a custom autograd Function, a hook, ...)
-                kind = CHANGED
+                kind = CHANGED_INPUT
         kinds[id(row)] = kind
         if kind == CARRIED and row.status in R.WITHIN and row.accepted is None:
             # state from the previous step, judged there: within tolerance here, accepted

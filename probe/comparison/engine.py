@@ -18,7 +18,7 @@ from probe.comparison import normalize
 from probe.comparison.align import align
 from probe.comparison.foreach_pairing import pair_foreach
 from probe.comparison.judge import judge
-from probe.comparison.mapping import NameMapping
+from probe.comparison.records import NameMapping
 from probe.comparison.measure import measure, shared_autocast
 from probe.comparison.structs import Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances

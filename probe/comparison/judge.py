@@ -43,7 +43,7 @@ from probe.comparison.record_rules import (
     StaleRecords, judge_checksum_change, judge_shape, judge_tensor, judge_value,
 )
 from probe.comparison.rounding import ACCEPTED, REPLAYED_DIFFERENTLY, recheck_amplified, judge_envelopes, judge_untouched
-from probe.comparison.records import is_param_slot
+from probe.comparison.records import is_param_slot, param_name
 from probe.comparison.structs import (
     ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement, Slot, StepOutcome, rel_error, sci,
 )
@@ -113,7 +113,8 @@ def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:
     """content_key -> key of A's records whose difference was accepted, and ("param", name)
     -> the accepted gradient the optimizer updated that parameter from."""
     explained: dict = {}
-    diverged_params = {_own_param(row) for row in rows if row.slot.startswith("param.") and row.status == R.DIVERGED}
+    diverged_params = {param_name(row.module, row.slot) for row in rows
+                       if row.slot.startswith("param.") and row.status == R.DIVERGED}
     updated = {row.target for row in rows if row.target}  # parameters a recorded optimizer call updates
     for slot in (slot for slots in per_pair for slot in slots):
         row = slot.row
@@ -122,17 +123,12 @@ def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:
             if key is not None:
                 explained[key] = (row.key, row.metrics.rel_l2 if row.metrics is not None else None)
             if row.slot.startswith("param_grad."):
-                name = f"{row.module}.{row.slot[len('param_grad.'):]}" if row.module else row.slot[len("param_grad."):]
+                name = param_name(row.module, row.slot)
                 if name not in diverged_params and name not in updated:
                     # the next step's parameter was updated from it by an optimizer probe did not
                     # record (a recorded update is judged itself, and its result carried by value)
                     explained[("param", name)] = f"{row.key}, rel L2 {sci(row.metrics.rel_l2)}"
     return explained
-
-
-def _own_param(row: R.RecordRow) -> str:
-    name = row.slot[len("param."):]
-    return f"{row.module}.{name}" if row.module else name
 
 
 def _judge_records(measured: MeasuredStep, previous_explained: dict | None, strict: bool = False) -> StaleRecords:

@@ -37,7 +37,7 @@ from probe.comparison.envelope import Operand
 from probe.comparison.metrics import (
     Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
-from probe.comparison.records import Records, is_param_slot, parse_shape
+from probe.comparison.records import Records, is_param_slot, param_name, parse_shape
 from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.structs import (
     ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, Call, MeasuredStep, Measurement, RecordRow,
@@ -139,19 +139,16 @@ def _measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b
     stats = (_in_place_stats(cols_a, row_a), _in_place_stats(cols_b, row_b))
     return Measurement(slot, kind, producer, order, what, metrics, tol, values=values,
                        texts=(cols_a["value"][row_a], cols_b["value"][row_b]),
-                       content_key=content_key(cols_a, row_a), param=_param_name(cols_a, row, kind, producer),
+                       content_key=content_key(cols_a, row_a), param=_held_param(cols_a, row, kind, producer),
                        stats=stats, input_stats=inputs, operand=_operand(cols_a, row_a) if stats[0] else None)
 
 
-def _param_name(cols: dict, row: RecordRow, kind: str, producer: int | None) -> str | None:
+def _held_param(cols: dict, row: RecordRow, kind: str, producer: int | None) -> str | None:
     """fc1.weight for a param.* record, or for an input holding that parameter's tensor."""
     if row.slot.startswith("param."):
-        name = row.slot[len("param."):]
-        return f"{row.module}.{name}" if row.module else name
+        return param_name(row.module, row.slot)
     if kind == "param" and producer is not None:
-        name = cols["slot"][producer][len("param."):]
-        module = cols["module"][producer]
-        return f"{module}.{name}" if module else name
+        return param_name(cols["module"][producer], cols["slot"][producer])
     return None
 
 

@@ -84,7 +84,7 @@ import json
 import re
 from collections import defaultdict
 
-from probe.comparison.mapping import NameMapping
+from probe.comparison.records import NameMapping
 from probe.comparison.ops import is_foreach, op_name
 from probe.comparison.records import (
     LOCAL_GRAD, Records, build_calls, is_param_slot, module_within, parameter_blocks,

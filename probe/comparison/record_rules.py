@@ -63,9 +63,9 @@ import re
 
 from probe.comparison import result as R
 from probe.comparison.metrics import Metrics
-from probe.comparison.records import LOCAL_GRAD
+from probe.comparison.records import LOCAL_GRAD, param_name
 from probe.comparison.structs import (
-    CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED, rel_error, sci,
+    CARRIED, CHANGED_INPUT, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED, rel_error, sci,
 )
 from probe.comparison.tolerances import MANTISSA_BITS, Tolerance
 
@@ -294,7 +294,7 @@ def input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> 
 _ENTERS = {
     EXTERNAL: "differs and no recorded op produced it in this step (data, a buffer, a weight not recorded as a "
               "parameter)",
-    CHANGED: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
+    CHANGED_INPUT: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
              "(a custom autograd Function, a hook, ...)",
     UNPAIRED: "differs and was made by {producer}, which has no partner in the other run: the runs compute it "
               "with different ops",
@@ -308,7 +308,7 @@ def cause_text(changed_args, sources, kinds, producers, amplified, carriers, out
     parts = []
     params = [r for r in sources if kinds[id(r)] == PARAM_INPUT]
     if params:
-        names = ", ".join(param_name(r, producers.get(id(r))) for r in params)
+        names = ", ".join(_param_of(r, producers.get(id(r))) for r in params)
         worst = max(params, key=rel_error)
         parts.append(f"parameter {names} {R.SIZE_UNKNOWN}" if worst.size_unknown
                      else f"parameter {names} differs ({_size(worst)})")
@@ -330,23 +330,20 @@ def cause_text(changed_args, sources, kinds, producers, amplified, carriers, out
     return "; ".join(parts)
 
 
-def param_name(row: R.RecordRow, record: R.RecordRow | None) -> str:
+def _param_of(row: R.RecordRow, record: R.RecordRow | None) -> str:
     """blocks.1.fc.weight: from the param.* record (its own, or the one holding the same tensor)."""
     record = record if record is not None else row
-    if not record.slot.startswith("param."):
-        return row.slot
-    name = record.slot.removeprefix("param.")
-    return f"{record.module}.{name}" if record.module else name
+    return param_name(record.module, record.slot) if record.slot.startswith("param.") else row.slot
 
 
 def inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None, out_rel: float) -> str:
     if kind == CARRIED:
         origin = "state carried over from the previous step (optimizer state, a parameter or buffer updated in place)"
     elif kind == PARAM_UPDATE:
-        origin = (f"parameter {param_name(worst, producer)}, read after the backward began (an optimizer update); "
+        origin = (f"parameter {_param_of(worst, producer)}, read after the backward began (an optimizer update); "
                   "its difference entered where the forward read it")
     elif kind == PARAM_INPUT:
-        origin = f"parameter {param_name(worst, producer)}, within tolerance"
+        origin = f"parameter {_param_of(worst, producer)}, within tolerance"
     elif kind == UNRECORDED:
         origin = ("made after the backward began by something not recorded (a parameter gradient accumulated by "
                   "autograd, optimizer state)")

@@ -451,3 +451,16 @@ def _describe(dtypes: Counter) -> str:
     if not dtypes:
         return "not recorded"
     return ", ".join(f"{dtype} ({count} op{'s' if count != 1 else ''})" for dtype, count in dtypes.most_common())
+
+
+def headline(summary: dict | None) -> str:
+    """"the runs differ by rounding only (largest gap 0.4x its envelope)", or "" unless the runs
+    differ, every output's size is known from above (tensors, sketches), none is beyond its
+    envelope (a pass only by the fixed tolerance) or more than FACTOR x it without another
+    explanation, and --strict did not ask for the fixed tolerance alone."""
+    if not summary or not summary["rounding_only"] or summary["largest_gap"] is None:
+        return ""
+    uncertain = f"; {summary['uncertain']} uncertain" if summary["uncertain"] else ""
+    measured = " measured by the baseline" if summary.get("baseline") else ""
+    return (f"the runs differ by rounding only (largest gap {summary['largest_gap']:.2g}x its envelope{measured}"
+            f"{uncertain})")

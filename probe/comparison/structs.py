@@ -55,8 +55,9 @@ OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
 #: an op one run computes in a lower dtype by the model's own casts (comparison/judge.py)
 PRECISION = "precision"
 
-#: input kinds (measure.Provenance.kind, call_rules.judge_call): where the tensor an input slot holds came from
-PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
+#: input kinds (measure.Provenance.kind, call_rules.judge_call): where the tensor an input slot holds came
+#: from; CHANGED_INPUT: produced, and changed after its producer made it
+PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED_INPUT = (
     "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
 #: a produced input whose producing call has no partner in the other run
 UNPAIRED = "unpaired"
@@ -140,7 +141,7 @@ class NormalizedStep:
 
     a: Side
     b: Side
-    mapping: Any = None  # mapping.NameMapping
+    mapping: Any = None  # records.NameMapping
 
     @property
     def sides(self) -> tuple[Side, Side]:
@@ -507,6 +508,14 @@ def json_safe(value):
     if isinstance(value, (list, tuple)):
         return [json_safe(item) for item in value]
     return value
+
+
+def finite(value, otherwise: float = 0.0) -> float:
+    """A number as a float when it is a finite one; otherwise (non-finite, None, a JSON-safe
+    "inf" string) the fallback."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return otherwise
 
 
 def sci(value: float) -> str:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison import assemble
+from probe.comparison import story
 from probe.comparison.engine import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
@@ -16,7 +16,7 @@ def _compare(run_a, run_b, **tolerances):
     fetch_a = run_a.fetch if run_a.task == "tensor" else None
     fetch_b = run_b.fetch if run_b.task == "tensor" else None
     outcome = compare_step(StepInput(run_a.records(), run_b.records(), fetch_a, fetch_b), Tolerances.build(**tolerances))
-    first = assemble.first_divergence(outcome.rows)
+    first = story.first_divergence(outcome.rows)
     return outcome, first
 
 
