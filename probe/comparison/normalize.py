@@ -1,7 +1,7 @@
 """Normalize stage: both runs' records as calls that can be aligned.
 
 Each normalize step takes a NormalizedStep and returns it, its calls (and, where a step
-derives records, its records) rewritten; engine.NORMALIZE lists the steps in the order they
+derives records, its records) rewritten; api.NORMALIZE lists the steps in the order they
 run. A step sees both runs, so it can make one run's spelling match the other's.
 
 * link_reduced_gradients (normalize.py): a gradient reduced across ranks (FSDP2's
@@ -129,7 +129,7 @@ PLACEMENT = "placement"
 
 
 def link_reduced_gradients(normalized):
-    """The normalize step (engine.NORMALIZE; before build_call_lists: it adds records)."""
+    """The normalize step (api.NORMALIZE; before build_call_lists: it adds records)."""
     for side in normalized.sides:
         link(side.records)
     return normalized

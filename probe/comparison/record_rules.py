@@ -126,7 +126,7 @@ def judge_checksum_change(row: R.RecordRow, untouched: bool) -> None:
     rounding comes from computing, and it moves nearly every value, extremes included. So
     the record is a divergence ("changed, size unknown") when nothing has computed it yet
     (untouched: a parameter, or an input no recorded op made, read by the forward of step 0
-    before any record differed, as the engine decides) and its min, max and NaN/Inf counts
+    before any record differed, as the judge decides) and its min, max and NaN/Inf counts
     are bit-identical (the same values in another order, or a few inner values edited: a
     transposed square weight, a shuffled batch). Anywhere else it is status CHANGED: within
     tolerance, but not bit-equal, and said so.

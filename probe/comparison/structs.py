@@ -1,6 +1,6 @@
 """The structs the compare stages hand each other, and the row a compare reports.
 
-Each stage takes the previous stage's struct and returns its own (engine.compare_step):
+Each stage takes the previous stage's struct and returns its own (api.compare_step):
 
     StepInput (load) --normalize--> NormalizedStep --align--> AlignedStep (Slots)
         --measure--> MeasuredStep (Measurements) --judge--> StepOutcome
@@ -244,6 +244,8 @@ class StepInput:
     autocast_b: Any = None
     #: progress(done_records, total_records, tensor_bytes_read), called as records are measured
     progress: Callable | None = None
+    #: A's output key -> what a trusted second run differs from A by there (--baseline), else None
+    baseline: dict | None = None
 
 
 @dataclass
@@ -433,7 +435,7 @@ class RecordRow:
 
 @dataclass
 class StepOutcome:
-    """What one pair of step files gave (engine.compare_step): its judged rows; assemble.py
+    """What one pair of step files gave (api.compare_step): its judged rows; assemble.py
     puts the outcomes of every pair together into a CompareResult."""
 
     step: int

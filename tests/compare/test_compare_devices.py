@@ -6,7 +6,7 @@ import pytest
 from probe.comparison import result as R
 from probe.comparison import story
 from probe.comparison.api import compare
-from probe.comparison.engine import compare_step
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from test_compare_support import SyntheticRun, write_step

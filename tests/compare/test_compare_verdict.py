@@ -5,7 +5,7 @@ import pytest
 
 from probe.comparison import result as R
 from probe.comparison import story
-from probe.comparison.engine import compare_step
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.comparison.api import compare

@@ -13,6 +13,7 @@ import torch
 import probe
 from probe.comparison import envelope as E
 from probe.comparison import ops
+from probe.comparison.op_envelopes import op_envelope
 from tests import rounding_pairs as P
 from tests.verdict_models import TinyAttention, tokens
 
@@ -44,7 +45,7 @@ def test_a_matmul_summed_in_another_order_stays_within_its_envelope_which_is_not
     w = rng.standard_normal((24, k)).astype(np.float32)
     one, other = _two_orders(x, w)
     seen = float(np.linalg.norm(one - other))
-    env = E.op_envelope(ops.spec("functional.linear"), "forward", "output.0", _operand(one), {"input.0": _operand(x),
+    env = op_envelope(ops.spec("functional.linear"), "forward", "output.0", _operand(one), {"input.0": _operand(x),
                                                                                      "input.1": _operand(w)})
     assert env.family == ops.DOT and env.k == k and env.propagated == 0
     assert 0 < seen <= env.rounding
@@ -56,9 +57,9 @@ def test_a_matmul_summed_in_another_order_stays_within_its_envelope_which_is_not
 def test_a_sum_of_one_sign_is_well_conditioned_and_one_that_cancels_is_not():
     positive = np.abs(np.random.default_rng(1).standard_normal(10_000)) + 0.1
     mixed = positive * np.where(np.arange(10_000) % 2, 1.0, -1.0)
-    env_pos = E.op_envelope(ops.spec("torch.sum"), "forward", "output.0", _operand([positive.sum()]),
+    env_pos = op_envelope(ops.spec("torch.sum"), "forward", "output.0", _operand([positive.sum()]),
                             {"input.0": _operand(positive)})
-    env_mix = E.op_envelope(ops.spec("torch.sum"), "forward", "output.0", _operand([mixed.sum()]),
+    env_mix = op_envelope(ops.spec("torch.sum"), "forward", "output.0", _operand([mixed.sum()]),
                             {"input.0": _operand(mixed)})
     assert env_pos.conditioning == pytest.approx(1.0)
     assert env_mix.conditioning > 100 * env_pos.conditioning
@@ -66,11 +67,11 @@ def test_a_sum_of_one_sign_is_well_conditioned_and_one_that_cancels_is_not():
 
 def test_a_division_by_values_near_zero_passes_its_inputs_differences_on_amplified():
     a, b = _operand(np.linspace(1, 2, 64), err=1e-6), _operand(np.linspace(1e-3, 1, 64), err=1e-9)
-    far = E.op_envelope(ops.spec("Tensor.div"), "forward", "output.0", _operand(np.ones(64)), {"input.0": a, "input.1": _operand(
+    far = op_envelope(ops.spec("Tensor.div"), "forward", "output.0", _operand(np.ones(64)), {"input.0": a, "input.1": _operand(
         np.linspace(1, 2, 64), err=1e-9)})
-    near = E.op_envelope(ops.spec("Tensor.div"), "forward", "output.0", _operand(np.ones(64)), {"input.0": a, "input.1": b})
+    near = op_envelope(ops.spec("Tensor.div"), "forward", "output.0", _operand(np.ones(64)), {"input.0": a, "input.1": b})
     assert near.propagated > 100 * far.propagated
-    straddles = E.op_envelope(ops.spec("Tensor.div"), "forward", "output.0", _operand(np.ones(64)),
+    straddles = op_envelope(ops.spec("Tensor.div"), "forward", "output.0", _operand(np.ones(64)),
                               {"input.0": a, "input.1": _operand(np.linspace(-1, 1, 64), err=1e-9)})
     assert straddles.propagated == math.inf and straddles.judge(1.0, 1.0) == "unbounded"
 
@@ -79,7 +80,7 @@ def test_an_op_whose_own_error_exceeds_its_envelope_is_beyond_and_a_band_that_st
     rng = np.random.default_rng(3)
     x, w = rng.standard_normal((16, 64)).astype(np.float32), rng.standard_normal((8, 64)).astype(np.float32)
     y = (x @ w.T).astype(np.float64)
-    env = E.op_envelope(ops.spec("functional.linear"), "forward", "output.0", _operand(y), {"input.0": _operand(x),
+    env = op_envelope(ops.spec("functional.linear"), "forward", "output.0", _operand(y), {"input.0": _operand(x),
                                                                                    "input.1": _operand(w)})
     wrong = float(np.linalg.norm(y * 1e-3))  # the op computed 0.1% off, its inputs equal
     assert env.judge(wrong, wrong) == "beyond"
@@ -99,7 +100,7 @@ def test_an_embedding_gradient_summed_over_repeated_tokens_in_another_order_is_r
     for i in reversed(range(64)):
         other[ids[i]] += gy[i]
     seen = float(np.linalg.norm(one.astype(np.float64) - other))
-    env = E.op_envelope(ops.spec("functional.embedding"), "backward", "grad_input.1", _operand(one),
+    env = op_envelope(ops.spec("functional.embedding"), "backward", "grad_input.1", _operand(one),
                         {"grad_output.0": _operand(gy)}, {"input.0": _operand(ids), "input.1": _operand(one)})
     assert env.family == ops.SUM and env.k == 64 and env.rounding > 0
     assert 0 < seen and env.judge(seen, seen) == "within"
@@ -107,7 +108,7 @@ def test_an_embedding_gradient_summed_over_repeated_tokens_in_another_order_is_r
 
 def test_an_exact_copy_that_differs_by_its_inputs_difference_and_a_hair_is_within_not_beyond():
     x = _operand(np.ones((8, 4)), err=1e-3)
-    env = E.op_envelope(ops.spec("torch.cat"), "forward", "output.0", _operand(np.ones((16, 4))),
+    env = op_envelope(ops.spec("torch.cat"), "forward", "output.0", _operand(np.ones((16, 4))),
                         {"input.0.0": x, "input.0.1": x})
     assert env.rounding == 0
     assert env.judge(env.propagated * (1 + 1e-7), env.propagated * (1 + 1e-7)) == "within"
@@ -118,7 +119,7 @@ def test_rsqrts_backward_scales_its_gradients_difference_by_its_derivative_at_sm
     var = _operand(np.linspace(1e-4, 1.0, 32))
     gy = _operand(np.ones(32), err=1e-3)
     out = _operand(-0.5 * np.linspace(1e-4, 1.0, 32) ** -1.5)
-    env = E.op_envelope(ops.spec("torch.rsqrt"), "backward", "grad_input.0", out, {"grad_output.0": gy}, {"input.0": var})
+    env = op_envelope(ops.spec("torch.rsqrt"), "backward", "grad_input.0", out, {"grad_output.0": gy}, {"input.0": var})
     # |d rsqrt(x)/dx| = 0.5 x^-1.5 reaches 5e5 at x = 1e-4: a gradient difference grows with it
     assert env.propagated >= 0.5 * 1e-4 ** -1.5 * 1e-3 * 0.99
 
