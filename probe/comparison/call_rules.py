@@ -44,13 +44,10 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.record_rules import (
-    amplified_cause, cause_text, inherited_cause, input_summary,
-)
 from probe.comparison.ops import BATCH_NORM_TRAINING, MEANS, RUNNING_STATISTICS, is_batch_norm
-from probe.comparison.records import LOCAL_GRAD, is_param_slot, module_within
+from probe.comparison.records import LOCAL_GRAD, is_param_slot, param_name
 from probe.comparison.structs import (
-    CARRIED, CARRIERS, CHANGED_INPUT, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
+    CARRIED, CARRIERS, CHANGED_INPUT, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, PRODUCED, UNPAIRED, UNRECORDED,
     forward_carriers, is_carrier, rel_error, sci,
 )
 
@@ -309,40 +306,6 @@ def _within_scaled_budget(row: R.RecordRow) -> bool:
     return m.err_l2 <= row.rtol * row.scale_norm + (row.atol or 0.0) * math.sqrt(max(m.numel, 0))
 
 
-def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRow]) -> None:
-    """Level "mix": a module call is the composition of the api calls recorded inside it.
-
-    call: the rows of one module call pair; judged: the rows of the calls judged before it
-    (every call whose outputs were made earlier, so every api call inside this one).
-    When every api call recorded inside the module call (same phase, between the module
-    call's first and last record, in the module or below it) is within tolerance or explained,
-    a divergent output of the module call is what those calls computed, put together by code
-    probe does not record (autograd summing the gradient of an input used twice): explained
-    when it is within AMPLIFICATION times their largest difference, not an error of its own.
-    """
-    if not call or call[0].kind != "module":
-        return
-    outputs = [r for r in call if r.io == "out" and r.status == R.DIVERGED and r.origin == R.INTRODUCED
-               and r.divergence == R.OUTPUT and r.explainable]
-    orders = [r.order for r in call if r.order]
-    if not outputs or not orders:
-        return
-    head = call[0]
-    first, last = min(orders), max(orders)
-    inside = [r for r in judged if r.kind == "api" and r.io == "out" and r.status in R.PAIRED
-              and r.step == head.step and r.rank == head.rank and r.phase == head.phase
-              and r.order and first < r.order < last
-              and module_within(r.module, head.module)]
-    if not inside or any(r.status == R.DIVERGED for r in inside):
-        return
-    worst = max(inside, key=rel_error)
-    for row in outputs:
-        if rel_error(row) <= AMPLIFICATION * rel_error(worst):
-            row.explain(f"every api call recorded inside {head.module or 'the root module'} agrees or is "
-                         f"explained (largest: {worst.key}, rel L2 {sci(rel_error(worst))}); this output puts their "
-                         f"results together (rel L2 {sci(rel_error(row))}) in code probe does not record")
-
-
 def _unread_running_statistics(rows) -> frozenset:
     """The running-statistics slots of a batch norm call in training mode (both runs): the
     output reads the batch's own statistics, so a difference there is no input of it."""
@@ -396,3 +359,120 @@ def explain_different_kernels(rows: list) -> None:
 
 def _slack(row) -> bool:
     return row.tol_dtype in _LOW and row.score is not None and row.score <= KERNEL_SLACK
+
+
+# ---------------------------------------------------------------------------- causes: why an output differs, in words
+
+
+def amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
+    worst = max(carriers, key=rel_error)
+    if within_ratio and all(r.slot.startswith(LOCAL_GRAD) for r in carriers):
+        return (f"made by a reduce-scatter from rank-local gradients that differ by rel L2 "
+                f"{sci(carried_rel)} (largest {worst.slot}; output {sci(out_rel)}): the reduction carries "
+                "their accepted differences")
+    if within_ratio:
+        how = f"{out_rel / carried_rel:.3g}x" if carried_rel > 0 else "no more"
+        return (f"amplified: its inputs' accepted differences explain it (largest {worst.slot}, rel L2 "
+                f"{sci(carried_rel)}; output {sci(out_rel)}, {how} that)")
+    return (f"amplified: {row.op} turns its inputs' small differences (largest {worst.slot}, rel L2 "
+            f"{sci(carried_rel)}) into rel L2 {sci(out_rel)} by its conditioning (division by values near their "
+            f"own error, cancellation), not by an error of its own")
+
+
+def _size(row: R.RecordRow) -> str:
+    """How much a source differs, in words: "rel L2 1.15e-04" or the unknown-size change."""
+    if row.size_unknown:
+        return "checksum differs; statistics agree, size unknown"
+    return f"rel L2 {sci(rel_error(row))}"
+
+
+def input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
+    return R.json_safe({
+        "slot": f"forward.{row.slot}" if kind == FORWARD else row.slot,
+        "source": kind,
+        "producer": producer.key if producer is not None else None,
+        "status": row.status,
+        "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
+        "max_abs": row.metrics.max_abs if row.metrics is not None else None,
+        "score": row.score,
+        "size_unknown": row.size_unknown,
+    })
+
+
+_ENTERS = {
+    EXTERNAL: "differs and no recorded op produced it in this step (data, a buffer, a weight not recorded as a "
+              "parameter)",
+    CHANGED_INPUT: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
+             "(a custom autograd Function, a hook, ...)",
+    UNPAIRED: "differs and was made by {producer}, which has no partner in the other run: the runs compute it "
+              "with different ops",
+}
+
+
+def cause_text(changed_args, sources, kinds, producers, amplified, carriers, out_rel, carried_rel) -> str:
+    if changed_args:
+        arg = changed_args[0]
+        return f"argument {arg.slot} changed: {arg.metrics.value_a} in A, {arg.metrics.value_b} in B"
+    parts = []
+    params = [r for r in sources if kinds[id(r)] == PARAM_INPUT]
+    if params:
+        names = ", ".join(_param_of(r, producers.get(id(r))) for r in params)
+        worst = max(params, key=rel_error)
+        parts.append(f"parameter {names} {R.SIZE_UNKNOWN}" if worst.size_unknown
+                     else f"parameter {names} differs ({_size(worst)})")
+    for row in sources:
+        kind = kinds[id(row)]
+        if kind in _ENTERS:
+            producer = producers.get(id(row))
+            text = _ENTERS[kind].format(producer=producer.key if producer is not None else "the op")
+            parts.append(f"input {row.slot} ({_size(row)}) {text}")
+    if amplified and not carriers:
+        parts.append("it has no recorded tensor input: the op itself computes differently")
+    elif amplified:
+        if any(r.status == R.DIVERGED for r in carriers):
+            ratio = out_rel / carried_rel if carried_rel > 0 else math.inf
+            parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {sci(carried_rel)} -> {sci(out_rel)})")
+        else:
+            parts.append(f"its inputs agree within tolerance (largest input rel L2 {sci(carried_rel)}, "
+                         f"output {sci(out_rel)})")
+    return "; ".join(parts)
+
+
+def _param_of(row: R.RecordRow, record: R.RecordRow | None) -> str:
+    """blocks.1.fc.weight: from the param.* record (its own, or the one holding the same tensor)."""
+    record = record if record is not None else row
+    return param_name(record.module, record.slot) if record.slot.startswith("param.") else row.slot
+
+
+def inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None, out_rel: float) -> str:
+    if kind == CARRIED:
+        origin = "state carried over from the previous step (optimizer state, a parameter or buffer updated in place)"
+    elif kind == PARAM_UPDATE:
+        origin = (f"parameter {_param_of(worst, producer)}, read after the backward began (an optimizer update); "
+                  "its difference entered where the forward read it")
+    elif kind == PARAM_INPUT:
+        origin = f"parameter {_param_of(worst, producer)}, within tolerance"
+    elif kind == UNRECORDED:
+        origin = ("made after the backward began by something not recorded (a parameter gradient accumulated by "
+                  "autograd, optimizer state)")
+    elif kind == EXTERNAL:
+        origin = "read from outside the recorded ops (data, a buffer), within tolerance"
+    elif kind == FORWARD:
+        return (f"forward {worst.slot} of this call {_carries(worst)} (rel L2 {sci(rel_error(worst))}, "
+                f"output {sci(out_rel)}); the backward computes from the values its forward saw")
+    elif producer is not None:
+        origin = f"made by {producer.key}"
+    else:
+        origin = "made upstream"
+    return (f"input {worst.slot} {_carries(worst)} (rel L2 {sci(rel_error(worst))}, output {sci(out_rel)}); "
+            f"it was {origin}")
+
+
+def _carries(row: R.RecordRow) -> str:
+    """How an input hands on its error, in words that agree with its own status."""
+    if row.status == R.DIVERGED:
+        return "already carries the error"
+    if row.status == R.EXPLAINED:
+        return "carries an accepted difference"
+    return ("carries a difference within its own tolerance (under the absolute floor atol, not rounding) that "
+            "this op scales beyond the output's")

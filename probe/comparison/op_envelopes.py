@@ -10,14 +10,35 @@ from __future__ import annotations
 
 import math
 
-from probe.comparison.envelope import (
-    ELEMENTWISE_ULPS, LAMBDA, RUNS, Envelope, Operand, accumulation_roundoff, unit_roundoff, with_baseline,
-)
+from probe.comparison.envelope import ELEMENTWISE_ULPS, LAMBDA, RUNS, Envelope, Operand, with_baseline
 from probe.comparison.ops import (
     ADDCDIV, ADDCMUL, ATTENTION, BROADCAST, CAST, CHANNELS, CONCAT, CONV, COPY, DIVIDE, DOT, ELEMENTWISE, EXP,
     GATHER, LERP, LOG, LOG1P, LOSS, MEANS, NORM, OPTIMIZER, POW, PRODUCT, QUOTIENT, RECIPROCAL, RSQRT, SAMPLES,
     SHIFT, SOFTMAX, SQRT, SQUARE, SUM, OpSpec,
 )
+
+
+#: unit roundoff (half an ulp at 1) of each floating dtype
+UNIT_ROUNDOFF = {
+    "float64": 2.0 ** -53, "complex128": 2.0 ** -53,
+    "float32": 2.0 ** -24, "complex64": 2.0 ** -24,
+    "float16": 2.0 ** -11, "complex32": 2.0 ** -11,
+    "bfloat16": 2.0 ** -8,
+    "float8_e4m3fn": 2.0 ** -4, "float8_e4m3fnuz": 2.0 ** -4,
+    "float8_e5m2": 2.0 ** -3, "float8_e5m2fnuz": 2.0 ** -3,
+}
+
+def unit_roundoff(dtype: str) -> float | None:
+    return UNIT_ROUNDOFF.get(dtype.removeprefix("torch."))
+
+
+def accumulation_roundoff(dtype: str) -> float | None:
+    """16-bit and 8-bit ops accumulate in float32 on every device probe knows (cuBLAS, oneDNN,
+    CPU fallbacks); float32 and float64 in their own dtype (TF32 off, torch's default)."""
+    u = unit_roundoff(dtype)
+    if u is None:
+        return None
+    return min(u, UNIT_ROUNDOFF["float32"])
 
 
 def judged(op_spec: OpSpec, phase: str, slot: str, out: Operand, inputs: dict, forward: dict, values: dict,

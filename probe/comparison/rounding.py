@@ -48,9 +48,9 @@ import numpy as np
 
 from probe.comparison import result as R
 from probe.comparison.envelope import (
-    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, expected_text, unit_roundoff,
+    ELEMENTWISE_ULPS, FACTOR, LAMBDA, Envelope, Operand, expected_text,
 )
-from probe.comparison.op_envelopes import judged
+from probe.comparison.op_envelopes import UNIT_ROUNDOFF, judged, unit_roundoff
 from probe.comparison.ops import NotReplayable, OpSpec, Replay
 from probe.comparison.records import is_param_slot
 from probe.comparison.sketch import band as sketch_band
