@@ -50,8 +50,8 @@ from __future__ import annotations
 import difflib
 from collections import defaultdict
 from probe.comparison import result as R
-from probe.comparison.records import Records
-from probe.comparison.structs import AlignedStep, Call, CallPair, NormalizedStep, Slot
+from probe.comparison.records import Call, CallPair, Records
+from probe.comparison.structs import AlignedStep, NormalizedStep, Slot
 from probe.dump import schema
 
 #: how a pair was made: see the module docstring

@@ -18,10 +18,9 @@ from collections import defaultdict
 
 from probe.comparison.ops import is_fused, op_name
 from probe.comparison.records import (
+    Call, CallPair, Records,
     FOREACH, FUSED, parameter_blocks, parameter_major, tensor_print,
 )
-from probe.comparison.structs import Call, CallPair
-from probe.comparison.records import Records
 
 
 def _token(call: Call, records: Records) -> tuple:

@@ -35,12 +35,12 @@ import numpy as np
 
 from probe.comparison.envelope import Operand
 from probe.comparison.metrics import (
-    Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
+    Metrics, Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
-from probe.comparison.records import Records, is_param_slot, param_name, parse_shape
+from probe.comparison.records import Call, Records, is_param_slot, param_name, parse_shape
 from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.structs import (
-    ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, Call, MeasuredStep, Measurement, RecordRow,
+    ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, MeasuredStep, Measurement, RecordRow,
 )
 from probe.comparison.tolerances import Tolerances, tolerance_dtype
 

@@ -84,13 +84,13 @@ import json
 import re
 from collections import defaultdict
 
-from probe.comparison.records import NameMapping
 from probe.comparison.ops import is_foreach, op_name
 from probe.comparison.records import (
+    Call, NameMapping,
     LOCAL_GRAD, Records, build_calls, is_param_slot, module_within, parameter_blocks,
     tensor_print,
 )
-from probe.comparison.structs import Call, NormalizedStep, Side
+from probe.comparison.structs import NormalizedStep, Side
 from probe.dump.schema import make_key
 
 def normalize(records_a: Records, records_b: Records, mapping: NameMapping | None, steps) -> NormalizedStep:

@@ -37,9 +37,56 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from probe.comparison.structs import Call
 from probe.dump import schema
 from probe.errors import CompareError
+
+@dataclass
+class Call:
+    """The records of one call: (module, op, index, phase), in execution order by seq."""
+
+    module: str
+    op: str
+    index: int
+    phase: str
+    kind: str
+    seq: int
+    first_row: int
+    slots: dict[str, int] = field(default_factory=dict)  # slot -> row
+    extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
+    name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
+    shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
+    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
+    #: a foreach call's i-th tensor seen as its own call (normalize.py): i, else -1
+    element: int = -1
+    #: the parameter group (foreach block, normalize.py) a foreach element belongs to, else -1
+    block: int = -1
+    #: slots of a foreach element that every element of the call shares (a scalar argument)
+    shared: frozenset = frozenset()
+    #: the parameter an optimizer call updates ("fc1.weight"; normalize.py), "" when not known
+    target: str = ""
+
+    @property
+    def key(self) -> str:
+        element = f"[{self.element}]" if self.element >= 0 else ""
+        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
+
+    def order(self) -> tuple[int, int]:
+        return (self.seq, self.first_row)
+
+
+@dataclass
+class CallPair:
+    """One call of A and its partner in B (either may be None: no partner)."""
+
+    a: Call | None
+    b: Call | None
+    how: str = ""  # align.SEQUENCE | NAME | KEY, foreach FOREACH | FUSED; "" when one side is missing
+    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
+
+    @property
+    def phase(self) -> str:
+        return (self.a or self.b).phase
+
 
 _NUMERIC = {name for name, kind in schema.RECORD_COLUMNS if kind != "str"}
 #: the slot prefix of a rank-local gradient linked as an input of the gradient an unrecorded

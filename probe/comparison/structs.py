@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from probe.comparison.metrics import Metrics
 from probe.comparison.ops import OpSpec, is_collective_op, spec
 
 if TYPE_CHECKING:
     from probe.comparison.envelope import Operand
+    from probe.comparison.records import Call, CallPair, NameMapping, Records
     from probe.comparison.result import PrecisionTally
+    from probe.comparison.tolerances import Tolerance
+
+#: the runs of API calls a step file recorded under autocast, [[first_seq, last_seq, dtype], ...]
+#: (its root attribute ``autocast``; None where not recorded)
+AutocastRuns = list
 
 # row status
 MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
@@ -80,58 +86,10 @@ def forward_carriers(forward: list[RecordRow]) -> list[RecordRow]:
 
 
 @dataclass
-class Call:
-    """The records of one call: (module, op, index, phase), in execution order by seq."""
-
-    module: str
-    op: str
-    index: int
-    phase: str
-    kind: str
-    seq: int
-    first_row: int
-    slots: dict[str, int] = field(default_factory=dict)  # slot -> row
-    extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
-    name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
-    shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
-    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
-    #: a foreach call's i-th tensor seen as its own call (normalize.py): i, else -1
-    element: int = -1
-    #: the parameter group (foreach block, normalize.py) a foreach element belongs to, else -1
-    block: int = -1
-    #: slots of a foreach element that every element of the call shares (a scalar argument)
-    shared: frozenset = frozenset()
-    #: the parameter an optimizer call updates ("fc1.weight"; normalize.py), "" when not known
-    target: str = ""
-
-    @property
-    def key(self) -> str:
-        element = f"[{self.element}]" if self.element >= 0 else ""
-        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
-
-    def order(self) -> tuple[int, int]:
-        return (self.seq, self.first_row)
-
-
-@dataclass
-class CallPair:
-    """One call of A and its partner in B (either may be None: no partner)."""
-
-    a: Call | None
-    b: Call | None
-    how: str = ""  # align.SEQUENCE | NAME | KEY, foreach FOREACH | FUSED; "" when one side is missing
-    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
-
-    @property
-    def phase(self) -> str:
-        return (self.a or self.b).phase
-
-
-@dataclass
 class Side:
     """One run's step file: its records and, once built, its calls."""
 
-    records: Any  # records.Records
+    records: Records
     calls: list[Call] = field(default_factory=list)
 
 
@@ -141,7 +99,7 @@ class NormalizedStep:
 
     a: Side
     b: Side
-    mapping: Any = None  # records.NameMapping
+    mapping: NameMapping | None = None
 
     @property
     def sides(self) -> tuple[Side, Side]:
@@ -169,8 +127,8 @@ class AlignedStep:
 
     step: int
     rank: int
-    records_a: Any  # records.Records
-    records_b: Any
+    records_a: Records
+    records_b: Records
     calls_a: list[Call]
     pairs: list[CallPair]  # in A's execution order
     per_pair: list[list[Slot]]  # the slots of each pair, in record order
@@ -193,7 +151,7 @@ class Measurement:
     order: tuple
     what: str  # TENSOR | VALUE | SCALAR | ABSENT | MIXED | SHAPE
     metrics: Metrics | None = None
-    tol: Any = None  # tolerances.Tolerance
+    tol: Tolerance | None = None
     #: the plain values of A and B, parsed (VALUE and SCALAR slots), and their text
     values: tuple = (None, None)
     texts: tuple = ("", "")
@@ -233,15 +191,15 @@ class MeasuredStep:
 class StepInput:
     """One pair of step files as load hands them over."""
 
-    records_a: Any  # records.Records
-    records_b: Any
+    records_a: Records
+    records_b: Records
     fetch_a: Callable | None = None  # tensor_id -> array, None: statistics only
     fetch_b: Callable | None = None
     step: int = 0
     rank: int = 0
     #: the step files' root attribute ``autocast`` (None where not recorded)
-    autocast_a: Any = None
-    autocast_b: Any = None
+    autocast_a: AutocastRuns | None = None
+    autocast_b: AutocastRuns | None = None
     #: progress(done_records, total_records, tensor_bytes_read), called as records are measured
     progress: Callable | None = None
     #: A's output key -> what a trusted second run differs from A by there (--baseline), else None
