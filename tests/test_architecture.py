@@ -306,3 +306,99 @@ def test_no_stage_after_measure_reads_a_record_column(module):
     with open(os.path.join(ROOT, "comparison", f"{module}.py"), encoding="utf-8") as handle:
         reads = re.findall(r"columns\[|cols(?:_a|_b)?\[", handle.read())
     assert not reads, f"comparison/{module}.py reads record columns {len(reads)} times"
+
+
+# ---------------------------------------------------------------------------- the figures a merge must keep
+
+#: how many modules the compare pipeline may have (probe/comparison/, its __init__ aside)
+COMPARISON_MODULES = 22
+#: the longest a module of probe may be
+MODULE_LINES = 520
+
+
+def test_the_compare_pipeline_has_at_most_22_modules():
+    found = sorted(m for m in MODULES if m.startswith("probe.comparison.") and not MODULES[m].endswith("__init__.py"))
+    assert len(found) <= COMPARISON_MODULES, f"{len(found)} modules: {found}"
+
+
+def test_no_module_of_probe_is_over_520_lines():
+    long = {}
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as handle:
+            lines = sum(1 for _ in handle)
+        if lines > MODULE_LINES:
+            long[module] = lines
+    assert not long, long
+
+
+def _function(module: str, name: str) -> ast.FunctionDef:
+    return next(node for node in ast.walk(TREES[module]) if isinstance(node, ast.FunctionDef) and node.name == name)
+
+
+def test_compare_step_takes_at_most_4_parameters():
+    """What a pair of step files is compared with: its StepInput, the tolerances in force
+    (strict included), the name mapping and what the rank's previous step file carries."""
+    arguments = _function("probe.comparison.api", "compare_step").args
+    count = len(arguments.posonlyargs + arguments.args + arguments.kwonlyargs)
+    assert count <= 4, [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+
+
+def test_op_summaries_are_made_once_and_never_written_by_hand():
+    """An op summary is frozen, made in one place (result.summarize_call, after the last rule)
+    and never copied with another origin or diverged flag inside the compare or its reports
+    (the float64 replay, a later stage with its own evidence, is the one that may)."""
+    summary = next(node for node in ast.walk(TREES["probe.comparison.result"])
+                   if isinstance(node, ast.ClassDef) and node.name == "OpSummary")
+    assert any(isinstance(d, ast.Call) and any(k.arg == "frozen" and getattr(k.value, "value", False) for k in d.keywords)
+               for d in summary.decorator_list), "OpSummary must be a frozen dataclass"
+    made, rewritten = [], []
+    for module, tree in TREES.items():
+        if not module.startswith(("probe.comparison", "probe.report")):
+            continue
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            for node in ast.walk(function):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name == "OpSummary":
+                    made.append(f"{module}.{function.name}")
+                if name == "replace" and {k.arg for k in node.keywords} & {"origin", "diverged", "introduced"}:
+                    rewritten.append(f"{module}.{function.name}")
+    assert made == ["probe.comparison.result.summarize_call"], made
+    assert not rewritten, rewritten
+
+
+#: words that name an op and also a dtype, a statistic or a field: not op knowledge
+NOT_OP_NAMES = {"mean", "where", "float", "half", "double", "bfloat16"}
+#: how ops are spelled (ops.op_name undoes it)
+OP_SPELLINGS = ("torch._foreach_", "torch._fused_", "_foreach_", "_fused_", "distributed.", "ops._c10d")
+
+
+def _op_names() -> set[str]:
+    """Every op name comparison/ops.py keeps a spec or an alias under (read from its source)."""
+    names = set()
+    for node in ast.walk(TREES["probe.comparison.ops"]):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_specs":
+            names.update(node.args[1].value.split())
+        elif isinstance(node, ast.Dict):
+            names.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return names - {"", None}
+
+
+def test_what_compare_knows_of_an_op_is_in_ops_py_alone():
+    """One spec per op (envelope family, amplifies, sums, float64 replay) and one name
+    normalizer: no other module of the compare spells an op's name or how it is spelled."""
+    names = _op_names()
+    assert {"linear", "addcdiv", "sum", "sqrt", "vector_norm"} <= names  # the walk reads the table
+    found = []
+    for module, tree in TREES.items():
+        if not module.startswith("probe.comparison.") or module == "probe.comparison.ops":
+            continue
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and ((node.value in names and node.value not in NOT_OP_NAMES) or node.value.startswith(OP_SPELLINGS)):
+                found.append(f"{module}:{node.lineno}: {node.value!r}")
+    assert not found, "\n".join(found)

@@ -84,7 +84,7 @@ import json
 import re
 from collections import defaultdict
 
-from probe.comparison.ops import is_foreach, op_name
+from probe.comparison.ops import REDUCE_SCATTER, is_foreach, op_name
 from probe.comparison.records import (
     Call, NameMapping,
     LOCAL_GRAD, Records, build_calls, is_param_slot, module_within, parameter_blocks,
@@ -123,8 +123,6 @@ def name_optimizer_targets(normalized: NormalizedStep) -> NormalizedStep:
 
 
 _PARAM_GRAD = "param_grad."
-#: the collective FSDP2 reduces gradients with, as the API level names it on every torch
-_REDUCE_SCATTER = "distributed.reduce_scatter_single"
 PLACEMENT = "placement"
 
 
@@ -147,13 +145,13 @@ def link(records: Records) -> int:
                         default=None)
     for row in sorted(range(len(records)), key=lambda r: (cols["seq"][r], r)):
         slot = cols["slot"][row]
-        if (cols["op"][row] == _REDUCE_SCATTER and cols["io"][row] == "out" and backward_from is not None
+        if (cols["op"][row] == REDUCE_SCATTER and cols["io"][row] == "out" and backward_from is not None
                 and cols["seq"][row] > backward_from):
             # FSDP2's reduce-scatter of a module's gradients: its input is their flat copy
             owner = cols["module"][row]
-            if (owner, _REDUCE_SCATTER, cols["index"][row]) in reduced:
+            if (owner, REDUCE_SCATTER, cols["index"][row]) in reduced:
                 continue  # a second output slot of the same call
-            call = reduced.setdefault((owner, _REDUCE_SCATTER, cols["index"][row]), [])
+            call = reduced.setdefault((owner, REDUCE_SCATTER, cols["index"][row]), [])
             call.extend((cols["seq"][row], source) for (module, _, _), rows in local.items()
                         if module_within(module, owner) for source in rows)
             continue
@@ -182,7 +180,7 @@ def link(records: Records) -> int:
             if counts[(record["module"], record["slot"])] > 1:
                 slot += f".{record['index']}"
             phase = "backward"
-            if op == _REDUCE_SCATTER:  # an input of the collective's call, as its input.1 is
+            if op == REDUCE_SCATTER:  # an input of the collective's call, as its input.1 is
                 phase, record["kind"] = "forward", "api"
             record.update(slot=slot, io="in", index=index, seq=seq, placement="", module=module, op=op,
                           phase=phase, key=make_key(module, op, index, phase, slot))

@@ -215,6 +215,8 @@ FOREACH_PREFIX = "torch._foreach_"
 FUSED_PREFIX = "torch._fused_"
 #: calls that only move a tensor between devices (or pin it): their output equals their input
 MOVE_OPS = ("Tensor.cuda", "Tensor.cpu", "Tensor.npu", "Tensor.xpu", "Tensor.mps", "Tensor.pin_memory")
+#: the collective FSDP2 reduces gradients with, as the API level names it on every torch
+REDUCE_SCATTER = "distributed.reduce_scatter_single"
 #: the ops of collectives (torch.distributed's and the functional ones tensor parallel calls)
 COLLECTIVE_PREFIXES = ("distributed.", "ops._c10d_functional.")
 #: collectives that gather, reduce or scatter a tensor, by the last part of their recorded
