@@ -61,7 +61,7 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
     told_first = first
     drifting = find_drift(first, "diverged", steps_info, rows)
     # drift that stays within every op's rounding envelope is rounding: settled before any
-    # verdict is counted (drift_rounding.py); then nothing diverges, and there is no story
+    # verdict is counted (story.settle_drift); then nothing diverges, and there is no story
     settled = settle_drift(drifting, rows, steps_info, strict)
     if settled is not None:
         first, cause = None, None

@@ -9,7 +9,8 @@ Optimizer calls
 ---------------
 
 What the optimizer's calls look like, for the stages that split, name and pair them: the
-foreach/fused spellings of an op, the blocks of a parameter group, a tensor's fingerprint.
+blocks of a parameter group, a tensor's fingerprint (how a foreach or fused op is spelled is
+ops.py's).
 
 Name mapping
 ------------

@@ -127,7 +127,7 @@ class CompareResult:
     #: {step, rank, text} when the runs part through accumulated rounding (comparison/assemble.py)
     drift: dict | None = None
     #: the rounding envelopes over every output: {largest_gap, at, step, rank, differ, outputs,
-    #: rounding, uncertain, beyond, strict, rounding_only, baseline} (envelope_summary.py); None
+    #: rounding, uncertain, beyond, strict, rounding_only, baseline} (assemble.summarize); None
     #: when none was judged
     envelope: dict | None = None
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -133,7 +133,7 @@ def operand(recorded: Operand | None, row: R.RecordRow) -> Operand | None:
     found = error_band(row)
     err = found[2] if found is not None else math.inf
     dtype = tolerance_dtype(row.dtype_a, row.dtype_b) if row.dtype_a and row.dtype_b else recorded.dtype
-    return replace(recorded, dtype=dtype, err=err)
+    return Operand(recorded.numel, recorded.norm, recorded.min, recorded.max, recorded.mean, recorded.shape, dtype, err)
 
 
 def _value(text: str):

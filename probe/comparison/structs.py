@@ -6,17 +6,17 @@ Each stage takes the previous stage's struct and returns its own (api.compare_st
         --measure--> MeasuredStep (Measurements) --judge--> StepOutcome
 
 and assemble puts the StepOutcomes together into a CompareResult (result.py), with the op
-summaries made from the final rows. A ``Slot`` is
-one slot of a call pair: its RecordRow and the record rows of A and B (either may be None).
+summaries made from the final rows. A ``Slot`` is one slot of a call pair: its RecordRow
+and the record rows of A and B (either may be None).
 A ``Measurement`` is a paired slot once measured: what it was measured as, its metrics and
 tolerance, and what the later stages need to know about its records (the parsed values,
 A's content key, the parameter it holds, the statistics an in-place write check compares),
 so that no stage after measure reads a record column or parses a value again.
 
 A ``RecordRow`` is what a report shows of one aligned record. Align makes it, measure adds
-its tolerance and dtype notes, the judge stage writes its status and origin; assemble's rules
-over all step files (drift, where a 16-bit error entered) may restate an origin before the
-result exists, and replay, the one later writer, adds its own section. Data only: nothing
+its tolerance and dtype notes, the judge stage writes its status and origin; the rules over
+all step files (story.py: drift, where a 16-bit error entered) may restate an origin before
+the result exists, and replay, the one later writer, adds its own section. Data only: nothing
 here imports torch or a stage.
 """
 
@@ -246,7 +246,7 @@ class RecordRow:
     stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (record_rules.StaleRecords)
     #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
     scale_norm: float = 0.0
-    #: its difference is rounding or explained by accepted differences (call_rules.is_accepted), when
+    #: its difference is rounding or explained by accepted differences (RecordRow.is_accepted), when
     #: judge_call decided it; None: not decided (accepted() decides from the row alone)
     accepted: bool | None = None
     tol_dtype: str = ""
