@@ -1,15 +1,16 @@
 """Judge stage: every paired record against its tolerance, then each call's records together.
 
-Records are judged in A's execution order (record_rules.py: the record rules; a checksum
-change is a divergence only where nothing computed the tensor yet), then call by call in the
-order their outputs were made, so that what made a call's inputs is judged before it
-(call_rules.py: introduced, inherited, explained as amplified rounding; two kernels of one
-computation). Where the tensors were dumped, an output accepted as amplified by an
-elementwise op is checked by replaying the op in float64 on each run's own inputs
-(rounding.py). Last, the precision rule: an op one run computes in a lower dtype by the
-model's own casts. The rules over every step file (assemble.py) come after; the op
-summaries are made from the rows after them. The judge reads no record column: measure put
-what it needs into each Measurement.
+Records are judged in A's execution order (record_rules.judge_records: the record rules; a
+checksum change is a divergence only where nothing computed the tensor yet), then call by
+call in the order their outputs were made, so that what made a call's inputs is judged
+before it (call_rules.py: introduced, inherited, explained as amplified rounding; two
+kernels of one computation; rounding.py: each output against its rounding envelope, and
+where the tensors were dumped an output accepted as amplified replayed in float64). The
+rounding rules return Findings; ``apply`` writes them. A module call is then judged by the
+api calls recorded inside it, and last comes the precision rule: an op one run computes in a
+lower dtype by the model's own casts. The rules over every step file (story.py) come after;
+the op summaries are made from the rows after them (assemble.py). The judge reads no record
+column: measure put what it needs into each Measurement.
 
 Precision
 ---------
