@@ -298,9 +298,9 @@ def test_capture_wings_import_one_way(wing, never):
 
 @pytest.mark.parametrize("module", ["judge", "record_rules", "call_rules", "story", "assemble"])
 def test_no_stage_after_measure_reads_a_record_column(module):
-    """The judge, attribute and assemble stages read Measurements and rows, never the records:
-    what they need of a record measure read once (docs/architecture.md). recheck.py, the
-    amplification recheck, is the named exception: it replays an op from the dumped tensors."""
+    """The judge and result stages read Measurements and rows, never the records: what they
+    need of a record measure read once (docs/architecture.md). The float64 recheck in
+    rounding.py is the named exception: it replays an op from the dumped tensors."""
     import re
 
     with open(os.path.join(ROOT, "comparison", f"{module}.py"), encoding="utf-8") as handle:
