@@ -25,16 +25,15 @@ LAYERS = [
 #: the compare pipeline (probe/comparison/), stage by stage: a stage may import its own
 #: modules and those of earlier stages, never a later one. "support" is what every stage uses.
 COMPARE_STAGES = [
-    ("support", {"__init__", "structs", "records", "mapping", "tolerances", "metrics", "sketch", "result",
-                 "envelope"}),
-    ("load", {"load", "shards", "rank_blocks"}),
+    ("support", {"__init__", "structs", "records", "tolerances", "metrics", "sketch", "result",
+                 "envelope", "op_envelopes", "ops"}),
+    ("load", {"load", "shards"}),
     ("normalize", {"normalize"}),
     ("align", {"align", "foreach_pairing"}),
     ("measure", {"measure"}),
-    ("judge", {"record_rules", "call_rules", "recheck", "rounding", "judge"}),
-    ("attribute", {"attribute"}),
-    ("result", {"envelope_summary", "drift_rounding", "shard_entry", "assemble"}),
-    ("orchestration", {"engine", "api"}),
+    ("judge", {"record_rules", "call_rules", "rounding", "judge"}),
+    ("result", {"story", "assemble"}),
+    ("orchestration", {"api"}),
 ]
 
 
@@ -49,16 +48,27 @@ def _modules() -> dict[str, str]:
     return found
 
 
-def _imports(modules: dict[str, str]) -> dict[str, set[str]]:
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``: imports made for annotations alone."""
+    return {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and (getattr(node.test, "id", None) or getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+            for statement in node.body for inner in ast.walk(statement)}
+
+
+def _imports(modules: dict[str, str], annotations: bool = False) -> dict[str, set[str]]:
     """module -> the probe modules it imports (a name imported from a package counts as the
-    submodule when there is one of that name, else as the package)."""
+    submodule when there is one of that name, else as the package). annotations: only the
+    imports made under ``if TYPE_CHECKING:`` (for annotations; never run), instead of the rest."""
     graph = {}
     for module, path in modules.items():
         package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
         targets = set()
         with open(path, encoding="utf-8") as handle:
             tree = ast.parse(handle.read(), path)
+        typing_only = _type_checking_only(tree)
         for node in ast.walk(tree):
+            if (id(node) in typing_only) != annotations:
+                continue
             if isinstance(node, ast.Import):
                 targets |= {alias.name for alias in node.names if alias.name.split(".")[0] == "probe"}
             elif isinstance(node, ast.ImportFrom):
@@ -78,6 +88,8 @@ def _imports(modules: dict[str, str]) -> dict[str, set[str]]:
 
 MODULES = _modules()
 GRAPH = _imports(MODULES)
+#: the imports made for annotations only: they may close a circle (never run), not cross a layer or stage
+ANNOTATION_GRAPH = _imports(MODULES, annotations=True)
 
 
 def _top(module: str) -> str:
@@ -137,7 +149,7 @@ def _package_graph() -> dict[str, set[str]]:
 
 def test_the_walk_sees_the_compare_pipeline_imports():
     # the walk itself: a test that reads no edge would pass whatever the code does
-    assert "probe.comparison.judge" in GRAPH["probe.comparison.engine"]
+    assert "probe.comparison.judge" in GRAPH["probe.comparison.api"]
     assert "probe.comparison.result" in GRAPH["probe.report.terminal"]
 
 
@@ -153,14 +165,15 @@ def test_no_package_of_probe_imports_itself_back_through_others():
 
 def test_no_module_imports_from_a_higher_layer():
     wrong = [f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
-             for module, targets in sorted(GRAPH.items()) for target in sorted(targets)
+             for graph in (GRAPH, ANNOTATION_GRAPH)
+             for module, targets in sorted(graph.items()) for target in sorted(targets)
              if _layer(target) > _layer(module)]
     assert not wrong, "\n".join(wrong)
 
 
 def test_compare_stages_import_only_earlier_stages():
-    inside = {m: {t for t in targets if t.startswith("probe.comparison")}
-              for m, targets in GRAPH.items() if m.startswith("probe.comparison")}
+    inside = {m: {t for graph in (GRAPH, ANNOTATION_GRAPH) for t in graph[m] if t.startswith("probe.comparison")}
+              for m in GRAPH if m.startswith("probe.comparison")}
     wrong = [f"{module} ({COMPARE_STAGES[_stage(module)][0]}) imports {target} ({COMPARE_STAGES[_stage(target)][0]})"
              for module, targets in sorted(inside.items()) for target in sorted(targets)
              if _stage(target) > _stage(module)]
@@ -283,13 +296,109 @@ def test_capture_wings_import_one_way(wing, never):
     assert not reached, reached
 
 
-@pytest.mark.parametrize("module", ["judge", "record_rules", "call_rules", "attribute", "assemble"])
+@pytest.mark.parametrize("module", ["judge", "record_rules", "call_rules", "story", "assemble"])
 def test_no_stage_after_measure_reads_a_record_column(module):
-    """The judge, attribute and assemble stages read Measurements and rows, never the records:
-    what they need of a record measure read once (docs/architecture.md). recheck.py, the
-    amplification recheck, is the named exception: it replays an op from the dumped tensors."""
+    """The judge and result stages read Measurements and rows, never the records: what they
+    need of a record measure read once (docs/architecture.md). The float64 recheck in
+    rounding.py is the named exception: it replays an op from the dumped tensors."""
     import re
 
     with open(os.path.join(ROOT, "comparison", f"{module}.py"), encoding="utf-8") as handle:
         reads = re.findall(r"columns\[|cols(?:_a|_b)?\[", handle.read())
     assert not reads, f"comparison/{module}.py reads record columns {len(reads)} times"
+
+
+# ---------------------------------------------------------------------------- the figures a merge must keep
+
+#: how many modules the compare pipeline may have (probe/comparison/, its __init__ aside)
+COMPARISON_MODULES = 22
+#: the longest a module of probe may be
+MODULE_LINES = 520
+
+
+def test_the_compare_pipeline_has_at_most_22_modules():
+    found = sorted(m for m in MODULES if m.startswith("probe.comparison.") and not MODULES[m].endswith("__init__.py"))
+    assert len(found) <= COMPARISON_MODULES, f"{len(found)} modules: {found}"
+
+
+def test_no_module_of_probe_is_over_520_lines():
+    long = {}
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as handle:
+            lines = sum(1 for _ in handle)
+        if lines > MODULE_LINES:
+            long[module] = lines
+    assert not long, long
+
+
+def _function(module: str, name: str) -> ast.FunctionDef:
+    return next(node for node in ast.walk(TREES[module]) if isinstance(node, ast.FunctionDef) and node.name == name)
+
+
+def test_compare_step_takes_at_most_4_parameters():
+    """What a pair of step files is compared with: its StepInput, the tolerances in force
+    (strict included), the name mapping and what the rank's previous step file carries."""
+    arguments = _function("probe.comparison.api", "compare_step").args
+    count = len(arguments.posonlyargs + arguments.args + arguments.kwonlyargs)
+    assert count <= 4, [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+
+
+def test_op_summaries_are_made_once_and_never_written_by_hand():
+    """An op summary is frozen, made in one place (result.summarize_call, after the last rule)
+    and never copied with another origin or diverged flag inside the compare or its reports
+    (the float64 replay, a later stage with its own evidence, is the one that may)."""
+    summary = next(node for node in ast.walk(TREES["probe.comparison.result"])
+                   if isinstance(node, ast.ClassDef) and node.name == "OpSummary")
+    assert any(isinstance(d, ast.Call) and any(k.arg == "frozen" and getattr(k.value, "value", False) for k in d.keywords)
+               for d in summary.decorator_list), "OpSummary must be a frozen dataclass"
+    made, rewritten = [], []
+    for module, tree in TREES.items():
+        if not module.startswith(("probe.comparison", "probe.report")):
+            continue
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            for node in ast.walk(function):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name == "OpSummary":
+                    made.append(f"{module}.{function.name}")
+                if name == "replace" and {k.arg for k in node.keywords} & {"origin", "diverged", "introduced"}:
+                    rewritten.append(f"{module}.{function.name}")
+    assert made == ["probe.comparison.result.summarize_call"], made
+    assert not rewritten, rewritten
+
+
+#: words that name an op and also a dtype, a statistic or a field: not op knowledge
+NOT_OP_NAMES = {"mean", "where", "float", "half", "double", "bfloat16"}
+#: how ops are spelled (ops.op_name undoes it)
+OP_SPELLINGS = ("torch._foreach_", "torch._fused_", "_foreach_", "_fused_", "distributed.", "ops._c10d")
+
+
+def _op_names() -> set[str]:
+    """Every op name comparison/ops.py keeps a spec or an alias under (read from its source)."""
+    names = set()
+    for node in ast.walk(TREES["probe.comparison.ops"]):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_specs":
+            names.update(node.args[1].value.split())
+        elif isinstance(node, ast.Dict):
+            names.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return names - {"", None}
+
+
+def test_what_compare_knows_of_an_op_is_in_ops_py_alone():
+    """One spec per op (envelope family, amplifies, sums, float64 replay) and one name
+    normalizer: no other module of the compare spells an op's name or how it is spelled."""
+    names = _op_names()
+    assert {"linear", "addcdiv", "sum", "sqrt", "vector_norm"} <= names  # the walk reads the table
+    found = []
+    for module, tree in TREES.items():
+        if not module.startswith("probe.comparison.") or module == "probe.comparison.ops":
+            continue
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and ((node.value in names and node.value not in NOT_OP_NAMES) or node.value.startswith(OP_SPELLINGS)):
+                found.append(f"{module}:{node.lineno}: {node.value!r}")
+    assert not found, "\n".join(found)

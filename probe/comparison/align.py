@@ -28,7 +28,7 @@ Pairing
 Align stage: call pairs of the two runs, and one RecordRow per record pair.
 
 align.align_calls pairs the calls of one phase and module; then each refiner in
-engine.ALIGN_REFINERS may pair what it left alone (foreach_pairing.pair_foreach: foreach
+api.ALIGN_REFINERS may pair what it left alone (foreach_pairing.pair_foreach: foreach
 elements against per-tensor calls). The pairs are put in A's execution order, and each
 becomes its rows: one RecordRow per slot (paired, or on one side only).
 
@@ -50,8 +50,8 @@ from __future__ import annotations
 import difflib
 from collections import defaultdict
 from probe.comparison import result as R
-from probe.comparison.records import Records
-from probe.comparison.structs import AlignedStep, Call, CallPair, NormalizedStep, Slot
+from probe.comparison.records import Call, CallPair, Records
+from probe.comparison.structs import AlignedStep, NormalizedStep, Slot
 from probe.dump import schema
 
 #: how a pair was made: see the module docstring

@@ -1,7 +1,20 @@
 """Compare dump A (the reference) with dump B: the stages, step file pair by step file pair.
 
-    load (load.py) -> for each pair of step files: engine.compare_step (normalize, align,
-    measure, judge, attribute) -> assemble (assemble.py) -> CompareResult
+    load (load.py) -> for each pair of step files: compare_step -> assemble (assemble.py)
+        -> CompareResult
+
+and for one pair of step files (compare_step):
+
+    StepInput --normalize--> calls --align--> call pairs and their Slots
+        --measure--> Measurements --judge--> StepOutcome (statuses, origins)
+
+Each stage is a module with one job; it takes the previous stage's struct (structs.py) and
+returns its own, and no stage calls back into an earlier one. After measure no stage reads
+a record column: what the judge needs of the records is in each Measurement (the float64
+recheck, rounding.py, is the one exception: it replays an op from the dumped tensors). A
+normalize step (a function NormalizedStep -> NormalizedStep) or an align refiner (a function
+(pairs, records_a, records_b) -> pairs) is added by listing it below. docs/architecture.md
+draws the stages.
 
 The result is data. ``probe.compare`` (probe/compare_and_replay.py) adds the replay and the
 renderers (to_text, to_json, write_csv, write_html). A is the reference: relative errors
@@ -15,16 +28,48 @@ import os
 from typing import Callable, Iterable
 
 from probe.comparison import load as L
+from probe.comparison import normalize
 from probe.comparison import result as R
+from probe.comparison.align import align
 from probe.comparison.assemble import assemble
-from probe.comparison.engine import compare_step
+from probe.comparison.foreach_pairing import pair_foreach
+from probe.comparison.judge import judge
+from probe.comparison.measure import measure, shared_autocast
+from probe.comparison.records import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.rounding import measured_envelopes
-from probe.comparison.mapping import NameMapping, load_mapping, mapping_from_dict
 from probe.comparison.structs import Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
 DEFAULT_TOP = 10
+#: the normalize steps, in the order they run on both sides' records and calls
+NORMALIZE = (
+    normalize.link_reduced_gradients,
+    normalize.build_call_lists,
+    normalize.split_foreach_calls,
+    normalize.name_optimizer_targets,
+)
+#: what pairs the calls align.align_calls left alone, in order
+ALIGN_REFINERS = (
+    pair_foreach,
+)
+
+
+def compare_step(step_input: StepInput, tolerances: Tolerances, mapping: NameMapping | None = None,
+                 carry: Carry | None = None) -> StepOutcome:
+    """Normalize, align, measure and judge one pair of step files.
+
+    tolerances: the table in force, and whether it decides alone (Tolerances.strict: rounding
+    envelopes are information only); mapping: the renames of a mapping file; carry: what A's
+    previous step file of the same rank handed on (its content keys and its accepted
+    differences, StepOutcome.explained), None for the first one."""
+    carry = carry or Carry()
+    normalized = normalize.normalize(step_input.records_a, step_input.records_b, mapping, NORMALIZE)
+    aligned = align(normalized, ALIGN_REFINERS, step_input.step, step_input.rank)
+    measured = measure(aligned, step_input.fetch_a, step_input.fetch_b, tolerances, carry.content_keys,
+                       step_input.progress, shared_autocast(step_input.autocast_a, step_input.autocast_b))
+    return judge(measured, carry.explained, (step_input.autocast_a, step_input.autocast_b), tolerances.strict,
+                 step_input.baseline)
 
 
 def compare(
@@ -57,7 +102,8 @@ def compare(
         trusted = compare(a, baseline, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, tolerances=tolerances,
                           mapping=mapping, allow_missing=allow_missing, steps=steps, ranks=ranks, top=top)
         measured = measured_envelopes(trusted.rows)
-    table = Tolerances.build(rtol=rtol, atol=atol, per_dtype=tol, tol_file=tol_file, overrides=tolerances)
+    table = Tolerances.build(rtol=rtol, atol=atol, per_dtype=tol, tol_file=tol_file, overrides=tolerances,
+                             strict=strict)
     names = _mapping(mapping)
     path_a, path_b = os.fspath(a), os.fspath(b)
     dump_a, dump_b = L.load_dumps(path_a, path_b)
@@ -94,9 +140,9 @@ def compare(
                     share = L.overlap(files.records_a.columns["module"], files.records_b.columns["module"])
                     same_model = L.different_models_note(share)
             step_input = StepInput(files.records_a, files.records_b, files.fetch_a, files.fetch_b, key_a[0], key_a[1],
-                                   files.attrs_a.get("autocast"), files.attrs_b.get("autocast"), report)
-            outcome = compare_step(step_input, table, names, carried.get(key_a[1]), strict,
+                                   files.attrs_a.get("autocast"), files.attrs_b.get("autocast"), report,
                                    measured.get((key_a[0], key_a[1]), {}) if measured is not None else None)
+            outcome = compare_step(step_input, table, names, carried.get(key_a[1]))
             carried[key_a[1]] = Carry(outcome.content_keys, outcome.explained)
             total_bytes += outcome.tensor_bytes
             outcomes.append(outcome)

@@ -1,72 +1,21 @@
 """Result stage: every step's outcome put together into one CompareResult (data only).
 
 The verdict of each step file pair and of the whole compare, the first divergence and the
-likely cause (assemble.story), the top ops (attribute.py) and the notes a reader needs: the
+likely cause (story.py), the op summaries and top ops (result.py), made from the rows
+after the last rule, and the notes a reader needs: the
 evidence the metrics rest on, devices, records without partner, explained outputs.
 
-Story
------
+Rounding only
+-------------
 
-Result stage: the first divergence and the likely cause, one story for every report.
+Is the whole gap between the runs what rounding alone makes?
 
-* The first divergence is the earliest divergent output record in A's execution order
-  (seq; forward and backward as they ran). Records that exist on one side only are never
-  a pass and never a divergence: they are counted as only_a / only_b.
-* The likely cause is the first divergent output that introduced its error (story()).
-
-Drift
------
-
-Drift: two correct runs that part over steps through accumulated rounding, no op at fault.
-
-Two runs that differ only in summation order (thread count, kernel library) agree within
-tolerance at their first step, yet AdamW turns a rounding-noise gradient (a conv bias before
-BatchNorm) into an lr-sized update, and some steps later the parameters, and what is computed
-from them, are beyond tolerance. Compare then finds ops whose parameter "differs": error
-entering through a parameter, which is how a weight bug looks too. The growth pattern tells
-them apart:
-
-* drift starts at rounding level at the first compared step: the runs already differ there
-  (records not bit-identical) while everything is within tolerance;
-* every divergence that is not inherited enters through parameters whose difference the
-  recorded optimizer update of the previous step already wrote (the update's output for that
-  parameter differs by at least 1/CARRIED_SHARE of the parameter's difference): it grew
-  there, step by step;
-* nothing else enters: no changed argument, no external or unpartnered input, no precision
-  finding, no op that amplifies agreeing inputs on its own.
-
-A fault jumps instead: a weight scaled before step 3 differs at step 3 by far more than the
-optimizer of step 2 wrote, and identical runs are bit-identical before it. Then the verdict
-stays as it was. When it is drift, no op is named "introduced": the likely cause is None, the
-origins that said "introduced" say "inherited" with the reason, and ``result.drift`` holds
-{step, rank, text}. Torch-free.
-
-Entering
---------
-
-The likely cause of a low-precision model: where the error entered, even within tolerance.
-
-In a bfloat16 model the tolerance is about two roundings (rel L2 8e-3). A fault smaller than
-that (a weight off by 0.5%, a gradient scaled inside one block) passes at the op where it
-enters, grows downstream, and the first op beyond tolerance (a backward o_proj, a later
-LayerNorm, an embedding's gradient) takes the blame, or the report says no single op
-introduced the error. Two correct kernels of one computation differ by well under one unit
-roundoff u of the dtype (each result is rounded once, to within u/2); an error entering at
-an op is a different thing when it stands far above that level.
-
-So, in the step file of the first divergence and before it, the first API call whose output
-is judged at a 16-bit or coarser tolerance and
-
-* differs by at least ENTERING_UNITS x u of that dtype, and
-* either takes that difference from a source (a parameter, an external input or a tensor
-  changed after its producer made it; not a tensor made by a call the other run does not
-  have: different kernels round differently), at least as large as what its produced inputs
-  carry, or makes it itself: more than AMPLIFICATION x what its produced inputs carry (and
-  the rounding flips that carry causes, sqrt(carried x u)),
-
-becomes the likely cause ("introduced", with the reason), unless an op introduced its error
-at or before it. Float32 and float64 records keep the compare's rules (their tolerance is far
-above their rounding). Torch-free.
+Every output the judge gave a rounding envelope (rounding.py) says how its measured
+difference compares with what rounding alone can make it differ by (``gap``: seen over
+expected). A compare that passes while the runs differ at all differs by rounding only, and
+its headline says so with the largest gap; the outputs judged rounding or uncertain are
+counted, and each uncertain one is named in a note with the config line that decides it.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -74,14 +23,15 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison import drift_rounding, shard_entry
+from probe.comparison.envelope import FACTOR
+from probe.comparison.ops import MOVE_OPS
 from probe.comparison.result import count_rows
-from probe.comparison.envelope_summary import summarize
 from probe.comparison.sketch import sketch_note
+from probe.comparison.story import (
+    apply_drift, entering_cause, find_drift, settle_drift, shard_entries, story,
+)
 from probe.comparison.structs import sci
 
-#: calls that only move a tensor between devices (or pin it): their output equals their input
-MOVE_OPS = ("Tensor.cuda", "Tensor.cpu", "Tensor.npu", "Tensor.xpu", "Tensor.mps", "Tensor.pin_memory")
 _EVIDENCE_ORDER = ("statistics", "checksum", "tensor")  # weakest first
 
 
@@ -106,13 +56,13 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
     trusted third dump that measured the envelopes (--baseline), or None."""
     rows = [row for outcome in outcomes for row in outcome.rows]
     # a parameter shard that differs on one rank, gathered by every rank: judged across ranks
-    entered = shard_entry.apply(outcomes)
+    entered = shard_entries(outcomes)
     first, cause = story(outcomes, entered)
     told_first = first
     drifting = find_drift(first, "diverged", steps_info, rows)
     # drift that stays within every op's rounding envelope is rounding: settled before any
-    # verdict is counted (drift_rounding.py); then nothing diverges, and there is no story
-    settled = drift_rounding.settle(drifting, rows, steps_info, strict)
+    # verdict is counted (story.settle_drift); then nothing diverges, and there is no story
+    settled = settle_drift(drifting, rows, steps_info, strict)
     if settled is not None:
         first, cause = None, None
     for info in steps_info:
@@ -169,25 +119,28 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
             f"{len(explained)} outputs are beyond their own dtype's tolerance but explained by accepted differences "
             f"of their inputs (amplified rounding; not divergences); the largest: {worst.key} at step {worst.step} "
             f"rank {worst.rank}, rel L2 {sci(worst.metrics.rel_l2)}: {worst.cause}")
-    summaries = [s for outcome in outcomes for s in outcome.summaries]
-    unranked = _unranked_backward(rows, summaries)
-    if unranked:
-        notes.append(unranked)
+    unranked_at = len(notes)  # the note on backward calls no record measures goes here
     diverged = counts["diverged"] > 0 or bool(failing)
     verdict = "diverged" if diverged else "pass"
     tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
-    top_ops = R.rank_top_ops(summaries, top)
     changes = R.group_changes(rows)
     precision = R.PrecisionTally.total(outcome.precision for outcome in outcomes)
     notes.extend(precision.notes())
     # the story's first divergence is a divergent row, so the verdict was "diverged" above too
     drift = drifting if first is told_first else find_drift(first, verdict, steps_info, rows)
     if drift is not None:  # no op introduced an error: the runs part through accumulated rounding
-        apply_drift(drift, rows, list(top_ops) + list(summaries))
+        apply_drift(drift, rows)
         cause = None
-        notes.insert(0, drift["text"])
     else:
         cause = entering_cause(first, cause, rows)
+    # the last rule has run: the summaries say what the rows say
+    summaries = R.op_summaries(outcomes)
+    top_ops = R.rank_top_ops(summaries, top)
+    unranked = _unranked_backward(rows, summaries)
+    if unranked:
+        notes.insert(unranked_at, unranked)
+    if drift is not None:
+        notes.insert(0, drift["text"])
     if settled is not None:
         notes.insert(0, settled)
     if same_model is not None:
@@ -256,227 +209,6 @@ def _unranked_backward(rows, summaries) -> str:
             f"the next recorded gradient{advice}")
 
 
-def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
-    """Earliest divergent output in execution order (inputs only if no output diverged)."""
-    diverged = [row for row in rows if row.status == R.DIVERGED]
-    outputs = [row for row in diverged if row.divergence in (R.OUTPUT, R.PRECISION)]
-    candidates = outputs or [row for row in diverged if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT)] or diverged
-    return min(candidates, key=lambda row: row.order, default=None)
-
-
-def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.RecordRow | None:
-    """The first divergent output that introduced its error; failing that, the first record
-    where error entered (a changed parameter or argument, a divergent external input); else
-    the first divergence."""
-    ordered = sorted((row for row in rows if row.status == R.DIVERGED), key=lambda row: row.order)
-    for row in ordered:
-        if row.divergence in (R.OUTPUT, R.PRECISION) and row.origin == R.INTRODUCED:
-            return row
-    for row in ordered:
-        if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT) and row.origin == R.INTRODUCED:
-            return row
-    return first
-
-
-def story(outcomes, entered: dict | None = None) -> tuple[R.RecordRow | None, R.RecordRow | None]:
-    """(first divergence, likely cause) of a whole compare: one story for every report.
-
-    The earliest step file pair with a divergence decides the step. Among its ranks, a rank
-    where an op introduced its error tells the story (on the other ranks the error arrives
-    through a collective, DDP's gradient all-reduce, and is only inherited): a rank-1-only
-    fault is named on rank 1. When no op of that step introduced its error, the likely cause
-    is the first introduced one of a later step file, if any. entered: shard_entry.apply's
-    {step: (row, order)}: a shard that differed on entry on one rank tells its step's story
-    unless an op introduced an error before it."""
-    diverged = [o for o in outcomes if o.diverged]
-    if not diverged:
-        return None, None
-    step = min(o.step for o in diverged)
-    shard = (entered or {}).get(step)
-    told = []
-    for outcome in (o for o in diverged if o.step == step):
-        first = first_divergence(outcome.rows)
-        told.append((outcome.rank, first, likely_cause(outcome.rows, first)))
-    introducing = [t for t in told if t[2] is not None and t[2].origin == R.INTRODUCED]
-    if shard is not None and all(shard[1] <= t[2].order for t in introducing):
-        return shard[0], shard[0]
-    if introducing:
-        rank, first, cause = min(introducing, key=lambda t: (t[2].order, t[0]))
-        return first, cause
-    rank, first, cause = min(told, key=lambda t: (t[1].order, t[0]))
-    for outcome in sorted(diverged, key=lambda o: (o.step, o.rank)):
-        later = likely_cause(outcome.rows, None)
-        if later is not None and later.origin == R.INTRODUCED:
-            return first, later
-    return first, cause
-
-
-#: the previous step's update of a parameter must differ by at least this fraction of the
-#: parameter's own difference for that difference to count as carried by the optimizer
-CARRIED_SHARE = 10.0
-
-
-def _rel(row) -> float:
-    if row.metrics is None or row.metrics.rel_l2 is None:
-        return 0.0
-    value = row.metrics.rel_l2
-    return float(value) if isinstance(value, (int, float)) else 0.0
-
-
-def _param_name(module: str, slot: str) -> str:
-    name = slot.removeprefix("param.")
-    return f"{module}.{name}" if module else name
-
-
-def _source_params(row) -> list | None:
-    """[(parameter name, rel L2)] of the divergent sources of an introduced output, or None
-    when any source is not a parameter recorded as one (external data, a changed argument)."""
-    found = []
-    for item in row.input_errors:
-        if item.get("status") != R.DIVERGED or item.get("source") in ("produced", "carried", "unrecorded",
-                                                                        "forward", "param_update"):
-            continue
-        producer = item.get("producer") or ""
-        if item.get("source") != "param":
-            return None
-        if item["slot"].startswith("param."):  # a module's own parameter
-            found.append((_param_name(row.module, item["slot"]), item.get("rel_l2") or 0.0))
-        elif "/param." in producer:  # an api call's input holding a parameter
-            module = producer.split("/", 1)[0]
-            found.append((_param_name(module, "param." + producer.rsplit("/param.", 1)[1]), item.get("rel_l2") or 0.0))
-        else:
-            return None
-    return found
-
-
-def _differs_at_rounding(rows) -> bool:
-    tensors = [row for row in rows if row.status in R.WITHIN and row.metrics is not None
-               and row.metrics.evidence != "value"]
-    return any(_rel(row) > 0 or row.metrics.bit_equal is False for row in tensors)
-
-
-def find_drift(first, verdict: str, steps_info: list[dict], rows: list) -> dict | None:
-    """{step, rank, text} when the compare's divergences are drift (see the module docstring)."""
-    if first is None or verdict != "diverged":
-        return None
-    rank = first.rank
-    steps = sorted({info["step"] for info in steps_info if info["rank"] == rank})
-    by_step: dict = {}
-    for row in rows:
-        if row.rank == rank:
-            by_step.setdefault(row.step, []).append(row)
-    if len(steps) < 2 or first.step == steps[0]:
-        return None
-    if not _differs_at_rounding(by_step.get(steps[0], [])):
-        return None  # identical before the divergence: something changed, not rounding
-    updates: dict = {}  # (step, parameter) -> largest difference of the optimizer's writes
-    for row in rows:
-        if row.target and row.io == "out" and row.status in R.PAIRED:
-            key = (row.step, row.rank, row.target)
-            updates[key] = max(updates.get(key, 0.0), _rel(row))
-    for row in rows:
-        if row.status != R.DIVERGED or row.origin != R.INTRODUCED:
-            continue
-        if row.divergence == R.PARAM and not row.slot.startswith("param."):
-            continue  # an api call's input holding a parameter: judged at the parameter's record
-        if row.divergence == R.PARAM:
-            params = [(_param_name(row.module, row.slot), _rel(row))]
-        elif row.divergence == R.OUTPUT:
-            params = _source_params(row)
-        else:
-            return None  # a changed argument, an external input, a precision finding
-        if not params:
-            return None  # an op that made its error from agreeing inputs
-        earlier = [step for step in steps if step < row.step] if row.rank == rank else []
-        if not earlier:
-            return None
-        for name, rel in params:
-            if updates.get((earlier[-1], row.rank, name), 0.0) * CARRIED_SHARE < rel:
-                return None  # the parameter jumped: not what its last update wrote
-    text = (f"drift: the runs part through accumulated rounding; they already differ at rounding level at step "
-            f"{steps[0]} (within tolerance), and every divergence from step {first.step} on enters through "
-            "parameters whose difference the previous step's optimizer update wrote; no op introduced an error "
-            "(replay with --replay on tensor dumps checks that no op computes beyond rounding)")
-    return {"step": first.step, "rank": rank, "text": text}
-
-
-def apply_drift(found: dict, rows: list, ops: list) -> None:
-    """Take the "introduced" origins of rows and op summaries back where the compare is drift."""
-    for row in rows:
-        if row.status == R.DIVERGED and row.origin == R.INTRODUCED:
-            row.origin = R.INHERITED
-            row.cause = f"{row.cause}; drift: this difference grew over the earlier steps' updates"
-    for op in ops:
-        if op.origin == R.INTRODUCED:
-            op.origin = R.INHERITED
-
-
-#: an error entering this many unit roundoffs of the dtype is beyond two correct kernels' rounding
-ENTERING_UNITS = 1.0
-#: an op makes the error itself when its output differs this many times more than its inputs
-AMPLIFICATION = 10.0
-_UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float8_e4m3fn": 2.0 ** -4, "float8_e4m3fnuz": 2.0 ** -4,
-         "float8_e5m2": 2.0 ** -3, "float8_e5m2fnuz": 2.0 ** -3}
-_SOURCES = ("param", "external", "changed")
-_CARRIED = ("produced", "carried", "unrecorded", "forward", "param_update")
-
-
-def _finite(value) -> float:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
-
-
-def _row_rel(row) -> float:
-    return _finite(row.metrics.rel_l2) if row.metrics is not None else 0.0
-
-
-def entering_reason(row) -> str | None:
-    """Why the error enters at this output row, or None when it does not (module docstring)."""
-    unit = _UNIT.get(row.tol_dtype)
-    if unit is None or row.kind != "api" or row.io != "out" or row.status not in R.PAIRED:
-        return None
-    if row.metrics is None or row.metrics.evidence == "value":
-        return None
-    out = _row_rel(row)
-    if out < ENTERING_UNITS * unit:
-        return None
-    carried = max((_finite(item.get("rel_l2")) for item in row.input_errors if item.get("source") in _CARRIED),
-                  default=0.0)
-    sources = [item for item in row.input_errors if item.get("source") in _SOURCES]
-    entering = max(sources, key=lambda item: _finite(item.get("rel_l2")), default=None)
-    size = f"rel L2 {out:.2e}, {out / unit:.3g} units of {row.tol_dtype} roundoff"
-    if entering is not None and _finite(entering.get("rel_l2")) >= max(ENTERING_UNITS * unit, carried):
-        what = entering.get("producer") or entering["slot"]
-        return (f"the error enters here within tolerance: input {entering['slot']} ({entering['source']}: {what}) "
-                f"differs by rel L2 {_finite(entering.get('rel_l2')):.2e} ({size} at the output; its produced inputs "
-                f"carry {carried:.2e}); two correct kernels differ by well under one unit, and the later "
-                "divergence grows from here")
-    if out > AMPLIFICATION * max(carried, math.sqrt(carried * unit)):
-        return (f"the error enters here within tolerance: the op makes it from inputs that agree ({size}; its "
-                f"inputs carry {carried:.2e}); two correct kernels differ by well under one unit, and the later "
-                "divergence grows from here")
-    return None
-
-
-def entering_cause(first, cause, rows: list):
-    """The likely cause, made the first op where a low-precision error entered when there is
-    one before any op introduced its error (module docstring)."""
-    if first is None:
-        return cause
-    rows = sorted((row for row in rows if row.step == first.step and row.rank == first.rank
-                   and row.order <= first.order), key=lambda row: row.order)
-    for row in rows:
-        if cause is not None and cause.origin == R.INTRODUCED and cause.step == row.step and cause.order <= row.order:
-            return cause  # an op introduced its error at or before this one
-        reason = entering_reason(row)
-        if reason is None:
-            continue
-        if row.status != R.DIVERGED:
-            row.origin = R.INTRODUCED
-            row.cause = reason
-        return row
-    return cause
-
-
 def device_note(device_a: str, device_b: str, arguments: int, moves: int = 0) -> str:
     """The one report note for runs on different devices."""
     where = f"the runs ran on different devices ({device_a or '?'} in A, {device_b or '?'} in B)"
@@ -488,3 +220,54 @@ def device_note(device_a: str, device_b: str, arguments: int, moves: int = 0) ->
         where += (f"; {moves} device move{'s' if moves != 1 else ''} ({', '.join(MOVE_OPS[:3])}, ...) in one run "
                   "only (without partner, not a divergence)")
     return where
+
+
+#: how many uncertain outputs the note names by key
+NAMED = 3
+
+
+def summarize(rows, notes: list, strict: bool = False, baseline=None) -> dict | None:
+    """{largest_gap, at, step, rank, differ, outputs, rounding, uncertain, beyond, strict,
+    rounding_only, baseline}; None when no output has an envelope (ops the model does not
+    know, dumps of values only)."""
+    judged = [row for row in rows if row.envelope is not None and row.status in R.PAIRED]
+    if not judged:
+        return None
+    # outputs the judge explained by their inputs' accepted differences through the op's
+    # conditioning (amplified) are settled by that rule, not by their envelope's gap
+    gapped = [row for row in judged if math.isfinite(row.envelope["gap"])
+              and not (row.status == R.EXPLAINED and row.origin == R.AMPLIFIED)]
+    worst = max(gapped, key=lambda row: row.envelope["gap"], default=None)
+    differ = any(row.envelope["seen"] > 0 for row in judged) or any(
+        row.metrics is not None and row.metrics.bit_equal is False for row in rows if row.status in R.PAIRED)
+    uncertain = [row for row in judged if row.status == R.EXPLAINED and row.origin == "uncertain"]
+    beyond = [row for row in judged if row.envelope["verdict"] == "beyond"]
+    # the claim "rounding only" needs every size known from above (a statistics lower bound
+    # without a sketch is not) and every gap within FACTOR x what rounding makes
+    measured = all(row.envelope["high"] is not None for row in judged if row.envelope["seen"] > 0)
+    settled = all(row.envelope["seen"] == 0 or row.envelope["gap"] <= FACTOR or row.status == R.EXPLAINED
+                  for row in judged)
+    summary = {
+        "largest_gap": worst.envelope["gap"] if worst is not None else None,
+        "at": worst.key if worst is not None else None,
+        "step": worst.step if worst is not None else None,
+        "rank": worst.rank if worst is not None else None,
+        "differ": differ,
+        "outputs": len(judged),
+        "rounding": sum(1 for row in judged if row.status == R.EXPLAINED and row.origin == "rounding"),
+        "uncertain": len(uncertain),
+        "beyond": len(beyond),
+        "strict": strict,
+        "rounding_only": differ and not beyond and measured and settled and not strict,
+        "baseline": str(baseline) if baseline is not None else None,
+    }
+    if uncertain:
+        shown = "; ".join(f"{row.key} at step {row.step} rank {row.rank} ({row.envelope['text']})"
+                          for row in uncertain[:NAMED])
+        more = f" and {len(uncertain) - NAMED} more" if len(uncertain) > NAMED else ""
+        notes.append(
+            f"{len(uncertain)} output{'s are' if len(uncertain) != 1 else ' is'} uncertain: beyond the fixed "
+            f"tolerance, and the sketch's band straddles {'their' if len(uncertain) != 1 else 'its'} rounding "
+            f"envelope (not counted as divergences): {shown}{more}; the cause of each names the config line "
+            "that dumps it as a tensor")
+    return summary

@@ -44,12 +44,10 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
-from probe.comparison.record_rules import (
-    amplified_cause, amplifies, cause_text, inherited_cause, input_summary,
-)
-from probe.comparison.records import LOCAL_GRAD, is_param_slot, module_within
+from probe.comparison.ops import BATCH_NORM_TRAINING, MEANS, RUNNING_STATISTICS, is_batch_norm
+from probe.comparison.records import LOCAL_GRAD, is_param_slot, param_name
 from probe.comparison.structs import (
-    CARRIED, CARRIERS, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PRODUCED, UNPAIRED, UNRECORDED,
+    CARRIED, CARRIERS, CHANGED_INPUT, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, PRODUCED, UNPAIRED, UNRECORDED,
     forward_carriers, is_carrier, rel_error, sci,
 )
 
@@ -120,8 +118,8 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
         if row.io != "in" or row.status not in R.PAIRED:
             continue
         if row.slot in unread:
-            if row.status == R.DIVERGED and explainable(row):
-                explain(row, f"differs (rel L2 {sci(rel_error(row))}) but a batch norm in training mode normalizes with "
+            if row.status == R.DIVERGED and row.explainable:
+                row.explain(f"differs (rel L2 {sci(rel_error(row))}) but a batch norm in training mode normalizes with "
                              "the batch's statistics: its running statistics only receive an update, they make no "
                              "part of the output", "")
             continue
@@ -142,9 +140,9 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             continue
         kind, producer = (PARAM_INPUT, None) if is_param_slot(row.slot) else input_kind(row)
         if kind == PRODUCED and row.status == R.DIVERGED and producer is not None:
-            if producer.status == R.EXPLAINED and explainable(row) and rel_error(row) <= 2 * rel_error(producer) + 1e-12:
+            if producer.status == R.EXPLAINED and row.explainable and rel_error(row) <= 2 * rel_error(producer) + 1e-12:
                 # the same tensor, whose difference was accepted where it was made
-                explain(row, f"carries the accepted difference made by {producer.key} "
+                row.explain(f"carries the accepted difference made by {producer.key} "
                              f"(rel L2 {sci(rel_error(producer))}): {producer.cause or 'amplified rounding'}")
             elif producer.status in (R.ONLY_A, R.ONLY_B):
                 # made by a call the other run does not have: the runs compute it differently
@@ -152,7 +150,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             elif producer.status in R.WITHIN and producer.order < row.order:
                 # the op that made this tensor agreed, yet it differs here: something that was
                 # not recorded changed it in between (a custom autograd Function, a hook, ...)
-                kind = CHANGED
+                kind = CHANGED_INPUT
         kinds[id(row)] = kind
         if kind == CARRIED and row.status in R.WITHIN and row.accepted is None:
             # state from the previous step, judged there: within tolerance here, accepted
@@ -161,7 +159,7 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             producers[id(row)] = producer
             if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
                 # the same tensor as its producer's output: accepted as that one was
-                row.accepted = bool(row.accepted) or rounding_ok(row) or is_accepted(producer)
+                row.accepted = bool(row.accepted) or row.rounding_ok or producer.is_accepted
         (carriers if is_carrier(kind, row.status) else sources).append(row)
         if row.status == R.DIVERGED:
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
@@ -174,8 +172,8 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     source_rel = max((rel_error(r) for r in sources), default=0.0)
     # every input agreed or its difference was accepted: what the output may differ by is
     # what those differences explain through the op (judged below), not a new error
-    accepted = not sources and not changed_args and all(is_accepted(r) for r in carriers)
-    amplifier = amplifies(rows[0].op) if rows else False
+    accepted = not sources and not changed_args and all(r.is_accepted for r in carriers)
+    amplifier = rows[0].spec.amplifies if rows else False
     summary = [input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     summary += [input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
     outputs = [row for row in rows if row.io == "out" and row.status in R.PAIRED]
@@ -195,11 +193,11 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.reasons.append("computed with a changed argument")
         if row.status != R.DIVERGED:
             if row.status in R.WITHIN and not changed_args:
-                row.accepted = bool(row.accepted) or rounding_ok(row) or (accepted and (
+                row.accepted = bool(row.accepted) or row.rounding_ok or (accepted and (
                     _explains(carriers, rel_error(row), carried_rel) or (amplifier and carried_rel > 0)))
             continue
         if not changed_args and _within_scaled_budget(row):
-            explain(row, f"a cancelling sum: tiny against the tensor it was reduced from (norm "
+            row.explain(f"a cancelling sum: tiny against the tensor it was reduced from (norm "
                          f"{row.scale_norm:.3g}, its own {row.metrics.ref_norm:.3g}); judged against that scale it "
                          f"is within tolerance", R.AMPLIFIED)
             continue
@@ -212,13 +210,13 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.origin = R.INTRODUCED
             row.cause = cause_text(changed_args + dtype_args, sources if from_source else [], kinds, producers,
                                False, carriers, out_rel, carried_rel)
-        elif accepted and explainable(row) and (within_ratio or conditioned):
-            explain(row, amplified_cause(row, carriers, out_rel, carried_rel, within_ratio), R.AMPLIFIED)
+        elif accepted and row.explainable and (within_ratio or conditioned):
+            row.explain(amplified_cause(row, carriers, out_rel, carried_rel, within_ratio), R.AMPLIFIED)
         elif within_ratio:
             row.origin = R.INHERITED
             worst = max(carriers, key=rel_error)
             row.cause = inherited_cause(worst, kinds[id(worst)], producers.get(id(worst)), out_rel)
-        elif conditioned and explainable(row):
+        elif conditioned and row.explainable:
             row.origin = R.AMPLIFIED
             row.cause = amplified_cause(row, carriers, out_rel, carried_rel, False)
         else:
@@ -234,19 +232,6 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     _unused_inputs(rows, outputs, kinds)
 
 
-def accepted_difference(row: R.RecordRow) -> bool:
-    """An accepted output that differs at all: the next step file accepts the same values again
-    when it reads them (a parameter the optimizer updated, judged here with the precision of
-    what it was computed from, read there as a float32 parameter)."""
-    m = row.metrics
-    return is_accepted(row) and m is not None and m.evidence != "value" and m.err_l2 > 0
-
-
-def is_accepted_carry(row: R.RecordRow) -> bool:
-    """A divergent record that may carry an accepted difference from an earlier step (sized)."""
-    return explainable(row)
-
-
 def _accept_assembled(carriers, kinds) -> None:
     """A buffer that unrecorded framework code assembled from gradients linked to the call
     (FSDP2's reduce-scatter input: the flat copy of its module's local gradients, linked as
@@ -254,15 +239,15 @@ def _accept_assembled(carriers, kinds) -> None:
     difference is accepted and the buffer's is within twice the largest (a cast to the
     reduce dtype rounds once more), the buffer's is accepted too."""
     linked = [r for r in carriers if r.slot.startswith(LOCAL_GRAD)]
-    if not linked or not all(is_accepted(r) for r in linked):
+    if not linked or not all(r.is_accepted for r in linked):
         return
     largest = max(linked, key=rel_error)
     bound = 2 * rel_error(largest) + 1e-12
     for row in carriers:
-        if kinds[id(row)] != UNRECORDED or not explainable(row) or rel_error(row) > bound:
+        if kinds[id(row)] != UNRECORDED or not row.explainable or rel_error(row) > bound:
             continue
         if row.status == R.DIVERGED:
-            explain(row, f"assembled from the local gradients linked to this call, whose differences are "
+            row.explain(f"assembled from the local gradients linked to this call, whose differences are "
                          f"accepted (largest: {largest.key}, rel L2 {sci(rel_error(largest))})")
         elif row.status in R.WITHIN and row.accepted is None:
             row.accepted = True
@@ -285,29 +270,6 @@ def _explains(carriers, out_rel: float, carried_rel: float) -> bool:
     return bool(carriers) and out_rel <= AMPLIFICATION * carried_rel * max(1.0, 1.0 + carried_rel)
 
 
-def rounding_ok(row: R.RecordRow) -> bool:
-    """Its difference is within the relative tolerance of its scale (its own norm, or the norm
-    of what it was reduced from): rounding, not a small real difference hidden under the
-    absolute floor atol."""
-    m = row.metrics
-    if m is None or m.evidence == "value" or m.err_l2 == 0:
-        return True
-    if m.nan_mismatch or m.inf_mismatch or not math.isfinite(m.err_l2):
-        return False
-    # statistics and checksum evidence: the lower bound is all there is (as for the status)
-    return m.err_l2 <= (row.rtol or 0.0) * max(m.ref_norm, row.scale_norm)
-
-
-def is_accepted(row: R.RecordRow) -> bool:
-    """The row's difference is one a correct run may have: explained, or within tolerance and
-    rounding (or explained by accepted differences, as judge_call decided for outputs)."""
-    if row.status == R.EXPLAINED:
-        return True
-    if row.status not in R.WITHIN:
-        return False
-    return row.accepted if row.accepted is not None else rounding_ok(row)
-
-
 def _reduction_scales(rows, outputs) -> None:
     """Outputs that sum over many elements of an input (a bias gradient sums grad_output over
     all but one dimension; torch.sum, torch.mean) get that input's scale: a cancelling sum is
@@ -318,11 +280,11 @@ def _reduction_scales(rows, outputs) -> None:
     if head.phase == "backward":
         source = next((r for r in rows if r.slot == "grad_output.0" and r.metrics is not None
                        and r.metrics.evidence != "value"), None)
-        name = None
+        sums = ""
     else:
-        name = head.op.rsplit(".", 1)[-1]
+        sums = head.spec.sums
         source = next((r for r in rows if r.slot == "input.0" and r.metrics is not None
-                       and r.metrics.evidence != "value"), None) if name in ("sum", "mean", "nansum", "nanmean") else None
+                       and r.metrics.evidence != "value"), None) if sums else None
     if source is None or not source.metrics.numel:
         return
     for row in outputs:
@@ -332,99 +294,27 @@ def _reduction_scales(rows, outputs) -> None:
         if head.phase == "backward" and (row.shape_a or "").count(",") > 0:
             continue  # a weight gradient is a product, not a plain sum
         scale = source.metrics.ref_norm
-        if name in ("mean", "nanmean"):
+        if sums == MEANS:
             scale /= source.metrics.numel / m.numel
         row.scale_norm = max(row.scale_norm, scale)
 
 
 def _within_scaled_budget(row: R.RecordRow) -> bool:
     m = row.metrics
-    if not row.scale_norm or row.scale_norm <= m.ref_norm or not explainable(row) or row.rtol is None:
+    if not row.scale_norm or row.scale_norm <= m.ref_norm or not row.explainable or row.rtol is None:
         return False
     return m.err_l2 <= row.rtol * row.scale_norm + (row.atol or 0.0) * math.sqrt(max(m.numel, 0))
-
-
-def explainable(row: R.RecordRow) -> bool:
-    """A difference that other differences can explain: a sized, finite one (NaN or Inf on
-    one side only, a shape change or a tensor against a value never is)."""
-    m = row.metrics
-    if m is None or m.evidence == "value" or m.nan_mismatch or m.inf_mismatch:
-        return False
-    if row.size_unknown or (row.shape_a and row.shape_b and row.shape_a != row.shape_b):
-        return False
-    return math.isfinite(m.rel_l2)
-
-
-def explain(row: R.RecordRow, cause: str, origin: str = R.AMPLIFIED) -> None:
-    """Accept a difference beyond the row's own tolerance that accepted differences explain."""
-    row.status = R.EXPLAINED
-    row.origin = origin
-    row.cause = cause
-    row.divergence = ""
-    kept = [r for r in row.reasons if not (r.startswith("rel L2 ") and " tolerance (score " in r)]
-    row.notes.extend(f"{R.EXPLAINED} ({r})" for r in row.reasons if r not in kept)
-    row.reasons = kept
-
-
-def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRow]) -> None:
-    """Level "mix": a module call is the composition of the api calls recorded inside it.
-
-    call: the rows of one module call pair; judged: the rows of the calls judged before it
-    (every call whose outputs were made earlier, so every api call inside this one).
-    When every api call recorded inside the module call (same phase, between the module
-    call's first and last record, in the module or below it) is within tolerance or explained,
-    a divergent output of the module call is what those calls computed, put together by code
-    probe does not record (autograd summing the gradient of an input used twice): explained
-    when it is within AMPLIFICATION times their largest difference, not an error of its own.
-    """
-    if not call or call[0].kind != "module":
-        return
-    outputs = [r for r in call if r.io == "out" and r.status == R.DIVERGED and r.origin == R.INTRODUCED
-               and r.divergence == R.OUTPUT and explainable(r)]
-    orders = [r.order for r in call if r.order]
-    if not outputs or not orders:
-        return
-    head = call[0]
-    first, last = min(orders), max(orders)
-    inside = [r for r in judged if r.kind == "api" and r.io == "out" and r.status in R.PAIRED
-              and r.step == head.step and r.rank == head.rank and r.phase == head.phase
-              and r.order and first < r.order < last
-              and module_within(r.module, head.module)]
-    if not inside or any(r.status == R.DIVERGED for r in inside):
-        return
-    worst = max(inside, key=rel_error)
-    for row in outputs:
-        if rel_error(row) <= AMPLIFICATION * rel_error(worst):
-            explain(row, f"every api call recorded inside {head.module or 'the root module'} agrees or is "
-                         f"explained (largest: {worst.key}, rel L2 {sci(rel_error(worst))}); this output puts their "
-                         f"results together (rel L2 {sci(rel_error(row))}) in code probe does not record")
-
-
-def unexplain(row: R.RecordRow, cause: str) -> None:
-    """Undo explain(): the output is a divergence its own op introduced."""
-    row.status = R.DIVERGED
-    row.origin = R.INTRODUCED
-    row.divergence = R.OUTPUT
-    row.cause = cause
-    row.reasons.extend(note.removeprefix(f"{R.EXPLAINED} (").removesuffix(")") for note in row.notes
-                       if note.startswith(f"{R.EXPLAINED} ("))
-    row.notes = [note for note in row.notes if not note.startswith(f"{R.EXPLAINED} (")]
-
-
-#: batch_norm(input, running_mean, running_var, weight, bias, training, ...): where training is
-_BATCH_NORM_TRAINING = ("kwarg.training", "input.5")
-_RUNNING_STATISTICS = frozenset({"input.1", "input.2", "kwarg.running_mean", "kwarg.running_var"})
 
 
 def _unread_running_statistics(rows) -> frozenset:
     """The running-statistics slots of a batch norm call in training mode (both runs): the
     output reads the batch's own statistics, so a difference there is no input of it."""
-    if not rows or rows[0].phase != "forward" or not rows[0].op.endswith("batch_norm"):
+    if not rows or rows[0].phase != "forward" or not is_batch_norm(rows[0].op):
         return frozenset()
     for row in rows:
-        if row.slot in _BATCH_NORM_TRAINING and row.metrics is not None and row.metrics.evidence == "value":
+        if row.slot in BATCH_NORM_TRAINING and row.metrics is not None and row.metrics.evidence == "value":
             if str(row.metrics.value_a).lower() == "true" and str(row.metrics.value_b).lower() == "true":
-                return _RUNNING_STATISTICS
+                return RUNNING_STATISTICS
     return frozenset()
 
 
@@ -437,8 +327,8 @@ def _unused_inputs(rows, outputs, kinds) -> None:
         return
     for row in rows:
         if row.io == "in" and row.status == R.DIVERGED and kinds.get(id(row)) in (EXTERNAL, CARRIED, UNRECORDED) \
-                and explainable(row):
-            explain(row, f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
+                and row.explainable:
+            row.explain(f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
                          f"here (a buffer such as BatchNorm's running statistics in training mode)", "")
 
 
@@ -462,10 +352,127 @@ def explain_different_kernels(rows: list) -> None:
         return
     producers = ", ".join(sorted({item.get("producer") or "?" for item in divergent}))
     for row in inputs + outputs:
-        explain(row, f"the runs compute its input with different kernels ({producers} has no partner), "
+        row.explain(f"the runs compute its input with different kernels ({producers} has no partner), "
                              f"whose {row.tol_dtype} roundings differ by more than the tolerance's two: within "
                              f"{KERNEL_SLACK:g}x it (score {row.score:.3g}), not a divergence", R.INHERITED)
 
 
 def _slack(row) -> bool:
     return row.tol_dtype in _LOW and row.score is not None and row.score <= KERNEL_SLACK
+
+
+# ---------------------------------------------------------------------------- causes: why an output differs, in words
+
+
+def amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
+    worst = max(carriers, key=rel_error)
+    if within_ratio and all(r.slot.startswith(LOCAL_GRAD) for r in carriers):
+        return (f"made by a reduce-scatter from rank-local gradients that differ by rel L2 "
+                f"{sci(carried_rel)} (largest {worst.slot}; output {sci(out_rel)}): the reduction carries "
+                "their accepted differences")
+    if within_ratio:
+        how = f"{out_rel / carried_rel:.3g}x" if carried_rel > 0 else "no more"
+        return (f"amplified: its inputs' accepted differences explain it (largest {worst.slot}, rel L2 "
+                f"{sci(carried_rel)}; output {sci(out_rel)}, {how} that)")
+    return (f"amplified: {row.op} turns its inputs' small differences (largest {worst.slot}, rel L2 "
+            f"{sci(carried_rel)}) into rel L2 {sci(out_rel)} by its conditioning (division by values near their "
+            f"own error, cancellation), not by an error of its own")
+
+
+def _size(row: R.RecordRow) -> str:
+    """How much a source differs, in words: "rel L2 1.15e-04" or the unknown-size change."""
+    if row.size_unknown:
+        return "checksum differs; statistics agree, size unknown"
+    return f"rel L2 {sci(rel_error(row))}"
+
+
+def input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
+    return R.json_safe({
+        "slot": f"forward.{row.slot}" if kind == FORWARD else row.slot,
+        "source": kind,
+        "producer": producer.key if producer is not None else None,
+        "status": row.status,
+        "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
+        "max_abs": row.metrics.max_abs if row.metrics is not None else None,
+        "score": row.score,
+        "size_unknown": row.size_unknown,
+    })
+
+
+_ENTERS = {
+    EXTERNAL: "differs and no recorded op produced it in this step (data, a buffer, a weight not recorded as a "
+              "parameter)",
+    CHANGED_INPUT: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
+             "(a custom autograd Function, a hook, ...)",
+    UNPAIRED: "differs and was made by {producer}, which has no partner in the other run: the runs compute it "
+              "with different ops",
+}
+
+
+def cause_text(changed_args, sources, kinds, producers, amplified, carriers, out_rel, carried_rel) -> str:
+    if changed_args:
+        arg = changed_args[0]
+        return f"argument {arg.slot} changed: {arg.metrics.value_a} in A, {arg.metrics.value_b} in B"
+    parts = []
+    params = [r for r in sources if kinds[id(r)] == PARAM_INPUT]
+    if params:
+        names = ", ".join(_param_of(r, producers.get(id(r))) for r in params)
+        worst = max(params, key=rel_error)
+        parts.append(f"parameter {names} {R.SIZE_UNKNOWN}" if worst.size_unknown
+                     else f"parameter {names} differs ({_size(worst)})")
+    for row in sources:
+        kind = kinds[id(row)]
+        if kind in _ENTERS:
+            producer = producers.get(id(row))
+            text = _ENTERS[kind].format(producer=producer.key if producer is not None else "the op")
+            parts.append(f"input {row.slot} ({_size(row)}) {text}")
+    if amplified and not carriers:
+        parts.append("it has no recorded tensor input: the op itself computes differently")
+    elif amplified:
+        if any(r.status == R.DIVERGED for r in carriers):
+            ratio = out_rel / carried_rel if carried_rel > 0 else math.inf
+            parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {sci(carried_rel)} -> {sci(out_rel)})")
+        else:
+            parts.append(f"its inputs agree within tolerance (largest input rel L2 {sci(carried_rel)}, "
+                         f"output {sci(out_rel)})")
+    return "; ".join(parts)
+
+
+def _param_of(row: R.RecordRow, record: R.RecordRow | None) -> str:
+    """blocks.1.fc.weight: from the param.* record (its own, or the one holding the same tensor)."""
+    record = record if record is not None else row
+    return param_name(record.module, record.slot) if record.slot.startswith("param.") else row.slot
+
+
+def inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None, out_rel: float) -> str:
+    if kind == CARRIED:
+        origin = "state carried over from the previous step (optimizer state, a parameter or buffer updated in place)"
+    elif kind == PARAM_UPDATE:
+        origin = (f"parameter {_param_of(worst, producer)}, read after the backward began (an optimizer update); "
+                  "its difference entered where the forward read it")
+    elif kind == PARAM_INPUT:
+        origin = f"parameter {_param_of(worst, producer)}, within tolerance"
+    elif kind == UNRECORDED:
+        origin = ("made after the backward began by something not recorded (a parameter gradient accumulated by "
+                  "autograd, optimizer state)")
+    elif kind == EXTERNAL:
+        origin = "read from outside the recorded ops (data, a buffer), within tolerance"
+    elif kind == FORWARD:
+        return (f"forward {worst.slot} of this call {_carries(worst)} (rel L2 {sci(rel_error(worst))}, "
+                f"output {sci(out_rel)}); the backward computes from the values its forward saw")
+    elif producer is not None:
+        origin = f"made by {producer.key}"
+    else:
+        origin = "made upstream"
+    return (f"input {worst.slot} {_carries(worst)} (rel L2 {sci(rel_error(worst))}, output {sci(out_rel)}); "
+            f"it was {origin}")
+
+
+def _carries(row: R.RecordRow) -> str:
+    """How an input hands on its error, in words that agree with its own status."""
+    if row.status == R.DIVERGED:
+        return "already carries the error"
+    if row.status == R.EXPLAINED:
+        return "carries an accepted difference"
+    return ("carries a difference within its own tolerance (under the absolute floor atol, not rounding) that "
+            "this op scales beyond the output's")

@@ -16,18 +16,18 @@ import difflib
 import math
 from collections import defaultdict
 
+from probe.comparison.ops import is_fused, op_name
 from probe.comparison.records import (
-    FOREACH, FUSED, FUSED_PREFIX, base_op, parameter_blocks, parameter_major, tensor_print,
+    Call, CallPair, Records,
+    FOREACH, FUSED, parameter_blocks, parameter_major, tensor_print,
 )
-from probe.comparison.structs import Call, CallPair
-from probe.comparison.records import Records
 
 
 def _token(call: Call, records: Records) -> tuple:
     cols = records.columns
     row = call.slots.get("input.0", call.slots.get("output.0"))
     shape = cols["shape"][row] if row is not None else ""
-    return base_op(call.name[1]), shape
+    return op_name(call.name[1]), shape
 
 
 def pair_foreach(pairs: list[CallPair], records_a: Records, records_b: Records) -> list[CallPair]:
@@ -123,7 +123,7 @@ def _pair_fused(elements, per_tensor, partner, records_o: Records) -> dict:
     parameter, the output of the body's last call. The loop runs the same ops for every
     parameter, so its calls (creation ops such as the step counter's torch.tensor aside) fall
     into equal bodies, one per element, in the fused list's order."""
-    fused = [e for e in elements if e.op.startswith(FUSED_PREFIX) and id(e) not in partner and "output.0" in e.slots]
+    fused = [e for e in elements if is_fused(e.op) and id(e) not in partner and "output.0" in e.slots]
     if not fused:
         return {}
     taken = {id(c) for c in partner.values()}
@@ -134,8 +134,8 @@ def _pair_fused(elements, per_tensor, partner, records_o: Records) -> dict:
         return {}
     size = len(loop) // len(fused)
     bodies = [loop[i * size:(i + 1) * size] for i in range(len(fused))]
-    pattern = [base_op(c.op) for c in bodies[0]]
-    if any([base_op(c.op) for c in body] != pattern for body in bodies) or "output.0" not in bodies[0][-1].slots:
+    pattern = [op_name(c.op) for c in bodies[0]]
+    if any([op_name(c.op) for c in body] != pattern for body in bodies) or "output.0" not in bodies[0][-1].slots:
         return {}
     found = {}
     for element, body in zip(fused, bodies):

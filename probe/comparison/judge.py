@@ -1,15 +1,16 @@
 """Judge stage: every paired record against its tolerance, then each call's records together.
 
-Records are judged in A's execution order (record_rules.py: the record rules; a checksum
-change is a divergence only where nothing computed the tensor yet), then call by call in the
-order their outputs were made, so that what made a call's inputs is judged before it
-(call_rules.py: introduced, inherited, explained as amplified rounding; two kernels of one
-computation). Where the tensors were dumped, an output accepted as amplified by an
-elementwise op is checked by replaying the op in float64 on each run's own inputs
-(recheck.py). Last, the precision rule: an op one run computes in a lower dtype by the
-model's own casts. Every verdict on a record is made here, so the op summaries the attribute
-stage makes from the rows agree with them. The judge reads no record column: measure put
-what it needs into each Measurement.
+Records are judged in A's execution order (record_rules.judge_records: the record rules; a
+checksum change is a divergence only where nothing computed the tensor yet), then call by
+call in the order their outputs were made, so that what made a call's inputs is judged
+before it (call_rules.py: introduced, inherited, explained as amplified rounding; two
+kernels of one computation; rounding.py: each output against its rounding envelope, and
+where the tensors were dumped an output accepted as amplified replayed in float64). The
+rounding rules return Findings; ``apply`` writes them. A module call is then judged by the
+api calls recorded inside it, and last comes the precision rule: an op one run computes in a
+lower dtype by the model's own casts. The rules over every step file (story.py) come after;
+the op summaries are made from the rows after them (assemble.py). The judge reads no record
+column: measure put what it needs into each Measurement.
 
 Precision
 ---------
@@ -38,24 +39,15 @@ from __future__ import annotations
 from collections import Counter
 
 from probe.comparison import result as R
-from probe.comparison.call_rules import (
-    accepted_difference, explain, explain_different_kernels, explain_module_by_its_calls, is_accepted_carry,
-    judge_call,
-)
-from probe.comparison.record_rules import (
-    StaleRecords, judge_checksum_change, judge_shape, judge_tensor, judge_value,
-)
-from probe.comparison.measure import STATS
-from probe.comparison.recheck import recheck_amplified
-from probe.comparison.rounding import judge_envelopes, judge_untouched
-from probe.comparison.records import is_param_slot
-from probe.comparison.structs import (
-    ABSENT, MIXED, SCALAR, SHAPE, VALUE, JudgedStep, MeasuredStep, Measurement, Slot, rel_error, sci,
-)
+from probe.comparison.call_rules import AMPLIFICATION, explain_different_kernels, judge_call
+from probe.comparison.record_rules import judge_records
+from probe.comparison.rounding import ACCEPTED, REPLAYED_DIFFERENTLY, judge_envelopes, judge_untouched, recheck_amplified
+from probe.comparison.records import module_within, param_name
+from probe.comparison.structs import MeasuredStep, Slot, StepOutcome, rel_error, sci
 
 
 def judge(measured: MeasuredStep, previous_explained: dict | None = None, autocast: tuple = (None, None),
-          strict: bool = False, baseline: dict | None = None) -> JudgedStep:
+          strict: bool = False, baseline: dict | None = None) -> StepOutcome:
     """Judge one measured step file pair.
 
     previous_explained: StepOutcome.explained of A's previous step file of the same rank: a
@@ -67,7 +59,9 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
     second run differs from A by there (--baseline)."""
     aligned = measured.aligned
     per_pair = aligned.per_pair
-    stale = _judge_records(measured, previous_explained, strict)
+    stale, untouched = judge_records(measured, previous_explained)
+    if not strict:  # nothing computed these yet: rounding makes no difference in them
+        apply([found for row, kind in untouched if (found := judge_untouched(row, kind)) is not None])
     stale.resolve(lambda number: [slot.row for slot in per_pair[number]
                                   if slot.row.io == "out" and slot.paired
                                   and slot.row.metrics is not None and slot.row.metrics.evidence != "value"])
@@ -99,120 +93,75 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
             judge_call(call, input_kind, forward, values)
             explain_different_kernels(call)
             explain_module_by_its_calls(call, rows)
-            recheck_amplified(slots, measured)
-            judge_envelopes(_with_stats(slots, of_row), _with_stats(forward_slots.get(_call_key(slots), ()), of_row)
-                            if pair.phase == "backward" else (), input_kind, strict, baseline)
+            apply(recheck_amplified(slots, measured))
+            apply(judge_envelopes(_with_operands(slots, of_row),
+                                  _with_operands(forward_slots.get(_call_key(slots), ()), of_row)
+                                  if pair.phase == "backward" else (), input_kind, strict, baseline))
             calls.append((call, forward))
         rows.extend(call)
     rows.sort(key=lambda row: row.order)
     explained = _explained(per_pair, of_row, rows)
     precision = R.PrecisionTally()
     judge_precision(rows, autocast[0], autocast[1], precision)
-    return JudgedStep(measured, rows, calls, explained, precision)
+    return StepOutcome(aligned.step, aligned.rank, rows, calls, measured.evidence, measured.bytes_read,
+                       devices=measured.devices, explained=explained, precision=precision,
+                       content_keys=measured.content_keys)
+
+
+def explain_module_by_its_calls(call: list[R.RecordRow], judged: list[R.RecordRow]) -> None:
+    """Level "mix": a module call is the composition of the api calls recorded inside it.
+
+    call: the rows of one module call pair; judged: the rows of the calls judged before it
+    (every call whose outputs were made earlier, so every api call inside this one).
+    When every api call recorded inside the module call (same phase, between the module
+    call's first and last record, in the module or below it) is within tolerance or explained,
+    a divergent output of the module call is what those calls computed, put together by code
+    probe does not record (autograd summing the gradient of an input used twice): explained
+    when it is within AMPLIFICATION times their largest difference, not an error of its own.
+    """
+    if not call or call[0].kind != "module":
+        return
+    outputs = [r for r in call if r.io == "out" and r.status == R.DIVERGED and r.origin == R.INTRODUCED
+               and r.divergence == R.OUTPUT and r.explainable]
+    orders = [r.order for r in call if r.order]
+    if not outputs or not orders:
+        return
+    head = call[0]
+    first, last = min(orders), max(orders)
+    inside = [r for r in judged if r.kind == "api" and r.io == "out" and r.status in R.PAIRED
+              and r.step == head.step and r.rank == head.rank and r.phase == head.phase
+              and r.order and first < r.order < last
+              and module_within(r.module, head.module)]
+    if not inside or any(r.status == R.DIVERGED for r in inside):
+        return
+    worst = max(inside, key=rel_error)
+    for row in outputs:
+        if rel_error(row) <= AMPLIFICATION * rel_error(worst):
+            row.explain(f"every api call recorded inside {head.module or 'the root module'} agrees or is "
+                         f"explained (largest: {worst.key}, rel L2 {sci(rel_error(worst))}); this output puts their "
+                         f"results together (rel L2 {sci(rel_error(row))}) in code probe does not record")
 
 
 def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:
     """content_key -> key of A's records whose difference was accepted, and ("param", name)
     -> the accepted gradient the optimizer updated that parameter from."""
     explained: dict = {}
-    diverged_params = {_own_param(row) for row in rows if row.slot.startswith("param.") and row.status == R.DIVERGED}
+    diverged_params = {param_name(row.module, row.slot) for row in rows
+                       if row.slot.startswith("param.") and row.status == R.DIVERGED}
     updated = {row.target for row in rows if row.target}  # parameters a recorded optimizer call updates
     for slot in (slot for slots in per_pair for slot in slots):
         row = slot.row
-        if row.io == "out" and slot.a is not None and accepted_difference(row):
+        if row.io == "out" and slot.a is not None and row.accepted_difference:
             key = of_row[id(row)].content_key
             if key is not None:
                 explained[key] = (row.key, row.metrics.rel_l2 if row.metrics is not None else None)
             if row.slot.startswith("param_grad."):
-                name = f"{row.module}.{row.slot[len('param_grad.'):]}" if row.module else row.slot[len("param_grad."):]
+                name = param_name(row.module, row.slot)
                 if name not in diverged_params and name not in updated:
                     # the next step's parameter was updated from it by an optimizer probe did not
                     # record (a recorded update is judged itself, and its result carried by value)
                     explained[("param", name)] = f"{row.key}, rel L2 {sci(row.metrics.rel_l2)}"
     return explained
-
-
-def _own_param(row: R.RecordRow) -> str:
-    name = row.slot[len("param."):]
-    return f"{row.module}.{name}" if row.module else name
-
-
-def _judge_records(measured: MeasuredStep, previous_explained: dict | None, strict: bool = False) -> StaleRecords:
-    """Judge every paired record in A's execution order; returns the in-place writes seen on
-    the way, resolved once every record is judged."""
-    stale = StaleRecords()
-    differed = False  # an earlier record of this step file already differs between the runs
-    for item in measured.measurements:
-        row = item.row
-        judge_record(item)
-        stale.check(row, item.stats, item.input_stats, item.slot.number)
-        _carry_accepted(item, previous_explained)
-        untouched = _untouched(row, item.kind, item.order, measured.aligned.step, measured.backward_from, differed)
-        judge_checksum_change(row, untouched)
-        if untouched and not strict:
-            judge_untouched(row, item.kind)
-        differed = differed or _differs(row)
-    return stale
-
-
-def judge_record(item: Measurement) -> None:
-    """The record rule (record_rules.py) for what the record was measured as."""
-    row = item.row
-    if item.what == SCALAR:
-        judge_value(row, item.metrics, item.values)
-        row.notes.append("a one-element tensor on one side, a plain number on the other")
-    elif item.what == ABSENT:
-        # attention weights from eager attention, None from sdpa: absent, not different
-        row.status = R.ONLY_A if item.texts[1] == "null" else R.ONLY_B
-        row.reasons.append(f"absent on one side: None in {'B' if row.status == R.ONLY_A else 'A'}, "
-                           "a tensor in the other")
-    elif item.what == MIXED:
-        row.status = R.DIVERGED
-        row.reasons.append("a tensor on one side, a plain value on the other")
-    elif item.what == VALUE:
-        judge_value(row, item.metrics, item.values)
-    elif item.what == SHAPE:
-        judge_shape(row)
-    else:
-        judge_tensor(row, item.metrics, item.tol)
-
-
-#: a record that holds the values accepted in the previous step differs by the same amount
-#: (the same tensors on both sides), up to this factor (sketch estimates of the same values)
-SAME_CARRY = 2.0
-
-
-def carries_the_same(row, earlier) -> bool:
-    """Whether row differs by about what the previous step accepted for the same values of A
-    (earlier: (key, rel L2) of that accepted record). Growth is carried; a jump is a change."""
-    _, accepted_rel = earlier
-    rel = rel_error(row)
-    if accepted_rel is None or not isinstance(accepted_rel, (int, float)):
-        return True
-    return rel <= SAME_CARRY * accepted_rel + 1e-300
-
-
-def _carry_accepted(item: Measurement, previous_explained: dict | None) -> None:
-    """A record holding the values of a difference accepted in the previous step file
-    carries that acceptance (a parameter the optimizer updated from rounding noise)."""
-    row = item.row
-    earlier = previous_explained.get(item.content_key) if previous_explained else None
-    if earlier is not None and not carries_the_same(row, earlier):
-        # A's values are what was accepted last step, B's moved since: a change (a weight
-        # edited between steps), not the accepted difference carried over
-        earlier = None
-    elif earlier is not None:
-        earlier = earlier[0]
-    if earlier is not None and row.status == R.DIVERGED and is_accepted_carry(row):
-        explain(row, f"carries the accepted difference of {earlier} from the previous step")
-    elif earlier is not None and row.status in R.WITHIN:
-        row.accepted = True
-    elif previous_explained and row.status == R.DIVERGED and is_accepted_carry(row):
-        grad = previous_explained.get(("param", item.param))
-        if grad is not None:
-            explain(row, f"an optimizer step that is not recorded (level \"module\") updated this "
-                         f"parameter from a gradient whose difference was accepted ({grad}); Adam-type "
-                         "optimizers turn a rounding-noise gradient into an lr-sized update")
 
 
 def _call_key(slots: list[Slot]) -> tuple | None:
@@ -223,14 +172,34 @@ def _call_key(slots: list[Slot]) -> tuple | None:
     return head.module, head.op, head.index
 
 
-def _with_stats(slots, of_row: dict) -> list:
-    """[(RecordRow, A's statistics by name or None)]: what the envelope rules read of a call."""
+def _with_operands(slots, of_row: dict) -> list:
+    """[(RecordRow, A's recorded Operand or None)]: what the envelope rules read of a call."""
     found = []
     for slot in slots:
         m = of_row.get(id(slot.row))
-        stats = m.stats[0] if m is not None and m.stats else None
-        found.append((slot.row, dict(zip(STATS, stats)) if stats is not None else None))
+        found.append((slot.row, m.operand if m is not None else None))
     return found
+
+
+def apply(findings) -> None:
+    """Write what the rounding rules found (rounding.Finding) into the rows."""
+    for found in findings:
+        row = found.row
+        if found.envelope is not None:
+            row.envelope = found.envelope
+        if found.verdict == R.EXPLAINED:
+            row.explain(found.cause, found.origin)
+        elif found.verdict == REPLAYED_DIFFERENTLY:
+            row.unexplain(found.cause)
+        elif found.verdict == ACCEPTED:
+            row.accepted = True
+        else:
+            row.status = found.verdict or row.status
+            row.divergence = row.divergence if found.divergence is None else found.divergence
+            row.origin = row.origin if found.origin is None else found.origin
+            row.cause = row.cause if found.cause is None else found.cause
+            if found.reason:
+                row.reasons.append(found.reason)
 
 
 def _forward_rows(pairs, per_pair, slots: bool = False) -> dict:
@@ -241,29 +210,6 @@ def _forward_rows(pairs, per_pair, slots: bool = False) -> dict:
         if pair.a is not None and pair.b is not None and pair.phase == "forward":
             found.setdefault(_call_key(call), list(call) if slots else [slot.row for slot in call])
     return found
-
-
-def _untouched(row: R.RecordRow, kind: str, order: tuple, step: int, backward_from: float,
-               differed: bool) -> bool:
-    """Nothing in either run has computed this tensor yet, so rounding cannot have changed it:
-    read by the forward of step 0 (no optimizer update yet), and a parameter, or an input
-    no recorded op made (data, a weight of an api-level dump) read before any record of the
-    step file differed (an unrecorded op could have carried a rounding difference into it)."""
-    if step != 0 or row.io != "in" or order[0] >= backward_from:
-        return False
-    if is_param_slot(row.slot) or kind == "param":
-        return True
-    return kind == "external" and not differed
-
-
-def _differs(row: R.RecordRow) -> bool:
-    """The record shows any difference between the runs (beyond tolerance or not)."""
-    if row.status not in R.PAIRED:
-        return False
-    m = row.metrics
-    if row.status != R.MATCH or m is None:
-        return True
-    return m.bit_equal is False or (m.bit_equal is None and m.err_l2 > 0)
 
 
 #: machine epsilon by dtype name: which of two dtypes is coarser

@@ -59,7 +59,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from probe.comparison import rank_blocks, shards
+from probe.comparison import shards
 from probe.comparison.records import Records
 from probe.errors import CompareError
 
@@ -360,12 +360,12 @@ class ShardedPlan:
 
 def _logical_views(merged_a, merged_b) -> tuple:
     """Each side's logical records across world sizes, with the rank-local records that are
-    each rank's block of a tensor the other side holds whole merged first (rank_blocks.py):
+    each rank's block of a tensor the other side holds whole merged first (shards.merge_rank_blocks):
     (view_a, view_b, rank-local left out of A, of B, (blocks merged in A, in B))."""
     view_a, _ = shards.logical_view(merged_a)
     view_b, _ = shards.logical_view(merged_b)
-    blocks_b = rank_blocks.merge_rank_blocks(merged_b, view_a)
-    blocks_a = rank_blocks.merge_rank_blocks(merged_a, view_b)
+    blocks_b = shards.merge_rank_blocks(merged_b, view_a)
+    blocks_a = shards.merge_rank_blocks(merged_a, view_b)
     view_a, local_a = shards.logical_view(merged_a)
     view_b, local_b = shards.logical_view(merged_b)
     return view_a, view_b, local_a, local_b, (blocks_a, blocks_b)

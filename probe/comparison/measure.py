@@ -33,13 +33,14 @@ from typing import Callable
 
 import numpy as np
 
+from probe.comparison.envelope import Operand
 from probe.comparison.metrics import (
-    Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
+    Metrics, Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
-from probe.comparison.records import Records, is_param_slot
+from probe.comparison.records import Call, Records, is_param_slot, param_name, parse_shape
 from probe.comparison.sketch import refine as refine_with_sketch
 from probe.comparison.structs import (
-    ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, Call, MeasuredStep, Measurement, RecordRow,
+    ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, MeasuredStep, Measurement, RecordRow,
 )
 from probe.comparison.tolerances import Tolerances, tolerance_dtype
 
@@ -135,21 +136,19 @@ def _measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b
     values = (None, None)
     if metrics is not None and metrics.evidence == "value":
         values = (parse_value(metrics.value_a or ""), parse_value(metrics.value_b or ""))
+    stats = (_in_place_stats(cols_a, row_a), _in_place_stats(cols_b, row_b))
     return Measurement(slot, kind, producer, order, what, metrics, tol, values=values,
                        texts=(cols_a["value"][row_a], cols_b["value"][row_b]),
-                       content_key=content_key(cols_a, row_a), param=_param_name(cols_a, row, kind, producer),
-                       stats=(_in_place_stats(cols_a, row_a), _in_place_stats(cols_b, row_b)), input_stats=inputs)
+                       content_key=content_key(cols_a, row_a), param=_held_param(cols_a, row, kind, producer),
+                       stats=stats, input_stats=inputs, operand=_operand(cols_a, row_a) if stats[0] else None)
 
 
-def _param_name(cols: dict, row: RecordRow, kind: str, producer: int | None) -> str | None:
+def _held_param(cols: dict, row: RecordRow, kind: str, producer: int | None) -> str | None:
     """fc1.weight for a param.* record, or for an input holding that parameter's tensor."""
     if row.slot.startswith("param."):
-        name = row.slot[len("param."):]
-        return f"{row.module}.{name}" if row.module else name
+        return param_name(row.module, row.slot)
     if kind == "param" and producer is not None:
-        name = cols["slot"][producer][len("param."):]
-        module = cols["module"][producer]
-        return f"{module}.{name}" if module else name
+        return param_name(cols["module"][producer], cols["slot"][producer])
     return None
 
 
@@ -176,7 +175,7 @@ def content_keys(records: Records) -> set:
 
 
 #: the statistics of a record a Measurement holds (stats): what an in-place write check compares
-#: (record_rules.StaleRecords) and what the rounding envelopes read (rounding.operand)
+#: (record_rules.StaleRecords)
 STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
 
 
@@ -187,6 +186,14 @@ def _in_place_stats(cols: dict, row: int | None):
     if all(isinstance(v, float) and math.isnan(v) for v in values[:4]):
         return None
     return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values)
+
+
+def _operand(cols: dict, row: int) -> Operand:
+    """A's recorded tensor as the rounding envelopes read it: its statistics, parsed once."""
+    norm = float(cols["norm"][row])
+    return Operand(numel=int(cols["numel"][row]), norm=norm if math.isfinite(norm) else math.inf,
+                   min=float(cols["min"][row]), max=float(cols["max"][row]), mean=float(cols["mean"][row]),
+                   shape=parse_shape(cols["shape"][row]), dtype=cols["dtype"][row])
 
 
 def _moved(paired, cols_a: dict, cols_b: dict) -> dict:
@@ -309,14 +316,7 @@ def _scalar_text(cols: dict, row: int) -> str | None:
 
 
 def _same_shape(text_a: str, text_b: str) -> bool:
-    return text_a == text_b or _shape(text_a) == _shape(text_b)
-
-
-def _shape(text: str):
-    try:
-        return tuple(json.loads(text)) if text else ()
-    except (ValueError, TypeError):
-        return text
+    return text_a == text_b or parse_shape(text_a) == parse_shape(text_b)
 
 
 STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "dtype")

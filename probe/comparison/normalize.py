@@ -1,7 +1,7 @@
 """Normalize stage: both runs' records as calls that can be aligned.
 
 Each normalize step takes a NormalizedStep and returns it, its calls (and, where a step
-derives records, its records) rewritten; engine.NORMALIZE lists the steps in the order they
+derives records, its records) rewritten; api.NORMALIZE lists the steps in the order they
 run. A step sees both runs, so it can make one run's spelling match the other's.
 
 * link_reduced_gradients (normalize.py): a gradient reduced across ranks (FSDP2's
@@ -84,12 +84,13 @@ import json
 import re
 from collections import defaultdict
 
-from probe.comparison.mapping import NameMapping
+from probe.comparison.ops import REDUCE_SCATTER, is_foreach, op_name
 from probe.comparison.records import (
-    LOCAL_GRAD, Records, base_op, build_calls, is_foreach, is_param_slot, module_within, parameter_blocks,
+    Call, NameMapping,
+    LOCAL_GRAD, Records, build_calls, is_param_slot, module_within, parameter_blocks,
     tensor_print,
 )
-from probe.comparison.structs import Call, NormalizedStep, Side
+from probe.comparison.structs import NormalizedStep, Side
 from probe.dump.schema import make_key
 
 def normalize(records_a: Records, records_b: Records, mapping: NameMapping | None, steps) -> NormalizedStep:
@@ -122,13 +123,11 @@ def name_optimizer_targets(normalized: NormalizedStep) -> NormalizedStep:
 
 
 _PARAM_GRAD = "param_grad."
-#: the collective FSDP2 reduces gradients with, as the API level names it on every torch
-_REDUCE_SCATTER = "distributed.reduce_scatter_single"
 PLACEMENT = "placement"
 
 
 def link_reduced_gradients(normalized):
-    """The normalize step (engine.NORMALIZE; before build_call_lists: it adds records)."""
+    """The normalize step (api.NORMALIZE; before build_call_lists: it adds records)."""
     for side in normalized.sides:
         link(side.records)
     return normalized
@@ -146,13 +145,13 @@ def link(records: Records) -> int:
                         default=None)
     for row in sorted(range(len(records)), key=lambda r: (cols["seq"][r], r)):
         slot = cols["slot"][row]
-        if (cols["op"][row] == _REDUCE_SCATTER and cols["io"][row] == "out" and backward_from is not None
+        if (cols["op"][row] == REDUCE_SCATTER and cols["io"][row] == "out" and backward_from is not None
                 and cols["seq"][row] > backward_from):
             # FSDP2's reduce-scatter of a module's gradients: its input is their flat copy
             owner = cols["module"][row]
-            if (owner, _REDUCE_SCATTER, cols["index"][row]) in reduced:
+            if (owner, REDUCE_SCATTER, cols["index"][row]) in reduced:
                 continue  # a second output slot of the same call
-            call = reduced.setdefault((owner, _REDUCE_SCATTER, cols["index"][row]), [])
+            call = reduced.setdefault((owner, REDUCE_SCATTER, cols["index"][row]), [])
             call.extend((cols["seq"][row], source) for (module, _, _), rows in local.items()
                         if module_within(module, owner) for source in rows)
             continue
@@ -181,7 +180,7 @@ def link(records: Records) -> int:
             if counts[(record["module"], record["slot"])] > 1:
                 slot += f".{record['index']}"
             phase = "backward"
-            if op == _REDUCE_SCATTER:  # an input of the collective's call, as its input.1 is
+            if op == REDUCE_SCATTER:  # an input of the collective's call, as its input.1 is
                 phase, record["kind"] = "forward", "api"
             record.update(slot=slot, io="in", index=index, seq=seq, placement="", module=module, op=op,
                           phase=phase, key=make_key(module, op, index, phase, slot))
@@ -332,7 +331,7 @@ def _vote_in_bodies(calls: list[Call], records: Records, decisive: dict) -> None
 
 def _trailing_bodies(loop: list[Call]) -> list[list[Call]]:
     """The longest run of equal bodies (same ops in the same order) that ends the loop."""
-    ops = [base_op(c.op) for c in loop]
+    ops = [op_name(c.op) for c in loop]
     best: list = []
     for size in range(1, min(len(loop) // 2, 64) + 1):
         pattern = ops[len(ops) - size:]

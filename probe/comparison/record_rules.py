@@ -13,8 +13,9 @@ Rules (docs/compare-rules.md explains them for users):
   tolerance is CHANGED (within tolerance, not bit-equal, size unknown), or a divergence
   when rounding cannot explain it (judge_checksum_change).
 
-How a call's records explain each other (explained, amplified, introduced, inherited) is
-call_rules.py; the first divergence and the likely cause of a whole compare are assemble.py.
+How a call's records explain each other (explained, amplified, introduced, inherited), and
+the cause texts, are call_rules.py; the first divergence and the likely cause of a whole
+compare are story.py.
 
 Devices
 -------
@@ -50,10 +51,6 @@ they agree within tolerance, or the reader is an op that amplifies (Adam's updat
 parameter whose gradient is noise may differ, but it did happen). Otherwise they stay
 divergences, and the write that did not happen is where the error entered.
 
-Causes
-------
-
-Judge stage, in words: why an output differs (the cause a report prints).
 """
 
 from __future__ import annotations
@@ -63,9 +60,9 @@ import re
 
 from probe.comparison import result as R
 from probe.comparison.metrics import Metrics
-from probe.comparison.records import LOCAL_GRAD
+from probe.comparison.records import is_param_slot
 from probe.comparison.structs import (
-    CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED, rel_error, sci,
+    ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement, rel_error, sci,
 )
 from probe.comparison.tolerances import MANTISSA_BITS, Tolerance
 
@@ -126,7 +123,7 @@ def judge_checksum_change(row: R.RecordRow, untouched: bool) -> None:
     rounding comes from computing, and it moves nearly every value, extremes included. So
     the record is a divergence ("changed, size unknown") when nothing has computed it yet
     (untouched: a parameter, or an input no recorded op made, read by the forward of step 0
-    before any record differed, as the engine decides) and its min, max and NaN/Inf counts
+    before any record differed, as the judge decides) and its min, max and NaN/Inf counts
     are bit-identical (the same values in another order, or a few inner values edited: a
     transposed square weight, a shuffled batch). Anywhere else it is status CHANGED: within
     tolerance, but not bit-equal, and said so.
@@ -174,28 +171,6 @@ def judge_value(row: R.RecordRow, metrics: Metrics, values: tuple) -> None:
         row.reasons.append(f"value {metrics.value_a} in A, {metrics.value_b} in B")
 
 
-#: ops whose output can differ far more than their inputs (relatively) without any error of
-#: their own: a division or reciprocal by values near their own error, a square root near 0,
-#: a subtraction of nearly equal values, exp/pow of a difference, and the optimizer updates
-#: built on them (Adam's m / (sqrt(v) + eps) is about sign(g) whatever |g|)
-_AMPLIFIERS = frozenset({
-    "div", "divide", "true_divide", "addcdiv", "reciprocal", "rsqrt", "sqrt", "sub", "rsub", "subtract",
-    "exp", "exp2", "expm1", "pow", "log", "log1p", "log_softmax", "softmax", "adam", "adamw", "sgd",
-    "fused_adam", "fused_adamw", "fused_sgd", "normalize", "batch_norm", "layer_norm", "group_norm",
-    "instance_norm", "rms_norm", "var", "std", "var_mean", "std_mean", "atan2", "tan",
-})
-
-
-def amplifies(op: str) -> bool:
-    """The op is one whose conditioning can amplify relative error (see _AMPLIFIERS)."""
-    name = op.rsplit(".", 1)[-1].removeprefix("_foreach_").removeprefix("_fused_").strip("_")
-    if name in _AMPLIFIERS or name.removeprefix("fused_") in _AMPLIFIERS:
-        return True
-    # a module (kind "module": the class name): BatchNorm2d, LayerNorm, LlamaRMSNorm, Softmax
-    lowered = name.lower().rstrip("123d")
-    return lowered.endswith(("norm", "softmax"))
-
-
 #: torch's device types (torch._C._get_privateuse1_backend_name aside); "cuda:0", "npu:3"
 _DEVICE = re.compile(
     r"^(cpu|cuda|npu|xpu|mps|hpu|xla|meta|mtia|ipu|lazy|ve|vulkan|hip|privateuseone|maia|fpga|ort)(:\d+)?$"
@@ -229,11 +204,6 @@ def is_placement_pair(slot: str, value_a, value_b) -> bool:
     return is_device_value(value_a) and is_device_value(value_b)
 
 
-def is_in_place(op: str) -> bool:
-    name = op.rsplit(".", 1)[-1]
-    return name.endswith("_") and not name.startswith("__") and not op.startswith("distributed.")
-
-
 class StaleRecords:
     """Collect candidates while the records are measured (check), decide after (resolve)."""
 
@@ -252,7 +222,7 @@ class StaleRecords:
                     self.readers.append((row, side, seen, number))
                     return
             return
-        if not is_in_place(row.op) or before is None:
+        if not row.spec.in_place or before is None:
             return
         unchanged = [stats[side] is not None and stats[side] == before[side] for side in (0, 1)]
         if unchanged[0] != unchanged[1]:
@@ -265,7 +235,7 @@ class StaleRecords:
         for row, side, seen in self.candidates:
             readers = [(reader, number) for reader, s, stats, number in self.readers if s == side and stats == seen]
             confirmed = any(
-                outputs and all((out.status in R.WITHIN or amplifies(out.op)) and id(out) not in candidate_rows
+                outputs and all((out.status in R.WITHIN or out.spec.amplifies) and id(out) not in candidate_rows
                                 for out in outputs)
                 for outputs in (outputs_of(number) for _, number in readers))
             if confirmed:
@@ -283,118 +253,107 @@ def _mark(row: R.RecordRow, name: str) -> None:
         f"did: the capture measured it too early")
 
 
-def amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
-    worst = max(carriers, key=rel_error)
-    if within_ratio and all(r.slot.startswith(LOCAL_GRAD) for r in carriers):
-        return (f"made by a reduce-scatter from rank-local gradients that differ by rel L2 "
-                f"{sci(carried_rel)} (largest {worst.slot}; output {sci(out_rel)}): the reduction carries "
-                "their accepted differences")
-    if within_ratio:
-        how = f"{out_rel / carried_rel:.3g}x" if carried_rel > 0 else "no more"
-        return (f"amplified: its inputs' accepted differences explain it (largest {worst.slot}, rel L2 "
-                f"{sci(carried_rel)}; output {sci(out_rel)}, {how} that)")
-    return (f"amplified: {row.op} turns its inputs' small differences (largest {worst.slot}, rel L2 "
-            f"{sci(carried_rel)}) into rel L2 {sci(out_rel)} by its conditioning (division by values near their "
-            f"own error, cancellation), not by an error of its own")
+# ---------------------------------------------------------------------------- the records in execution order
 
 
-def _size(row: R.RecordRow) -> str:
-    """How much a source differs, in words: "rel L2 1.15e-04" or the unknown-size change."""
-    if row.size_unknown:
-        return "checksum differs; statistics agree, size unknown"
-    return f"rel L2 {sci(rel_error(row))}"
+def judge_records(measured: MeasuredStep, previous_explained: dict | None) -> tuple[StaleRecords, list]:
+    """Judge every paired record in A's execution order. Returns the in-place writes seen on
+    the way (resolved once every record is judged), and the (row, input kind) of the records
+    nothing has computed yet (rounding.judge_untouched judges them against rounding)."""
+    stale = StaleRecords()
+    unmade = []
+    differed = False  # an earlier record of this step file already differs between the runs
+    for item in measured.measurements:
+        row = item.row
+        judge_record(item)
+        stale.check(row, item.stats, item.input_stats, item.slot.number)
+        _carry_accepted(item, previous_explained)
+        untouched = _untouched(row, item.kind, item.order, measured.aligned.step, measured.backward_from, differed)
+        judge_checksum_change(row, untouched)
+        if untouched:
+            unmade.append((row, item.kind))
+        differed = differed or _differs(row)
+    return stale, unmade
 
 
-def input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
-    return R.json_safe({
-        "slot": f"forward.{row.slot}" if kind == FORWARD else row.slot,
-        "source": kind,
-        "producer": producer.key if producer is not None else None,
-        "status": row.status,
-        "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
-        "max_abs": row.metrics.max_abs if row.metrics is not None else None,
-        "score": row.score,
-        "size_unknown": row.size_unknown,
-    })
-
-
-_ENTERS = {
-    EXTERNAL: "differs and no recorded op produced it in this step (data, a buffer, a weight not recorded as a "
-              "parameter)",
-    CHANGED: "differs although {producer}, which made it, agreed: something not recorded changed it in between "
-             "(a custom autograd Function, a hook, ...)",
-    UNPAIRED: "differs and was made by {producer}, which has no partner in the other run: the runs compute it "
-              "with different ops",
-}
-
-
-def cause_text(changed_args, sources, kinds, producers, amplified, carriers, out_rel, carried_rel) -> str:
-    if changed_args:
-        arg = changed_args[0]
-        return f"argument {arg.slot} changed: {arg.metrics.value_a} in A, {arg.metrics.value_b} in B"
-    parts = []
-    params = [r for r in sources if kinds[id(r)] == PARAM_INPUT]
-    if params:
-        names = ", ".join(param_name(r, producers.get(id(r))) for r in params)
-        worst = max(params, key=rel_error)
-        parts.append(f"parameter {names} {R.SIZE_UNKNOWN}" if worst.size_unknown
-                     else f"parameter {names} differs ({_size(worst)})")
-    for row in sources:
-        kind = kinds[id(row)]
-        if kind in _ENTERS:
-            producer = producers.get(id(row))
-            text = _ENTERS[kind].format(producer=producer.key if producer is not None else "the op")
-            parts.append(f"input {row.slot} ({_size(row)}) {text}")
-    if amplified and not carriers:
-        parts.append("it has no recorded tensor input: the op itself computes differently")
-    elif amplified:
-        if any(r.status == R.DIVERGED for r in carriers):
-            ratio = out_rel / carried_rel if carried_rel > 0 else math.inf
-            parts.append(f"amplifies its inputs' error {ratio:.3g}x (rel L2 {sci(carried_rel)} -> {sci(out_rel)})")
-        else:
-            parts.append(f"its inputs agree within tolerance (largest input rel L2 {sci(carried_rel)}, "
-                         f"output {sci(out_rel)})")
-    return "; ".join(parts)
-
-
-def param_name(row: R.RecordRow, record: R.RecordRow | None) -> str:
-    """blocks.1.fc.weight: from the param.* record (its own, or the one holding the same tensor)."""
-    record = record if record is not None else row
-    if not record.slot.startswith("param."):
-        return row.slot
-    name = record.slot.removeprefix("param.")
-    return f"{record.module}.{name}" if record.module else name
-
-
-def inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None, out_rel: float) -> str:
-    if kind == CARRIED:
-        origin = "state carried over from the previous step (optimizer state, a parameter or buffer updated in place)"
-    elif kind == PARAM_UPDATE:
-        origin = (f"parameter {param_name(worst, producer)}, read after the backward began (an optimizer update); "
-                  "its difference entered where the forward read it")
-    elif kind == PARAM_INPUT:
-        origin = f"parameter {param_name(worst, producer)}, within tolerance"
-    elif kind == UNRECORDED:
-        origin = ("made after the backward began by something not recorded (a parameter gradient accumulated by "
-                  "autograd, optimizer state)")
-    elif kind == EXTERNAL:
-        origin = "read from outside the recorded ops (data, a buffer), within tolerance"
-    elif kind == FORWARD:
-        return (f"forward {worst.slot} of this call {_carries(worst)} (rel L2 {sci(rel_error(worst))}, "
-                f"output {sci(out_rel)}); the backward computes from the values its forward saw")
-    elif producer is not None:
-        origin = f"made by {producer.key}"
+def judge_record(item: Measurement) -> None:
+    """The record rule for what the record was measured as."""
+    row = item.row
+    if item.what == SCALAR:
+        judge_value(row, item.metrics, item.values)
+        row.notes.append("a one-element tensor on one side, a plain number on the other")
+    elif item.what == ABSENT:
+        # attention weights from eager attention, None from sdpa: absent, not different
+        row.status = R.ONLY_A if item.texts[1] == "null" else R.ONLY_B
+        row.reasons.append(f"absent on one side: None in {'B' if row.status == R.ONLY_A else 'A'}, "
+                           "a tensor in the other")
+    elif item.what == MIXED:
+        row.status = R.DIVERGED
+        row.reasons.append("a tensor on one side, a plain value on the other")
+    elif item.what == VALUE:
+        judge_value(row, item.metrics, item.values)
+    elif item.what == SHAPE:
+        judge_shape(row)
     else:
-        origin = "made upstream"
-    return (f"input {worst.slot} {_carries(worst)} (rel L2 {sci(rel_error(worst))}, output {sci(out_rel)}); "
-            f"it was {origin}")
+        judge_tensor(row, item.metrics, item.tol)
 
 
-def _carries(row: R.RecordRow) -> str:
-    """How an input hands on its error, in words that agree with its own status."""
-    if row.status == R.DIVERGED:
-        return "already carries the error"
-    if row.status == R.EXPLAINED:
-        return "carries an accepted difference"
-    return ("carries a difference within its own tolerance (under the absolute floor atol, not rounding) that "
-            "this op scales beyond the output's")
+#: a record that holds the values accepted in the previous step differs by the same amount
+#: (the same tensors on both sides), up to this factor (sketch estimates of the same values)
+SAME_CARRY = 2.0
+
+
+def carries_the_same(row, earlier) -> bool:
+    """Whether row differs by about what the previous step accepted for the same values of A
+    (earlier: (key, rel L2) of that accepted record). Growth is carried; a jump is a change."""
+    _, accepted_rel = earlier
+    rel = rel_error(row)
+    if accepted_rel is None or not isinstance(accepted_rel, (int, float)):
+        return True
+    return rel <= SAME_CARRY * accepted_rel + 1e-300
+
+
+def _carry_accepted(item: Measurement, previous_explained: dict | None) -> None:
+    """A record holding the values of a difference accepted in the previous step file
+    carries that acceptance (a parameter the optimizer updated from rounding noise)."""
+    row = item.row
+    earlier = previous_explained.get(item.content_key) if previous_explained else None
+    if earlier is not None and not carries_the_same(row, earlier):
+        # A's values are what was accepted last step, B's moved since: a change (a weight
+        # edited between steps), not the accepted difference carried over
+        earlier = None
+    elif earlier is not None:
+        earlier = earlier[0]
+    if earlier is not None and row.status == R.DIVERGED and row.explainable:
+        row.explain(f"carries the accepted difference of {earlier} from the previous step")
+    elif earlier is not None and row.status in R.WITHIN:
+        row.accepted = True
+    elif previous_explained and row.status == R.DIVERGED and row.explainable:
+        grad = previous_explained.get(("param", item.param))
+        if grad is not None:
+            row.explain(f"an optimizer step that is not recorded (level \"module\") updated this "
+                         f"parameter from a gradient whose difference was accepted ({grad}); Adam-type "
+                         "optimizers turn a rounding-noise gradient into an lr-sized update")
+
+
+def _untouched(row: R.RecordRow, kind: str, order: tuple, step: int, backward_from: float,
+               differed: bool) -> bool:
+    """Nothing in either run has computed this tensor yet, so rounding cannot have changed it:
+    read by the forward of step 0 (no optimizer update yet), and a parameter, or an input
+    no recorded op made (data, a weight of an api-level dump) read before any record of the
+    step file differed (an unrecorded op could have carried a rounding difference into it)."""
+    if step != 0 or row.io != "in" or order[0] >= backward_from:
+        return False
+    if is_param_slot(row.slot) or kind == "param":
+        return True
+    return kind == "external" and not differed
+
+
+def _differs(row: R.RecordRow) -> bool:
+    """The record shows any difference between the runs (beyond tolerance or not)."""
+    if row.status not in R.PAIRED:
+        return False
+    m = row.metrics
+    if row.status != R.MATCH or m is None:
+        return True
+    return m.bit_equal is False or (m.bit_equal is None and m.err_l2 > 0)

@@ -9,16 +9,85 @@ Optimizer calls
 ---------------
 
 What the optimizer's calls look like, for the stages that split, name and pair them: the
-foreach/fused spellings of an op, the blocks of a parameter group, a tensor's fingerprint.
+blocks of a parameter group, a tensor's fingerprint (how a foreach or fused op is spelled is
+ops.py's).
+
+Name mapping
+------------
+
+Name mapping for ports whose module paths or op names differ (``--mapping map.yaml``).
+
+    modules:
+      encoder.layer: model.layers        # module-path prefix in one run: prefix in the other
+    ops:
+      npu_fusion_attention: functional.scaled_dot_product_attention
+
+Module prefixes match on dot boundaries ("encoder.layer" matches "encoder.layer.3.attn",
+not "encoder.layers"); the longest matching prefix wins. An op key matches an op name
+exactly, or, when the key has no dot, the op name's last dotted part
+("npu_fusion_attention" matches "torch_npu.npu_fusion_attention").
+
+The renames apply to both dumps before alignment, so the file works whichever run is A.
+They only decide which calls pair up; reports show each run's own names.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from dataclasses import dataclass, field
 
-from probe.comparison.structs import Call
 from probe.dump import schema
+from probe.errors import CompareError
+
+@dataclass
+class Call:
+    """The records of one call: (module, op, index, phase), in execution order by seq."""
+
+    module: str
+    op: str
+    index: int
+    phase: str
+    kind: str
+    seq: int
+    first_row: int
+    slots: dict[str, int] = field(default_factory=dict)  # slot -> row
+    extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
+    name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
+    shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
+    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
+    #: a foreach call's i-th tensor seen as its own call (normalize.py): i, else -1
+    element: int = -1
+    #: the parameter group (foreach block, normalize.py) a foreach element belongs to, else -1
+    block: int = -1
+    #: slots of a foreach element that every element of the call shares (a scalar argument)
+    shared: frozenset = frozenset()
+    #: the parameter an optimizer call updates ("fc1.weight"; normalize.py), "" when not known
+    target: str = ""
+
+    @property
+    def key(self) -> str:
+        element = f"[{self.element}]" if self.element >= 0 else ""
+        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
+
+    def order(self) -> tuple[int, int]:
+        return (self.seq, self.first_row)
+
+
+@dataclass
+class CallPair:
+    """One call of A and its partner in B (either may be None: no partner)."""
+
+    a: Call | None
+    b: Call | None
+    how: str = ""  # align.SEQUENCE | NAME | KEY, foreach FOREACH | FUSED; "" when one side is missing
+    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
+
+    @property
+    def phase(self) -> str:
+        return (self.a or self.b).phase
+
 
 _NUMERIC = {name for name, kind in schema.RECORD_COLUMNS if kind != "str"}
 #: the slot prefix of a rank-local gradient linked as an input of the gradient an unrecorded
@@ -35,6 +104,28 @@ def slot_io(slot: str) -> str:
 
 def is_param_slot(slot: str) -> bool:
     return slot.startswith("param.")
+
+
+def parse_shape(text) -> tuple:
+    """A shape column ("[4, 8]") as a tuple of ints; () when it is empty or not a shape."""
+    if isinstance(text, (tuple, list)):
+        return tuple(int(v) for v in text)
+    return _parse_shape_text(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_shape_text(text) -> tuple:
+    try:
+        value = json.loads(text) if text else []
+    except (TypeError, ValueError):
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else ()
+
+
+def param_name(module: str, slot: str) -> str:
+    """fc1.weight: the parameter a module's param.* or param_grad.* slot holds."""
+    name = slot.split(".", 1)[1] if slot.startswith(("param.", "param_grad.")) else slot
+    return f"{module}.{name}" if module else name
 
 
 def module_within(module: str, owner: str) -> bool:
@@ -160,24 +251,10 @@ def build_calls(records: Records, rename=None) -> list[Call]:
     return result
 
 
-FOREACH_PREFIX = "torch._foreach_"
-FUSED_PREFIX = "torch._fused_"
 #: how a foreach element paired with a per-tensor call (CallPair.how)
 FOREACH = "foreach"
 #: how a fused kernel's element paired with the last call of a per-parameter chain
 FUSED = "fused"
-#: per-tensor spellings of a foreach op's base name (``_foreach_norm`` runs vector_norm)
-_ALIASES = {"vector_norm": "norm", "true_divide": "div", "multiply": "mul", "subtract": "sub"}
-
-
-def is_foreach(op: str) -> bool:
-    return op.startswith((FOREACH_PREFIX, FUSED_PREFIX))
-
-
-def base_op(op: str) -> str:
-    """The op whatever its spelling: torch._foreach_add_, Tensor.add_, torch.add -> "add"."""
-    name = op.removeprefix(FOREACH_PREFIX).rsplit(".", 1)[-1].rstrip("_")
-    return _ALIASES.get(name, name)
 
 
 def _signature(element: Call, records: Records) -> tuple:
@@ -230,3 +307,94 @@ def tensor_print(cols: dict, row: int):
     if all(math.isnan(value) for value in numbers) or cols["numel"][row] <= 1:
         return None  # a scalar (a step counter) says nothing about which parameter it is
     return ("stats", cols["dtype"][row], cols["shape"][row], *map(repr, numbers), cols["checksum"][row])
+
+
+ALLOWED_KEYS = ("modules", "ops")
+
+
+@dataclass(frozen=True)
+class NameMapping:
+    modules: tuple[tuple[str, str], ...] = ()  # (prefix, replacement), longest prefix first
+    ops: dict = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.modules or self.ops)
+
+    def module(self, path: str) -> str:
+        for prefix, replacement in self.modules:
+            if prefix == "":
+                return f"{replacement}.{path}" if path else replacement
+            if path == prefix:
+                return replacement
+            if path.startswith(prefix + "."):
+                return replacement + path[len(prefix):]
+        return path
+
+    def op(self, name: str) -> str:
+        if name in self.ops:
+            return self.ops[name]
+        last = name.rsplit(".", 1)[-1]
+        if last != name and last in self.ops and "." not in last:
+            return self.ops[last]
+        return name
+
+    def rename(self, module: str, op: str) -> tuple[str, str]:
+        return self.module(module), self.op(op)
+
+    def to_dict(self) -> dict:
+        return {"modules": dict(self.modules), "ops": dict(self.ops)}
+
+
+def mapping_from_dict(data, where: str = "mapping") -> NameMapping:
+    """Validate the parsed YAML/dict form; raise CompareError naming the bad entry."""
+    if data is None:
+        return NameMapping()
+    if not isinstance(data, dict):
+        raise CompareError(f"{where} must be a mapping with keys {' and '.join(ALLOWED_KEYS)}, found {type(data).__name__}")
+    unknown = [key for key in data if key not in ALLOWED_KEYS]
+    if unknown:
+        raise CompareError(f"{where} has unknown key {unknown[0]!r}; allowed keys: {', '.join(ALLOWED_KEYS)}")
+    modules = _string_map(data.get("modules"), f"{where} modules")
+    ops = _string_map(data.get("ops"), f"{where} ops")
+    for name in ops:
+        if name == "":
+            raise CompareError(f"{where} ops has an empty op name")
+    ordered = tuple(sorted(modules.items(), key=lambda item: len(item[0]), reverse=True))
+    return NameMapping(modules=ordered, ops=ops)
+
+
+def _string_map(value, where: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CompareError(f"{where} must map names to names, found {type(value).__name__}")
+    result = {}
+    for key, target in value.items():
+        if key is None:
+            key = ""
+        if not isinstance(key, str) or not isinstance(target, str):
+            raise CompareError(f"{where} entry {key!r}: {target!r} must map a string to a string")
+        result[key] = target
+    return result
+
+
+def load_mapping(path: str) -> NameMapping:
+    """Read a mapping YAML file; every problem is one CompareError sentence."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise CompareError(f"mapping file {path} does not exist") from None
+    except IsADirectoryError:
+        raise CompareError(f"mapping file {path} is a folder, expected a YAML file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CompareError(f"mapping file {path} cannot be read: {getattr(error, 'strerror', None) or error}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise CompareError(f"mapping file {path} is not valid YAML{where}") from None
+    if data is None:
+        raise CompareError(f"mapping file {path} is empty; expected keys {' and '.join(ALLOWED_KEYS)}")
+    return mapping_from_dict(data, f"mapping file {path}")

@@ -6,7 +6,12 @@ Data only: the renderers (probe/report/) import this module, never the reverse.
 write_json``). ``to_dict()`` is the JSON without the headline and the divergences list;
 non-finite floats become the strings "inf", "-inf" and "nan" so the output stays strict JSON.
 
-The summaries folded over step files (assemble.py calls them): Fold what repeats over step files into one entry with the steps and ranks where it occurs.
+The op summaries (summarize_call): what each call pair adds, in tolerance units, made from its
+final rows once every rule has run (assemble.py calls it after the last one), so a summary
+says what its rows say; nothing writes one after.
+
+The summaries folded over step files (assemble.py calls them): what repeats over step files
+is folded into one entry with the steps and ranks where it occurs.
 
 A changed argument (GELU's ``approximate``) or parameter differs in every step of a run,
 and the op that adds the most error usually does so in every step: listing them once per
@@ -23,13 +28,78 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from probe.comparison.structs import (  # noqa: F401  the names every report reads from here
     AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
-    ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, OpSummary, RecordRow,
-    StepOutcome, count_rows, json_safe, sharded_only_rows, where_text,
+    ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, RecordRow,
+    StepOutcome, count_rows, forward_carriers, is_carrier, json_safe, rel_error, sharded_only_rows,
 )
+
+
+@dataclass(frozen=True)
+class OpSummary:
+    """One call pair ranked by the error it introduces (top_ops): made from the final rows of
+    the call, once every rule has run (result.summarize_call), and never written after."""
+
+    step: int
+    rank: int
+    module: str
+    op: str
+    index: int
+    phase: str
+    key: str
+    kind: str
+    introduced: float  # output score minus the largest score of its produced inputs (tolerance units)
+    output_rel_l2: float
+    input_rel_l2: float
+    ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)
+    diverged: bool
+    origin: str
+    source: str = ""
+    where: list = field(default_factory=list)  # every (step, rank) where this op adds error
+    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
+    diverged_in: int = 0  # in how many of those its output is beyond tolerance
+
+    def to_dict(self) -> dict:
+        data = dict(self.__dict__)
+        where = data.pop("where") or [(self.step, self.rank)]
+        data["occurrences"] = len(where)
+        data["where"] = [{"step": step, "rank": rank} for step, rank in where]
+        data["where_text"] = where_text(where)
+        return json_safe(data)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    parts, start, previous = [], None, None
+    for number in sorted(set(numbers)):
+        if start is None:
+            start = previous = number
+        elif number == previous + 1:
+            previous = number
+        else:
+            parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+            start = previous = number
+    if start is not None:
+        parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+    return ", ".join(parts)
+
+
+def _counted(word: str, numbers: list[int]) -> str:
+    return f"{word}{'s' if len(set(numbers)) > 1 else ''} {_ranges(numbers)}"
+
+
+def where_text(pairs) -> str:
+    """(step, rank) pairs -> "steps 0-4, rank 0"; "steps 0-1, ranks 0-1; step 3, rank 0"."""
+    by_step: dict[int, list[int]] = {}
+    for step, rank in pairs:
+        by_step.setdefault(step, []).append(rank)
+    by_ranks: dict[tuple, list[int]] = {}
+    for step in sorted(by_step):
+        by_ranks.setdefault(tuple(sorted(set(by_step[step]))), []).append(step)
+    segments = sorted(by_ranks.items(), key=lambda item: item[1][0])
+    return "; ".join(f"{_counted('step', steps)}, {_counted('rank', list(ranks))}" for ranks, steps in segments)
 
 
 @dataclass
@@ -57,7 +127,7 @@ class CompareResult:
     #: {step, rank, text} when the runs part through accumulated rounding (comparison/assemble.py)
     drift: dict | None = None
     #: the rounding envelopes over every output: {largest_gap, at, step, rank, differ, outputs,
-    #: rounding, uncertain, beyond, strict, rounding_only, baseline} (envelope_summary.py); None
+    #: rounding, uncertain, beyond, strict, rounding_only, baseline} (assemble.summarize); None
     #: when none was judged
     envelope: dict | None = None
 
@@ -220,6 +290,73 @@ def _bigger(x: float, y: float) -> bool:
 NEGLIGIBLE = 1e-3
 
 
+def op_summaries(outcomes) -> list[OpSummary]:
+    """The summary of every paired call of every step file pair, from the rows as they stand."""
+    return [summary for outcome in outcomes for rows, forward in outcome.calls
+            if (summary := summarize_call(rows, forward)) is not None]
+
+
+def added_score(score: float, out_rel: float, carried_rel: float) -> float:
+    """The part of an output's score its inputs do not explain, in tolerance units: the
+    share ``1 - carried/out`` of its relative error that is new here. Scale-free: an op that
+    only scales what it was given (x / 0.03) adds nothing, even when the scaled output no
+    longer fits under the absolute floor ``atol`` and its score crosses 1."""
+    if not score or not out_rel:
+        return 0.0
+    if math.isinf(carried_rel):
+        return 0.0
+    if carried_rel <= 0:
+        return score
+    if math.isinf(out_rel):
+        return score
+    return score * max(0.0, 1.0 - carried_rel / out_rel)
+
+
+def summarize_call(rows: list[RecordRow], forward: list[RecordRow] = ()) -> OpSummary | None:
+    """Error this call pair introduces, in tolerance units: the largest added_score of its
+    outputs against the largest rel L2 error of its carried inputs (produced ones, state
+    carried over, and for a backward call the tensor records of its forward); parameters,
+    changed arguments and external inputs are error entering here, so they count as nothing
+    carried."""
+    outputs = [r for r in rows if r.io == "out" and r.metrics is not None and r.metrics.evidence != "value"
+               and not r.stale]
+    if not outputs:
+        return None
+    carried = {e["slot"] for e in outputs[0].input_errors if is_carrier(e["source"], e["status"])}
+    input_rel = max((rel_error(r) for r in rows if r.io == "in" and r.slot in carried), default=0.0)
+    input_rel = max([input_rel] + [rel_error(r) for r in forward_carriers(forward)])
+    # an explained output adds nothing: its inputs' accepted differences account for it
+    added = [(0.0 if r.status == EXPLAINED else added_score(_score(r), rel_error(r), input_rel), _score(r), r)
+             for r in outputs]
+    introduced, _, worst = max(added, key=lambda item: (item[0], item[1]))
+    out_rel = rel_error(worst)
+    head = rows[0]
+    return OpSummary(
+        step=head.step,
+        rank=head.rank,
+        module=head.module,
+        op=head.op,
+        index=head.index,
+        phase=head.phase,
+        key=worst.key.rsplit("/", 1)[0],
+        kind=head.kind,
+        introduced=introduced,
+        output_rel_l2=out_rel,
+        input_rel_l2=input_rel,
+        ratio=(out_rel / input_rel) if input_rel > 0 else None,
+        diverged=any(r.status == DIVERGED for r in outputs),
+        origin=worst.origin,
+        source=worst.source,
+        target=head.target,
+    )
+
+
+def _score(row: RecordRow) -> float:
+    if row.score is None:
+        return math.inf if row.status == DIVERGED else 0.0
+    return row.score
+
+
 def ranked_pool(summaries: list[OpSummary]) -> list[OpSummary]:
     """The calls top ops rank, each computation once: API calls when any were captured, plus
     the calls of leaf modules (no recorded module below them) in a phase where no API call of
@@ -258,9 +395,8 @@ def rank_top_ops(summaries: list[OpSummary], top: int) -> list[OpSummary]:
         # an op that diverges somewhere is shown where it diverges: a fault on rank 1 only is
         # not also "where" rank 0 merely rounds a little differently
         shown = [s for s in calls if s.diverged] if worst.diverged else calls
-        worst.where = sorted({(s.step, s.rank) for s in shown})
-        worst.diverged_in = sum(1 for s in calls if s.diverged)
-        ranked.append(worst)
+        ranked.append(replace(worst, where=sorted({(s.step, s.rank) for s in shown}),
+                              diverged_in=sum(1 for s in calls if s.diverged)))
     ranked.sort(key=lambda s: (_only_inherited(s), -s.introduced, s.step, s.rank, s.key))
     return ranked[:top]
 
@@ -315,3 +451,16 @@ def _describe(dtypes: Counter) -> str:
     if not dtypes:
         return "not recorded"
     return ", ".join(f"{dtype} ({count} op{'s' if count != 1 else ''})" for dtype, count in dtypes.most_common())
+
+
+def headline(summary: dict | None) -> str:
+    """"the runs differ by rounding only (largest gap 0.4x its envelope)", or "" unless the runs
+    differ, every output's size is known from above (tensors, sketches), none is beyond its
+    envelope (a pass only by the fixed tolerance) or more than FACTOR x it without another
+    explanation, and --strict did not ask for the fixed tolerance alone."""
+    if not summary or not summary["rounding_only"] or summary["largest_gap"] is None:
+        return ""
+    uncertain = f"; {summary['uncertain']} uncertain" if summary["uncertain"] else ""
+    measured = " measured by the baseline" if summary.get("baseline") else ""
+    return (f"the runs differ by rounding only (largest gap {summary['largest_gap']:.2g}x its envelope{measured}"
+            f"{uncertain})")

@@ -20,28 +20,68 @@ and conditioning, plus what its inputs' measured differences make through it. Th
   a custom autograd Function): the call that reads it is where the difference enters.
 
 ``strict`` (``probe compare --strict``) keeps the envelopes as information only: the fixed
-tolerance decides alone. Torch-free.
+tolerance decides alone.
+
+The float64 recheck
+-------------------
+
+An output that differs far more than its inputs is accepted as amplified when the op's
+conditioning can explain it (call_rules.judge_call). Where the tensors were dumped (task
+"tensor") the claim is checked instead of assumed, for the elementwise ops optimizers and
+normalizations are made of (their spec's replay, ops.py): the op recomputed in float64 from
+each run's *own* recorded inputs. If each run's output is its own inputs' result up to that
+run's rounding, the op did its job; if one run's output is not, the op itself computed
+differently there (introduced). It is the one rule after measure that reads record columns
+and fetches tensors.
+
+These rules write no row: they return Findings, which the judge writes (judge.apply), so a
+call judged later sees them. Torch-free: the replays are numpy expressions.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
+
+import numpy as np
 
 from probe.comparison import result as R
 from probe.comparison.envelope import (
-    ELEMENTWISE_ULPS, FACTOR, LAMBDA, UNIT_ROUNDOFF, Envelope, Operand, family, op_envelope, parse_shape, unit_roundoff,
+    ELEMENTWISE_ULPS, FACTOR, LAMBDA, Envelope, Operand, expected_text,
 )
-from probe.comparison.call_rules import explain, is_accepted
+from probe.comparison.op_envelopes import UNIT_ROUNDOFF, judged, unit_roundoff
+from probe.comparison.ops import NotReplayable, OpSpec, Replay
 from probe.comparison.records import is_param_slot
 from probe.comparison.sketch import band as sketch_band
-from probe.comparison.structs import PARAM_INPUT, PRODUCED, sci
+from probe.comparison.structs import AMPLIFIED, EXPLAINED, PARAM_INPUT, PRODUCED, MeasuredStep, Slot, sci
 from probe.comparison.tolerances import tolerance_dtype
 
 #: the origin of an output whose difference its rounding envelope explains
 ROUNDING = "rounding"
 #: the origin of an output whose sketch band straddles its envelope: not an error, not cleared
 UNCERTAIN = "uncertain"
+
+
+@dataclass
+class Finding:
+    """What a rounding rule found about one row, for the judge to write (judge.apply): its
+    envelope, and a verdict: EXPLAINED (explain), DIVERGED (the fields given set; None: left
+    as they are), REPLAYED_DIFFERENTLY (unexplain), ACCEPTED (accepted where read again), or
+    "" (the envelope and the cause only)."""
+
+    row: R.RecordRow
+    verdict: str = ""
+    origin: str | None = None
+    divergence: str | None = None
+    cause: str | None = None
+    reason: str = ""
+    envelope: dict | None = None
+
+
+#: Finding.verdict of an accepted rounding difference, and of an amplified output its own
+#: inputs do not give when replayed in float64
+ACCEPTED, REPLAYED_DIFFERENTLY = "accepted", "replayed differently"
 
 
 def error_band(row: R.RecordRow) -> tuple[float, float, float] | None:
@@ -85,22 +125,15 @@ def _proven_bound(m) -> float:
     return min(proven, m.err_l2) if math.isfinite(proven) else 0.0
 
 
-def operand(stats, row: R.RecordRow) -> Operand | None:
-    """A's recorded tensor (stats: its statistics by name, None when A has no record) with the
-    high end of B's difference (what may propagate)."""
-    if stats is None or row.metrics is None or row.metrics.evidence == "value":
+def operand(recorded: Operand | None, row: R.RecordRow) -> Operand | None:
+    """A's recorded tensor (recorded: its statistics as measure read them, None when A has no
+    record) with the high end of B's difference (what may propagate), in the dtype it is judged in."""
+    if recorded is None or row.metrics is None or row.metrics.evidence == "value":
         return None
     found = error_band(row)
     err = found[2] if found is not None else math.inf
-    dtype = tolerance_dtype(row.dtype_a, row.dtype_b) if row.dtype_a and row.dtype_b else stats["dtype"]
-    return Operand(numel=int(stats["numel"]), norm=_finite(stats["norm"]), min=float(stats["min"]),
-                   max=float(stats["max"]), mean=float(stats["mean"]), shape=parse_shape(stats["shape"]),
-                   dtype=dtype, err=err)
-
-
-def _finite(value) -> float:
-    value = float(value)
-    return value if math.isfinite(value) else math.inf
+    dtype = tolerance_dtype(row.dtype_a, row.dtype_b) if row.dtype_a and row.dtype_b else recorded.dtype
+    return Operand(recorded.numel, recorded.norm, recorded.min, recorded.max, recorded.mean, recorded.shape, dtype, err)
 
 
 def _value(text: str):
@@ -129,47 +162,46 @@ def measured_envelopes(rows) -> dict:
     return found
 
 
-def with_baseline(env: Envelope | None, measured: float) -> Envelope:
-    """The envelope a trusted second run measured: C - A at this output is what rounding made
-    there, the op's own rounding and its inputs' together. It stands for the op's rounding
-    (never below the model's); the model's part through the inputs is kept where it is bounded."""
-    if env is None or not math.isfinite(env.propagated):
-        family = env.family if env is not None else "measured"
-        return Envelope(f"{family} (measured by the baseline)", env.k if env else 1, env.u if env else 0.0,
-                        1.0, measured, 0.0, [])
-    return Envelope(f"{env.family} (measured by the baseline)", env.k, env.u, env.conditioning,
-                    max(env.rounding, measured), env.propagated, env.parts)
+def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False,
+                    baseline: dict | None = None) -> list[Finding]:
+    """Every paired output of one call pair with its envelope, and what the rules above find.
 
-
-def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False, baseline: dict | None = None) -> None:
-    """Give every paired output of one call pair its envelope and apply the rules above.
-
-    call_rows: [(RecordRow, A's statistics by name or None)] of the call pair: min, max, mean,
-    norm, numel, shape, dtype; forward_items: the same for the forward call of a backward one
-    (() otherwise); input_kind(row) -> (kind, producer row);
-    baseline: A's output key -> what a trusted second run differs from A by there (with it,
-    B - A is judged against C - A, see with_baseline)."""
+    call_rows: [(RecordRow, A's recorded Operand or None)] of the call pair; forward_items: the
+    same for the forward call of a backward one (() otherwise); input_kind(row) -> (kind,
+    producer row); baseline: A's output key -> what a trusted second run differs from A by
+    there (with it, B - A is judged against C - A, see with_baseline)."""
     if not call_rows:
-        return
+        return []
     head = call_rows[0][0]
+    findings: list[Finding] = []
     changed = None if strict else _changed_input(call_rows, input_kind)
-    known = family(head.op) is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
+    source_found = changed is None or changed[0].status == R.DIVERGED
+    known = head.spec.family is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
     call = _Call(call_rows, forward_items) if known else None
-    for row, stats in call_rows:
-        if row.io != "out" or row.status not in R.PAIRED or stats is None:
+    for row, recorded in call_rows:
+        if row.io != "out" or row.status not in R.PAIRED or recorded is None:
             continue
         found = error_band(row)
         if found is None:
             continue
-        env = call.envelope(head, row, stats, baseline) if call is not None else None
-        if env is not None:
-            _annotate(row, env, found, call.divergent)
+        env, envelope = call.envelope(head, row, recorded, found, baseline) if call is not None else (None, None)
         if strict or found[1] == 0:
-            continue
-        if changed is not None:  # whatever the op: a copy rounds nothing
-            _enters_here(row, changed)
+            finding = None
+        elif changed is not None:  # whatever the op: a copy rounds nothing
+            if not source_found:
+                findings.append(_changed_source(changed))
+                source_found = True
+            finding = _enters_here(row, changed)
         elif env is not None:
-            _apply(row, env, found, call)
+            finding = _apply(row, env, envelope, found, call)
+        else:
+            finding = None
+        if finding is None and envelope is not None:
+            finding = Finding(row)
+        if finding is not None:
+            finding.envelope = envelope
+            findings.append(finding)
+    return findings
 
 
 class _Call:
@@ -177,15 +209,15 @@ class _Call:
 
     def __init__(self, call_rows, forward_items):
         self.inputs, self.values, self.forward = {}, {}, {}
-        for row, stats in call_rows:
+        for row, recorded in call_rows:
             if row.io != "in" or row.status not in R.PAIRED:
                 continue
             if row.metrics is not None and row.metrics.evidence == "value":
                 self.values[row.slot] = _value(row.metrics.value_a or "")
-            elif (found := operand(stats, row)) is not None:
+            elif (found := operand(recorded, row)) is not None:
                 self.inputs[row.slot] = found
-        for row, stats in forward_items:
-            if row.status in R.PAIRED and (found := operand(stats, row)) is not None:
+        for row, recorded in forward_items:
+            if row.status in R.PAIRED and (found := operand(recorded, row)) is not None:
                 self.forward[row.slot] = found
         in_rows = [row for row, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
         self.tensor_in = [row for row in in_rows if row.metrics is not None and row.metrics.evidence != "value"]
@@ -195,7 +227,7 @@ class _Call:
             f"forward.{row.slot}" for row in forward_tensors if row.status == R.DIVERGED}
         # every input's difference is one a correct run may have (rounding, or accepted
         # upstream), not a difference hidden under the absolute floor
-        self.agree = all(is_accepted(row) for row in self.tensor_in + forward_tensors) and not any(
+        self.agree = all(row.is_accepted for row in self.tensor_in + forward_tensors) and not any(
             row.status == R.DIVERGED for row in in_rows)
         # one precision on both sides, here and upstream: where the runs compute in different
         # dtypes (autocast, or the model's own casts) the precision rules decide
@@ -204,61 +236,49 @@ class _Call:
         self.untouched = [row for row in in_rows if row.status == R.DIVERGED and row.envelope is not None
                           and row.envelope["family"] == "untouched"]
 
-    def envelope(self, head, row, stats, baseline) -> Envelope | None:
-        out = operand(stats, row)
+    def envelope(self, head, row, recorded, found, baseline) -> tuple[Envelope | None, dict | None]:
+        """(its envelope, what the row reports of it) of one output; (None, None): none."""
+        out = operand(recorded, row)
         if out is None:
-            return None
-        env = op_envelope(head.op, head.phase, row.slot, out, self.inputs, self.forward, self.values,
-                          tolerance_dtype(row.dtype_a, row.dtype_b))
-        if baseline is not None and row.key_a in baseline:
-            env = with_baseline(env, baseline[row.key_a])
-        return env
+            return None, None
+        measured = baseline.get(row.key_a) if baseline is not None else None
+        return judged(head.spec, head.phase, row.slot, out, self.inputs, self.forward, self.values, found,
+                      self.divergent, measured)
 
 
-def _annotate(row: R.RecordRow, env: Envelope, found, divergent) -> None:
-    low, seen, high = found
-    expected = env.expected_without(divergent)  # what rounding alone makes, here and upstream
-    row.envelope = dict(env.to_dict(), expected=expected, seen=seen, low=low,
-                        high=high if math.isfinite(high) else None, gap=env.gap(seen, expected),
-                        verdict=env.judge(low, high), text=expected_text(expected, seen),
-                        divergent_inputs=sorted(divergent))
-
-
-def _apply(row: R.RecordRow, env: Envelope, found, call: _Call) -> None:
+def _apply(row: R.RecordRow, env: Envelope, envelope: dict, found, call: _Call) -> Finding | None:
     """The rules of the module docstring, for one output with a difference."""
     low, _, high = found
-    verdict = row.envelope["verdict"]
+    verdict, text = envelope["verdict"], envelope["text"]
     if call.untouched and row.status in (R.MATCH, R.CHANGED):
         source = call.untouched[0]
-        row.status, row.divergence, row.origin = R.DIVERGED, R.OUTPUT, R.INTRODUCED
-        row.cause = (f"parameter {source.slot} ({source.key}) differs before anything computed it "
-                     f"(||a - b|| {sci(source.envelope['seen'])}, below the tolerance; rounding makes none): "
-                     f"the difference enters here ({row.envelope['text']})")
-        row.reasons.append(f"reads {source.slot}, which differs beyond its rounding envelope")
-        return
+        return Finding(row, R.DIVERGED, R.INTRODUCED, R.OUTPUT,
+                       f"parameter {source.slot} ({source.key}) differs before anything computed it "
+                       f"(||a - b|| {sci(source.envelope['seen'])}, below the tolerance; rounding makes none): "
+                       f"the difference enters here ({text})",
+                       f"reads {source.slot}, which differs beyond its rounding envelope")
     if not call.agree or not call.one_precision:
-        return
-    if row.status in (R.MATCH, R.CHANGED) and verdict == "within" and not is_accepted(row):
+        return None
+    if row.status in (R.MATCH, R.CHANGED) and verdict == "within" and not row.is_accepted:
         # within tolerance only by the absolute floor, yet within what rounding makes from
         # inputs that agree: a rounding difference, accepted where it is read again
-        row.accepted = True
+        return Finding(row, ACCEPTED)
     if row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == "within":
-        explain(row, f"rounding: {row.envelope['text']} ({env.describe()}); its own error is within "
-                     f"{FACTOR:g}x what rounding alone makes", ROUNDING)
-    elif row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == UNCERTAIN:
-        explain(row, f"uncertain: {row.envelope['text']} ({env.describe()}); the estimate's band "
-                     f"[{sci(low)}, {sci(high)}] straddles {FACTOR:g}x the rounding envelope: dump this op as "
-                     f"a tensor to decide, with the config line {tensor_line(row)}", UNCERTAIN)
-    elif row.status in (R.MATCH, R.CHANGED) and verdict == "beyond" and row.divergence == "" and call.tensor_in \
+        return Finding(row, R.EXPLAINED, ROUNDING, cause=f"rounding: {text} ({env.describe()}); its own error is "
+                                                          f"within {FACTOR:g}x what rounding alone makes")
+    if row.status == R.DIVERGED and row.divergence in (R.OUTPUT, "") and verdict == UNCERTAIN:
+        return Finding(row, R.EXPLAINED, UNCERTAIN, cause=(
+            f"uncertain: {text} ({env.describe()}); the estimate's band [{sci(low)}, {sci(high)}] straddles "
+            f"{FACTOR:g}x the rounding envelope: dump this op as a tensor to decide, with the config line "
+            f"{tensor_line(row)}"))
+    if row.status in (R.MATCH, R.CHANGED) and verdict == "beyond" and row.divergence == "" and call.tensor_in \
             and low > (row.atol or 0.0) * math.sqrt(max(row.metrics.numel, 0)):
-        row.status = R.DIVERGED
-        row.divergence = R.OUTPUT
-        row.origin = R.INTRODUCED
-        row.cause = (f"beyond its rounding envelope within tolerance: {row.envelope['text']} "
-                     f"({env.describe()}); its inputs agree, so the op itself computed differently")
-        row.reasons.append(f"beyond its rounding envelope: {row.envelope['text']}")
-    elif row.status == R.DIVERGED and verdict == "beyond":
-        row.cause = f"{row.cause}; {row.envelope['text']}" if row.cause else row.envelope["text"]
+        return Finding(row, R.DIVERGED, R.INTRODUCED, R.OUTPUT,
+                       f"beyond its rounding envelope within tolerance: {text} ({env.describe()}); its inputs "
+                       "agree, so the op itself computed differently", f"beyond its rounding envelope: {text}")
+    if row.status == R.DIVERGED and verdict == "beyond":
+        return Finding(row, cause=f"{row.cause}; {text}" if row.cause else text)
+    return None
 
 
 def _one_precision(row: R.RecordRow) -> bool:
@@ -267,12 +287,6 @@ def _one_precision(row: R.RecordRow) -> bool:
     if row.metrics is None or row.metrics.evidence == "value" or not row.tol_dtype:
         return True
     return row.dtype_a == row.dtype_b and row.tol_dtype == tolerance_dtype(row.dtype_a, row.dtype_b)
-
-
-def expected_text(expected: float, seen: float) -> str:
-    """expected from rounding: 3.1e-06, seen: 2.0e-06 (0.64x)."""
-    gap = seen / expected if expected > 0 else (0.0 if seen == 0 else math.inf)
-    return f"expected from rounding: {sci(expected)}, seen: {sci(seen)} ({gap:.2g}x)"
 
 
 def _changed_input(call_rows, input_kind):
@@ -295,47 +309,125 @@ def _changed_input(call_rows, input_kind):
     return None
 
 
-def _enters_here(row: R.RecordRow, changed) -> None:
+def _changed_source(changed) -> Finding:
+    """The input changed after it was made: where the difference enters."""
+    source, producer, mine, theirs = changed
+    return Finding(source, R.DIVERGED, R.INTRODUCED, R.INPUT,
+                   reason=f"differs by {sci(mine[1])} although {producer.key}, which made it, differs by "
+                          f"{sci(theirs[1])}: changed in between, and a copy rounds nothing")
+
+
+def _enters_here(row: R.RecordRow, changed) -> Finding | None:
     """The call reads an input changed after it was made: the difference enters here."""
     source, producer, mine, theirs = changed
-    if source.status != R.DIVERGED:
-        source.status = R.DIVERGED
-        source.divergence = R.INPUT
-        source.origin = R.INTRODUCED
-        source.reasons.append(f"differs by {sci(mine[1])} although {producer.key}, which made it, differs by "
-                              f"{sci(theirs[1])}: changed in between, and a copy rounds nothing")
     if row.status == R.DIVERGED and row.origin == R.INTRODUCED:
-        return
-    row.status = R.DIVERGED
-    row.divergence = R.OUTPUT
-    row.origin = R.INTRODUCED
-    row.cause = (f"input {source.slot} differs (||a - b|| {sci(mine[1])}) although {producer.key}, which made it, "
-                 f"differs by {sci(theirs[1])}: something not recorded changed it in between (a gradient hook, a "
-                 "custom autograd Function); nothing computes between the two, so rounding explains none of it")
-    row.reasons.append(f"its input {source.slot} was changed after it was made")
+        return None
+    return Finding(row, R.DIVERGED, R.INTRODUCED, R.OUTPUT,
+                   f"input {source.slot} differs (||a - b|| {sci(mine[1])}) although {producer.key}, which made it, "
+                   f"differs by {sci(theirs[1])}: something not recorded changed it in between (a gradient hook, a "
+                   "custom autograd Function); nothing computes between the two, so rounding explains none of it",
+                   f"its input {source.slot} was changed after it was made")
 
 
-def judge_untouched(row: R.RecordRow, kind: str) -> None:
+def judge_untouched(row: R.RecordRow, kind: str) -> Finding | None:
     """A parameter read by the forward of step 0 has not been computed by anything yet: its
     rounding envelope is 0, and any difference the evidence proves (the low end of its band)
     is a change, however far below the tolerance (a weight scaled by 1 + 1e-6)."""
     if row.status not in (R.MATCH, R.CHANGED) or not (is_param_slot(row.slot) or kind == PARAM_INPUT):
-        return
+        return None
     found = error_band(row)
     if found is None or row.metrics is None:
-        return
+        return None
     # its initialization: a few flops per value, computed in another order or on another device
     # (a few ulps), and one rounding more where a run holds it in a coarser dtype
     u = unit_roundoff(tolerance_dtype(row.dtype_a, row.dtype_b)) or 0.0
     rounding = (ELEMENTWISE_ULPS + (1.0 if row.dtype_a != row.dtype_b else 0.0)) * u * row.metrics.ref_norm
     if found[0] <= FACTOR * rounding:
-        return
-    row.status = R.DIVERGED
+        return None
     gap = found[1] / rounding if rounding > 0 else math.inf
-    row.envelope = {"family": "untouched", "k": 1, "u": u, "conditioning": 1.0, "rounding": rounding,
-                    "propagated": 0.0, "expected": rounding, "seen": found[1], "low": found[0],
-                    "high": found[2] if math.isfinite(found[2]) else None, "gap": gap, "verdict": "beyond",
-                    "text": expected_text(rounding, found[1]), "divergent_inputs": []}
-    row.reasons.append(f"differs (||a - b|| at least {sci(found[0])}) before anything but its initialization "
-                       f"computed it (step 0, read by the forward): more than {ELEMENTWISE_ULPS:g} ulps of rounding "
-                       "make; within the fixed tolerance, beyond its rounding envelope")
+    envelope = {"family": "untouched", "k": 1, "u": u, "conditioning": 1.0, "rounding": rounding,
+                "propagated": 0.0, "expected": rounding, "seen": found[1], "low": found[0],
+                "high": found[2] if math.isfinite(found[2]) else None, "gap": gap, "verdict": "beyond",
+                "text": expected_text(rounding, found[1]), "divergent_inputs": []}
+    return Finding(row, R.DIVERGED, reason=f"differs (||a - b|| at least {sci(found[0])}) before anything but its "
+                                           f"initialization computed it (step 0, read by the forward): more than "
+                                           f"{ELEMENTWISE_ULPS:g} ulps of rounding make; within the fixed tolerance, "
+                                           "beyond its rounding envelope", envelope=envelope)
+
+
+# ---------------------------------------------------------------------------- the float64 recheck
+
+def recheck_amplified(slots: list[Slot], measured: MeasuredStep) -> list[Finding]:
+    """Where the tensors were dumped, an output accepted as amplified by an elementwise op is
+    checked by replaying the op in float64 on each run's own inputs (its spec's replay,
+    ops.py): an output its own inputs do not give was computed differently there (introduced)."""
+    outputs = [(s.row, s.a, s.b) for s in slots if s.row.io == "out" and s.row.status == EXPLAINED
+               and s.row.origin == AMPLIFIED and s.row.metrics is not None and s.row.metrics.evidence == "tensor"]
+    findings: list[Finding] = []
+    if not outputs or measured.fetch_a is None or measured.fetch_b is None:
+        return findings
+    cols_a, cols_b = measured.aligned.records_a.columns, measured.aligned.records_b.columns
+    op = slots[0].row.spec
+    sides = []
+    for side, cols, fetch in ((1, cols_a, measured.fetch_a), (2, cols_b, measured.fetch_b)):
+        tensors, values = {}, {}
+        for slot in slots:
+            row, index = slot.row, (slot.a, slot.b)[side - 1]
+            if row.io != "in" or index is None:
+                continue
+            if cols["dtype"][index] == "":
+                values[row.slot] = cols["value"][index]
+            elif cols["tensor_id"][index] >= 0:
+                tensors[row.slot] = fetch(cols["tensor_id"][index]).astype(np.float64)
+        sides.append({"tensors": tensors, "values": values})
+    for row, ra, rb in outputs:
+        errors = []
+        for side, cols, fetch, index in ((sides[0], cols_a, measured.fetch_a, ra), (sides[1], cols_b, measured.fetch_b, rb)):
+            if cols["tensor_id"][index] < 0:
+                return findings
+            errors.append(own_error(op, side, fetch(cols["tensor_id"][index])))
+        if None in errors:
+            continue
+        limit = row.rtol or 0.0
+        if max(errors) > limit:
+            findings.append(Finding(row, REPLAYED_DIFFERENTLY, cause=(
+                f"replayed in float64 from each run's own inputs, {row.op} gives A's output within rel L2 "
+                f"{sci(errors[0])} and B's within {sci(errors[1])} (tolerance {limit:g}): the op itself computed "
+                "differently, not its conditioning")))
+        else:
+            findings.append(Finding(row, cause=f"{row.cause}; checked elementwise: replayed in float64 from each "
+                                               f"run's own inputs it gives both outputs (rel L2 {sci(errors[0])} "
+                                               f"and {sci(errors[1])})"))
+    return findings
+
+
+def replay(op: OpSpec, tensors: dict, values: dict):
+    """The op's float64 result from its recorded inputs (its spec's replay, ops.py), or None
+    when it has none or its arguments are not all known."""
+    how = op.replay
+    if how is None:
+        return None
+    with np.errstate(all="ignore"):
+        try:
+            return how(Replay(tensors, values))
+        except NotReplayable:
+            return None
+
+
+def own_error(op: OpSpec, side: dict, output: np.ndarray) -> float | None:
+    """||output - replay(inputs)|| / ||replay||: how far one run's output is from its own
+    inputs' float64 result (None when the op cannot be replayed or shapes do not fit)."""
+    expected = replay(op, side["tensors"], side["values"])
+    if expected is None:
+        return None
+    try:
+        expected = np.broadcast_to(expected, output.shape)
+    except ValueError:
+        return None
+    out = output.astype(np.float64)
+    finite = np.isfinite(expected) & np.isfinite(out)
+    if not finite.any():
+        return None
+    scale = math.sqrt(float(np.sum(expected[finite] ** 2)))
+    err = math.sqrt(float(np.sum((out[finite] - expected[finite]) ** 2)))
+    return err / scale if scale > 0 else (0.0 if err == 0 else math.inf)

@@ -1,21 +1,22 @@
 """The structs the compare stages hand each other, and the row a compare reports.
 
-Each stage takes the previous stage's struct and returns its own (engine.compare_step):
+Each stage takes the previous stage's struct and returns its own (api.compare_step):
 
     StepInput (load) --normalize--> NormalizedStep --align--> AlignedStep (Slots)
-        --measure--> MeasuredStep (Measurements) --judge--> JudgedStep --attribute--> StepOutcome
+        --measure--> MeasuredStep (Measurements) --judge--> StepOutcome
 
-and assemble puts the StepOutcomes together into a CompareResult (result.py). A ``Slot`` is
-one slot of a call pair: its RecordRow and the record rows of A and B (either may be None).
+and assemble puts the StepOutcomes together into a CompareResult (result.py), with the op
+summaries made from the final rows. A ``Slot`` is one slot of a call pair: its RecordRow
+and the record rows of A and B (either may be None).
 A ``Measurement`` is a paired slot once measured: what it was measured as, its metrics and
 tolerance, and what the later stages need to know about its records (the parsed values,
 A's content key, the parameter it holds, the statistics an in-place write check compares),
 so that no stage after measure reads a record column or parses a value again.
 
 A ``RecordRow`` is what a report shows of one aligned record. Align makes it, measure adds
-its tolerance and dtype notes, the judge stage writes its status and origin; assemble's rules
-over all step files (drift, where a 16-bit error entered) may restate an origin before the
-result exists, and replay, the one later writer, adds its own section. Data only: nothing
+its tolerance and dtype notes, the judge stage writes its status and origin; the rules over
+all step files (story.py: drift, where a 16-bit error entered) may restate an origin before
+the result exists, and replay, the one later writer, adds its own section. Data only: nothing
 here imports torch or a stage.
 """
 
@@ -23,9 +24,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from probe.comparison.metrics import Metrics
+from probe.comparison.ops import OpSpec, is_collective_op, spec
+
+if TYPE_CHECKING:
+    from probe.comparison.envelope import Operand
+    from probe.comparison.records import Call, CallPair, NameMapping, Records
+    from probe.comparison.result import PrecisionTally
+    from probe.comparison.tolerances import Tolerance
+
+#: the runs of API calls a step file recorded under autocast, [[first_seq, last_seq, dtype], ...]
+#: (its root attribute ``autocast``; None where not recorded)
+AutocastRuns = list
 
 # row status
 MATCH, DIVERGED, ONLY_A, ONLY_B = "match", "diverged", "only_a", "only_b"
@@ -49,8 +61,9 @@ OUTPUT, PARAM, ARGUMENT, INPUT = "output", "param", "argument", "input"
 #: an op one run computes in a lower dtype by the model's own casts (comparison/judge.py)
 PRECISION = "precision"
 
-#: input kinds (measure.Provenance.kind, call_rules.judge_call): where the tensor an input slot holds came from
-PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED = (
+#: input kinds (measure.Provenance.kind, call_rules.judge_call): where the tensor an input slot holds came
+#: from; CHANGED_INPUT: produced, and changed after its producer made it
+PRODUCED, PARAM_INPUT, PARAM_UPDATE, CARRIED, UNRECORDED, EXTERNAL, CHANGED_INPUT = (
     "produced", "param", "param_update", "carried", "unrecorded", "external", "changed")
 #: a produced input whose producing call has no partner in the other run
 UNPAIRED = "unpaired"
@@ -73,58 +86,10 @@ def forward_carriers(forward: list[RecordRow]) -> list[RecordRow]:
 
 
 @dataclass
-class Call:
-    """The records of one call: (module, op, index, phase), in execution order by seq."""
-
-    module: str
-    op: str
-    index: int
-    phase: str
-    kind: str
-    seq: int
-    first_row: int
-    slots: dict[str, int] = field(default_factory=dict)  # slot -> row
-    extras: list[int] = field(default_factory=list)  # rows repeating a slot: never paired
-    name: tuple[str, str] = ("", "")  # (module, op) after the mapping file's renames
-    shapes: tuple = ()  # ((slot, shape), ...) of the tensor slots: the call's signature
-    values: tuple = ()  # ((slot, value), ...) of the plain-value slots (arguments)
-    #: a foreach call's i-th tensor seen as its own call (normalize.py): i, else -1
-    element: int = -1
-    #: the parameter group (foreach block, normalize.py) a foreach element belongs to, else -1
-    block: int = -1
-    #: slots of a foreach element that every element of the call shares (a scalar argument)
-    shared: frozenset = frozenset()
-    #: the parameter an optimizer call updates ("fc1.weight"; normalize.py), "" when not known
-    target: str = ""
-
-    @property
-    def key(self) -> str:
-        element = f"[{self.element}]" if self.element >= 0 else ""
-        return f"{self.module}/{self.op}#{self.index}{element}/{self.phase}"
-
-    def order(self) -> tuple[int, int]:
-        return (self.seq, self.first_row)
-
-
-@dataclass
-class CallPair:
-    """One call of A and its partner in B (either may be None: no partner)."""
-
-    a: Call | None
-    b: Call | None
-    how: str = ""  # align.SEQUENCE | NAME | KEY, foreach FOREACH | FUSED; "" when one side is missing
-    order: tuple = ()  # execution-order sort key (A's order; B-only calls follow their anchor)
-
-    @property
-    def phase(self) -> str:
-        return (self.a or self.b).phase
-
-
-@dataclass
 class Side:
     """One run's step file: its records and, once built, its calls."""
 
-    records: Any  # records.Records
+    records: Records
     calls: list[Call] = field(default_factory=list)
 
 
@@ -134,7 +99,7 @@ class NormalizedStep:
 
     a: Side
     b: Side
-    mapping: Any = None  # mapping.NameMapping
+    mapping: NameMapping | None = None
 
     @property
     def sides(self) -> tuple[Side, Side]:
@@ -162,8 +127,8 @@ class AlignedStep:
 
     step: int
     rank: int
-    records_a: Any  # records.Records
-    records_b: Any
+    records_a: Records
+    records_b: Records
     calls_a: list[Call]
     pairs: list[CallPair]  # in A's execution order
     per_pair: list[list[Slot]]  # the slots of each pair, in record order
@@ -186,7 +151,7 @@ class Measurement:
     order: tuple
     what: str  # TENSOR | VALUE | SCALAR | ABSENT | MIXED | SHAPE
     metrics: Metrics | None = None
-    tol: Any = None  # tolerances.Tolerance
+    tol: Tolerance | None = None
     #: the plain values of A and B, parsed (VALUE and SCALAR slots), and their text
     values: tuple = (None, None)
     texts: tuple = ("", "")
@@ -198,6 +163,8 @@ class Measurement:
     #: it), that the in-place write check compares (record_rules.StaleRecords)
     stats: tuple = (None, None)
     input_stats: tuple | None = None
+    #: A's recorded tensor, its statistics parsed, as the rounding envelopes read it (None: none)
+    operand: Operand | None = None
 
     @property
     def row(self) -> RecordRow:
@@ -221,33 +188,22 @@ class MeasuredStep:
 
 
 @dataclass
-class JudgedStep:
-    measured: MeasuredStep
-    rows: list  # every RecordRow of the step file pair, in execution order
-    #: (rows, forward rows) of each paired call, in the order they were judged
-    calls: list
-    #: content_key -> key of A's records whose difference was accepted, and ("param", name) ->
-    #: the accepted gradient the optimizer updated that parameter from: what the next step
-    #: file of the rank accepts again (StepOutcome.explained)
-    explained: dict
-    precision: object = None  # judge.PrecisionTally
-
-
-@dataclass
 class StepInput:
     """One pair of step files as load hands them over."""
 
-    records_a: Any  # records.Records
-    records_b: Any
+    records_a: Records
+    records_b: Records
     fetch_a: Callable | None = None  # tensor_id -> array, None: statistics only
     fetch_b: Callable | None = None
     step: int = 0
     rank: int = 0
     #: the step files' root attribute ``autocast`` (None where not recorded)
-    autocast_a: Any = None
-    autocast_b: Any = None
+    autocast_a: AutocastRuns | None = None
+    autocast_b: AutocastRuns | None = None
     #: progress(done_records, total_records, tensor_bytes_read), called as records are measured
     progress: Callable | None = None
+    #: A's output key -> what a trusted second run differs from A by there (--baseline), else None
+    baseline: dict | None = None
 
 
 @dataclass
@@ -290,7 +246,7 @@ class RecordRow:
     stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (record_rules.StaleRecords)
     #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
     scale_norm: float = 0.0
-    #: its difference is rounding or explained by accepted differences (call_rules.is_accepted), when
+    #: its difference is rounding or explained by accepted differences (RecordRow.is_accepted), when
     #: judge_call decided it; None: not decided (accepted() decides from the row alone)
     accepted: bool | None = None
     tol_dtype: str = ""
@@ -313,6 +269,11 @@ class RecordRow:
         return self.key_a or self.key_b
 
     @property
+    def spec(self) -> OpSpec:
+        """What compare knows of its op (ops.py)."""
+        return spec(self.op)
+
+    @property
     def size_unknown(self) -> bool:
         """The checksums differ while the statistics agree within tolerance: the bytes changed,
         but no recorded number says by how much (the rel L2 is only a lower bound)."""
@@ -322,6 +283,70 @@ class RecordRow:
             and not m.inf_mismatch and self.score is not None and self.score <= 1
             and m.sketch is None  # sketches measure the change
         )
+
+    # the row's verdict as the judge's rules read and write it
+
+    @property
+    def rounding_ok(self) -> bool:
+        """Its difference is within the relative tolerance of its scale (its own norm, or the norm
+        of what it was reduced from): rounding, not a small real difference hidden under the
+        absolute floor atol."""
+        m = self.metrics
+        if m is None or m.evidence == "value" or m.err_l2 == 0:
+            return True
+        if m.nan_mismatch or m.inf_mismatch or not math.isfinite(m.err_l2):
+            return False
+        # statistics and checksum evidence: the lower bound is all there is (as for the status)
+        return m.err_l2 <= (self.rtol or 0.0) * max(m.ref_norm, self.scale_norm)
+
+    @property
+    def is_accepted(self) -> bool:
+        """Its difference is one a correct run may have: explained, or within tolerance and
+        rounding (or explained by accepted differences, as call_rules.judge_call decided)."""
+        if self.status == EXPLAINED:
+            return True
+        if self.status not in WITHIN:
+            return False
+        return self.accepted if self.accepted is not None else self.rounding_ok
+
+    @property
+    def accepted_difference(self) -> bool:
+        """An accepted output that differs at all: the next step file accepts the same values
+        again when it reads them (a parameter the optimizer updated, judged here with the
+        precision of what it was computed from, read there as a float32 parameter)."""
+        m = self.metrics
+        return self.is_accepted and m is not None and m.evidence != "value" and m.err_l2 > 0
+
+    @property
+    def explainable(self) -> bool:
+        """A difference that other differences can explain: a sized, finite one (NaN or Inf on
+        one side only, a shape change or a tensor against a value never is)."""
+        m = self.metrics
+        if m is None or m.evidence == "value" or m.nan_mismatch or m.inf_mismatch:
+            return False
+        if self.size_unknown or (self.shape_a and self.shape_b and self.shape_a != self.shape_b):
+            return False
+        return math.isfinite(m.rel_l2)
+
+    def explain(self, cause: str, origin: str = AMPLIFIED) -> None:
+        """Accept a difference beyond its own tolerance that accepted differences explain."""
+        self.status = EXPLAINED
+        self.origin = origin
+        self.cause = cause
+        self.divergence = ""
+        kept = [r for r in self.reasons if not (r.startswith("rel L2 ") and " tolerance (score " in r)]
+        self.notes.extend(f"{EXPLAINED} ({r})" for r in self.reasons if r not in kept)
+        self.reasons = kept
+
+    def unexplain(self, cause: str) -> None:
+        """Undo explain(): the output is a divergence its own op introduced."""
+        self.status = DIVERGED
+        self.origin = INTRODUCED
+        self.divergence = OUTPUT
+        self.cause = cause
+        self.reasons.extend(note.removeprefix(f"{EXPLAINED} (").removesuffix(")") for note in self.notes
+                            if note.startswith(f"{EXPLAINED} ("))
+        self.notes = [note for note in self.notes if not note.startswith(f"{EXPLAINED} (")]
 
     def to_dict(self) -> dict:
         data = {
@@ -367,55 +392,26 @@ class RecordRow:
 
 
 @dataclass
-class OpSummary:
-    """One call pair ranked by the error it introduces (top_ops)."""
-
-    step: int
-    rank: int
-    module: str
-    op: str
-    index: int
-    phase: str
-    key: str
-    kind: str
-    introduced: float  # output score minus the largest score of its produced inputs (tolerance units)
-    output_rel_l2: float
-    input_rel_l2: float
-    ratio: float | None  # output rel L2 / input rel L2 (None when the inputs agree exactly)
-    diverged: bool
-    origin: str
-    source: str = ""
-    where: list = field(default_factory=list)  # every (step, rank) where this op adds error
-    target: str = ""  # the parameter an optimizer call updates, "" elsewhere
-    diverged_in: int = 0  # in how many of those its output is beyond tolerance
-
-    def to_dict(self) -> dict:
-        data = dict(self.__dict__)
-        where = data.pop("where") or [(self.step, self.rank)]
-        data["occurrences"] = len(where)
-        data["where"] = [{"step": step, "rank": rank} for step, rank in where]
-        data["where_text"] = where_text(where)
-        return json_safe(data)
-
-
-@dataclass
 class StepOutcome:
-    """What one pair of step files gave (engine.compare_step): its rows and call summaries;
-    assemble.py puts the outcomes of every pair together into a CompareResult."""
+    """What one pair of step files gave (api.compare_step): its judged rows; assemble.py
+    puts the outcomes of every pair together into a CompareResult."""
 
     step: int
     rank: int
     rows: list[RecordRow]
-    summaries: list[OpSummary]
+    #: (rows, forward rows) of each paired call, in the order they were judged: what the op
+    #: summaries are made from once the rules over every step file have run (assemble.py)
+    calls: list[tuple[list[RecordRow], list[RecordRow]]] = field(default_factory=list)
     evidence: set = field(default_factory=set)
     tensor_bytes: int = 0
     #: (device in A, device in B) -> records of paired tensors that live on different devices
     devices: dict = field(default_factory=dict)
-    #: content_key -> key of A's records whose difference was accepted (EXPLAINED outputs):
-    #: the next step reads them again (a parameter the optimizer updated) and accepts them too
+    #: content_key -> key of A's records whose difference was accepted (EXPLAINED outputs), and
+    #: ("param", name) -> the accepted gradient the optimizer updated that parameter from: the
+    #: next step file of the rank reads them again and accepts them too (Carry.explained)
     explained: dict = field(default_factory=dict)
-    #: judge.PrecisionTally of this pair: lower dtypes on one side, counted (assemble adds them up)
-    precision: object = None
+    #: PrecisionTally of this pair: lower dtypes on one side, counted (assemble adds them up)
+    precision: PrecisionTally | None = None
     #: measure.content_keys of A's step file (Carry.content_keys of the rank's next step file)
     content_keys: set = field(default_factory=set)
 
@@ -443,10 +439,6 @@ def count_rows(rows) -> dict:
     return counts
 
 
-#: the ops of collectives (torch.distributed's and the functional ones tensor parallel calls)
-COLLECTIVE_OPS = ("distributed.", "ops._c10d_functional.")
-
-
 def sharded_only_rows(rows) -> list:
     """The records without partner that only a sharded run makes, so that one device or DDP
     (whose gradient all-reduce runs in its C++ reducer, unrecorded) has no counterpart to
@@ -458,7 +450,7 @@ def sharded_only_rows(rows) -> list:
     paired = {(row.step, row.rank, row.module, row.slot) for row in rows
               if row.slot.startswith("param_grad.") and row.index == 0 and row.status in PAIRED}
     return [row for row in rows if row.status in (ONLY_A, ONLY_B) and (
-        row.op.startswith(COLLECTIVE_OPS) or row.slot.startswith("local_grad.")
+        is_collective_op(row.op) or row.slot.startswith("local_grad.")
         or (row.slot.startswith("param_grad.") and row.index > 0
             and (row.step, row.rank, row.module, row.slot) in paired))]
 
@@ -478,36 +470,12 @@ def json_safe(value):
     return value
 
 
-def _ranges(numbers: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    parts, start, previous = [], None, None
-    for number in sorted(set(numbers)):
-        if start is None:
-            start = previous = number
-        elif number == previous + 1:
-            previous = number
-        else:
-            parts.append(f"{start}-{previous}" if previous != start else f"{start}")
-            start = previous = number
-    if start is not None:
-        parts.append(f"{start}-{previous}" if previous != start else f"{start}")
-    return ", ".join(parts)
-
-
-def _counted(word: str, numbers: list[int]) -> str:
-    return f"{word}{'s' if len(set(numbers)) > 1 else ''} {_ranges(numbers)}"
-
-
-def where_text(pairs) -> str:
-    """(step, rank) pairs -> "steps 0-4, rank 0"; "steps 0-1, ranks 0-1; step 3, rank 0"."""
-    by_step: dict[int, list[int]] = {}
-    for step, rank in pairs:
-        by_step.setdefault(step, []).append(rank)
-    by_ranks: dict[tuple, list[int]] = {}
-    for step in sorted(by_step):
-        by_ranks.setdefault(tuple(sorted(set(by_step[step]))), []).append(step)
-    segments = sorted(by_ranks.items(), key=lambda item: item[1][0])
-    return "; ".join(f"{_counted('step', steps)}, {_counted('rank', list(ranks))}" for ranks, steps in segments)
+def finite(value, otherwise: float = 0.0) -> float:
+    """A number as a float when it is a finite one; otherwise (non-finite, None, a JSON-safe
+    "inf" string) the fallback."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return otherwise
 
 
 def sci(value: float) -> str:

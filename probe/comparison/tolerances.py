@@ -88,12 +88,15 @@ def tolerance_dtype(dtype_a: str, dtype_b: str) -> str:
 
 
 class Tolerances:
-    """The tolerance table in force for one compare: defaults plus overrides."""
+    """The tolerance table in force for one compare: defaults plus overrides. strict
+    (``--strict``): the fixed tolerance decides alone; rounding envelopes are information only
+    (rounding.py), and records without a partner fail a step."""
 
-    def __init__(self, table: Mapping[str, Tolerance] | None = None):
+    def __init__(self, table: Mapping[str, Tolerance] | None = None, strict: bool = False):
         self.table = dict(DEFAULTS)
         if table:
             self.table.update(table)
+        self.strict = strict
 
     def for_pair(self, dtype_a: str, dtype_b: str) -> tuple[str, Tolerance]:
         name = tolerance_dtype(dtype_a, dtype_b)
@@ -110,6 +113,7 @@ class Tolerances:
         per_dtype: Iterable[str] = (),
         tol_file: str | None = None,
         overrides: Mapping[str, object] | None = None,
+        strict: bool = False,
     ) -> "Tolerances":
         """Defaults < --rtol/--atol (every floating dtype) < tolerance file < --tol entries.
 
@@ -136,7 +140,7 @@ class Tolerances:
         for entry in per_dtype:
             dtype, tol = parse_tol_option(entry)
             table[dtype] = tol
-        return cls(table)
+        return cls(table, strict)
 
 
 def parse_tol_option(text: str) -> tuple[str, Tolerance]:

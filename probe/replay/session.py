@@ -15,7 +15,7 @@ the likely cause and the top ops ("introduced by B" and "precision" -> introduce
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from probe.replay import judge as J
@@ -275,7 +275,7 @@ def replay_origin(verdict: dict) -> str | None:
 def _override_origins(result, report: ReplayReport) -> None:
     changed = []
     rows = [row for row in (result.first_divergence, result.likely_cause) if row is not None]
-    for item in rows + list(result.top_ops):
+    for position, item in enumerate(rows + list(result.top_ops)):
         key = item.key_a if hasattr(item, "key_a") else item.key
         verdict = report.verdict_for(item.step, item.rank, key)
         if verdict is None:
@@ -286,7 +286,10 @@ def _override_origins(result, report: ReplayReport) -> None:
         verdict["statistics_origin"] = item.origin
         if item.origin != origin:
             changed.append(f"{key.rstrip('/')} {item.origin} -> {origin}")
-            item.origin = origin
+            if position < len(rows):
+                item.origin = origin
+            else:  # an op summary is never written: one with the replay's origin takes its place
+                result.top_ops[position - len(rows)] = replace(item, origin=origin)
     if changed:
         unique = list(dict.fromkeys(changed))
         report.notes.append("replay overrides the statistics-based origin where it ran: " + "; ".join(unique))

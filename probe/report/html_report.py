@@ -20,7 +20,7 @@ import json
 import math
 
 from probe.comparison import result as R
-from probe.comparison.structs import where_text
+from probe.comparison.result import where_text
 from probe.report import replay_html, terminal
 from probe.report.fmt import err, num
 

@@ -15,9 +15,9 @@
 
 from __future__ import annotations
 
-from probe.comparison import envelope_summary, result as R
+from probe.comparison import result as R
 from probe.comparison import load
-from probe.comparison.structs import where_text
+from probe.comparison.result import where_text
 from probe.report.fmt import err, num
 
 # kept for callers of the old name
@@ -44,7 +44,7 @@ def verdict_line(result: R.CompareResult) -> str:
         sharded = counts.get("sharded_only", 0)
         sharded = f", {sharded} of them only a sharded run makes" if sharded else ""
         extra += f"; {unmatched} without partner (not compared{sharded})" if unmatched else ""
-        rounding = envelope_summary.headline(getattr(result, "envelope", None))
+        rounding = R.headline(getattr(result, "envelope", None))
         if rounding:
             return f"PASS: {rounding}: {counts['matched']} records in {where} (evidence: {result.evidence}){extra}"
         return f"PASS: {counts['matched']} records match within tolerance in {where} (evidence: {result.evidence}){extra}"

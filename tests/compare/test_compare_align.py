@@ -5,7 +5,7 @@ import json
 import pytest
 
 from probe.comparison.align import KEY, NAME, SEQUENCE, align_calls
-from probe.comparison.mapping import load_mapping, mapping_from_dict
+from probe.comparison.records import load_mapping, mapping_from_dict
 from probe.comparison.records import Records, build_calls
 from probe.errors import CompareError
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison import assemble
+from probe.comparison import story
 from probe.comparison.api import compare
-from probe.comparison.engine import compare_step
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from test_compare_support import SyntheticRun, write_step
@@ -33,7 +33,7 @@ def _placement_runs():
 def test_device_arguments_are_never_a_changed_argument_or_a_divergence():
     a, b = _placement_runs()
     outcome = compare_step(StepInput(a.records(), b.records(), None, None), Tolerances())
-    assert not outcome.diverged and assemble.first_divergence(outcome.rows) is None
+    assert not outcome.diverged and story.first_divergence(outcome.rows) is None
     placement = [row for row in outcome.rows if any(n.startswith(R.PLACEMENT_NOTE) for n in row.notes)]
     assert {row.slot for row in placement} == {"kwarg.device", "input.1", "kwarg.non_blocking", "kwarg.pin_memory"}
     assert all(row.status == R.MATCH for row in placement)
@@ -45,7 +45,7 @@ def test_a_changed_string_that_is_no_device_still_diverges():
     a.call("", "functional.gelu", {"input.0": x, "kwarg.approximate": "none", "output.0": x})
     b.call("", "functional.gelu", {"input.0": x, "kwarg.approximate": "cpu", "output.0": (x * 1.001).astype(np.float32)})
     outcome = compare_step(StepInput(a.records(), b.records(), None, None), Tolerances())
-    first = assemble.first_divergence(outcome.rows)
+    first = story.first_divergence(outcome.rows)
     assert outcome.diverged and "kwarg.approximate changed" in first.cause
 
 

@@ -5,7 +5,7 @@ import json
 
 from probe.comparison import result as R
 from probe.comparison.assemble import assemble as _assemble
-from probe.comparison.engine import compare_step
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.report import json_report, terminal

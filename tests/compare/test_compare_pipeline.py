@@ -9,8 +9,8 @@ from probe.comparison.api import compare
 from test_architecture import COMPARE_STAGES
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "gpu_dumps")
-#: the stages a record passes through, in order; support modules and the orchestrators
-#: (engine, api) are left out: every stage uses the first, the second call the stages
+#: the stages a record passes through, in order; support modules and the orchestrator
+#: (api) are left out: every stage uses the first, the second calls the stages
 STAGES = [(name, modules) for name, modules in COMPARE_STAGES if name not in ("support", "orchestration")]
 STAGE_OF = {f"probe.comparison.{module}": number for number, (_, modules) in enumerate(STAGES)
             for module in modules}

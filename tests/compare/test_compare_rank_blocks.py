@@ -1,4 +1,4 @@
-"""Rank blocks (probe/comparison/rank_blocks.py) on hand-made records: plain records that are
+"""Rank blocks (probe/comparison/shards.py, merge_rank_blocks) on hand-made records: plain records that are
 each tensor-parallel rank's block of a tensor one device holds whole become that tensor's
 record; anything else stays rank-local."""
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from probe.comparison.records import Records
-from probe.comparison.rank_blocks import merge_rank_blocks
+from probe.comparison.shards import merge_rank_blocks
 from probe.comparison.shards import merge_ranks
 
 KEY = "attn/Tensor.transpose#0/forward/output.0"

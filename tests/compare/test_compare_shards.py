@@ -144,7 +144,7 @@ def _gradients(local_scale, reduced_scale):
 
 
 def _reduced_row(local_scale, reduced_scale):
-    from probe.comparison.engine import compare_step
+    from probe.comparison.api import compare_step
     from probe.comparison.structs import StepInput
     from probe.comparison.tolerances import Tolerances
 
@@ -194,7 +194,7 @@ def _reduce_scatter_step(local_scale, input_scale, output_scale):
 
 
 def _reduce_scatter_rows(local_scale, input_scale, output_scale):
-    from probe.comparison.engine import compare_step
+    from probe.comparison.api import compare_step
     from probe.comparison.structs import StepInput
     from probe.comparison.tolerances import Tolerances
 

@@ -3,8 +3,8 @@
 import numpy as np
 
 from probe.comparison import result as R
-from probe.comparison import assemble
-from probe.comparison.engine import compare_step
+from probe.comparison import story
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from test_compare_support import SyntheticRun
@@ -47,4 +47,4 @@ def test_a_write_that_did_not_happen_is_where_the_error_entered():
     outcome = _compare(*_runs(written_in_b=False, stale_record=False))
     assert outcome.diverged and not any(row.stale for row in outcome.rows)
     lerp = next(row for row in outcome.rows if row.op == "Tensor.lerp_" and row.slot == "output.0")
-    assert assemble.first_divergence(outcome.rows) is lerp and lerp.origin == R.INTRODUCED
+    assert story.first_divergence(outcome.rows) is lerp and lerp.origin == R.INTRODUCED

@@ -4,7 +4,7 @@ import numpy as np
 
 from probe.comparison import result as R
 from probe.comparison.assemble import assemble as _assemble
-from probe.comparison.engine import compare_step
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.report import terminal

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison import assemble
-from probe.comparison.engine import compare_step
+from probe.comparison import story
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.comparison.api import compare
@@ -16,7 +16,7 @@ def _compare(run_a, run_b, **tolerances):
     fetch_a = run_a.fetch if run_a.task == "tensor" else None
     fetch_b = run_b.fetch if run_b.task == "tensor" else None
     outcome = compare_step(StepInput(run_a.records(), run_b.records(), fetch_a, fetch_b), Tolerances.build(**tolerances))
-    first = assemble.first_divergence(outcome.rows)
+    first = story.first_divergence(outcome.rows)
     return outcome, first
 
 
@@ -140,7 +140,7 @@ def test_tiny_norm_tensors_are_judged_against_the_absolute_floor():
 
 def test_top_ops_rank_the_error_each_op_adds():
     outcome, _ = _compare(mlp_run(), mlp_run(weight_noise=1e-3))
-    top = R.rank_top_ops(outcome.summaries, 10)
+    top = R.rank_top_ops(R.op_summaries([outcome]), 10)
     assert top[0].module == "fc1" and top[0].op == "functional.linear"
     assert all(op.kind == "api" for op in top)
     assert [op.introduced for op in top] == sorted((op.introduced for op in top), reverse=True)
@@ -182,7 +182,7 @@ def test_an_op_that_only_scales_an_error_within_tolerance_inherits_it():
     assert div.metrics.rel_l2 == pytest.approx(given.metrics.rel_l2, rel=1e-3)
     assert div.origin == R.INHERITED and "input.0 carries a difference within its own tolerance" in div.cause
     assert first is div and "Tensor.sqrt" in div.cause  # named as the op that made the input
-    top = R.rank_top_ops(outcome.summaries, 10)
+    top = R.rank_top_ops(R.op_summaries([outcome]), 10)
     assert [op.op for op in top if op.op == "Tensor.div"] == []
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from probe.comparison import result as R
 from probe.comparison.assemble import assemble
-from probe.comparison.engine import compare_step
+from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError

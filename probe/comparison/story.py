@@ -1,0 +1,457 @@
+"""Result stage, who is to blame: the first divergence and the likely cause, and the rules
+over every step file that restate an origin before the result exists: a parameter shard
+that differs on entry on one rank, where a low-precision error entered within tolerance, and
+drift (correct runs parting over steps; within every op's rounding envelope, rounding).
+They write rows only; the op summaries are made from the rows after the last of them
+(assemble.py). Torch-free.
+
+Story
+-----
+
+* The first divergence is the earliest divergent output record in A's execution order
+  (seq; forward and backward as they ran). Records that exist on one side only are never
+  a pass and never a divergence: they are counted as only_a / only_b.
+* The likely cause is the first divergent output that introduced its error (story()).
+
+Drift
+-----
+
+Drift: two correct runs that part over steps through accumulated rounding, no op at fault.
+
+Two runs that differ only in summation order (thread count, kernel library) agree within
+tolerance at their first step, yet AdamW turns a rounding-noise gradient (a conv bias before
+BatchNorm) into an lr-sized update, and some steps later the parameters, and what is computed
+from them, are beyond tolerance. Compare then finds ops whose parameter "differs": error
+entering through a parameter, which is how a weight bug looks too. The growth pattern tells
+them apart:
+
+* drift starts at rounding level at the first compared step: the runs already differ there
+  (records not bit-identical) while everything is within tolerance;
+* every divergence that is not inherited enters through parameters whose difference the
+  recorded optimizer update of the previous step already wrote (the update's output for that
+  parameter differs by at least 1/CARRIED_SHARE of the parameter's difference): it grew
+  there, step by step;
+* nothing else enters: no changed argument, no external or unpartnered input, no precision
+  finding, no op that amplifies agreeing inputs on its own.
+
+A fault jumps instead: a weight scaled before step 3 differs at step 3 by far more than the
+optimizer of step 2 wrote, and identical runs are bit-identical before it. Then the verdict
+stays as it was. When it is drift, no op is named "introduced": the likely cause is None, the
+origins that said "introduced" say "inherited" with the reason, and ``result.drift`` holds
+{step, rank, text}.
+
+Entering
+--------
+
+The likely cause of a low-precision model: where the error entered, even within tolerance.
+
+In a bfloat16 model the tolerance is about two roundings (rel L2 8e-3). A fault smaller than
+that (a weight off by 0.5%, a gradient scaled inside one block) passes at the op where it
+enters, grows downstream, and the first op beyond tolerance (a backward o_proj, a later
+LayerNorm, an embedding's gradient) takes the blame, or the report says no single op
+introduced the error. Two correct kernels of one computation differ by well under one unit
+roundoff u of the dtype (each result is rounded once, to within u/2); an error entering at
+an op is a different thing when it stands far above that level.
+
+So, in the step file of the first divergence and before it, the first API call whose output
+is judged at a 16-bit or coarser tolerance and
+
+* differs by at least ENTERING_UNITS x u of that dtype, and
+* either takes that difference from a source (a parameter, an external input or a tensor
+  changed after its producer made it; not a tensor made by a call the other run does not
+  have: different kernels round differently), at least as large as what its produced inputs
+  carry, or makes it itself: more than AMPLIFICATION x what its produced inputs carry (and
+  the rounding flips that carry causes, sqrt(carried x u)),
+
+becomes the likely cause ("introduced", with the reason), unless an op introduced its error
+at or before it. Float32 and float64 records keep the compare's rules (their tolerance is far
+above their rounding).
+
+Shard entry
+-----------
+
+A parameter shard that differs on entry on one rank.
+
+FSDP2 gathers a module's parameters from every rank's shard (an all-gather) before the
+module's forward. When one rank's shard differs (a rank-local edit, a bad checkpoint shard,
+a corrupted copy), that rank's all-gather input differs while no recorded op made it, the
+other ranks' inputs agree, and every rank's gathered output differs. Judged rank by rank,
+the collective on rank 0 looks as if it introduced the error: its own inputs agree.
+
+``find`` judges the ranks of one step file set together (``apply``: of every step). A collective call whose input
+differs on some ranks, where nothing recorded made it, and agrees on the others:
+
+* on the other ranks that call's outputs are inherited (they gather the differing input);
+* the story's cause is the first differing parameter record under the collective's module on
+  the first rank where the input differs, introduced: that parameter, on that rank;
+  where no parameter record differs, the collective's differing input on that rank.
+
+Where every rank's input differs, or the inputs agree everywhere (a faulty collective), the
+rank-by-rank verdicts stand.
+
+Drift within rounding
+---------------------
+
+Drift that stays within every op's rounding envelope passes.
+
+Two correct runs that round differently (another device, thread count or attention kernel)
+part over the optimizer's steps: AdamW turns rounding-noise gradients into lr-sized updates,
+and a step later the parameters and what is computed from them differ beyond the fixed
+tolerance. ``assemble.find_drift`` recognises that pattern (every divergence enters through
+parameters the previous update wrote; nothing else enters). Such a pair exits 0 as rounding
+only when, besides, every divergent output is within its rounding envelope: its own error
+(what its inputs' differences do not explain) is no more than what its arithmetic may add
+(verdict "within"), or its inputs' share is unbounded by what was recorded while no op of the
+compare introduced an error ("unbounded"). A divergent output without an envelope (an op the
+model does not know), a divergent record that is not inherited, or ``--strict`` keeps the
+verdict diverged.
+
+The settled rows are explained, origin ``rounding``, with the drift named in their cause, so
+that counts, step verdicts, the headline ("PASS: the runs differ by rounding only") and
+``--json`` all tell the same. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+from probe.comparison import result as R
+from probe.comparison.ops import is_gathering_collective
+from probe.comparison.records import is_param_slot, module_within, param_name
+from probe.comparison.result import count_rows
+from probe.comparison.rounding import ROUNDING
+from probe.comparison.structs import CHANGED_INPUT, CARRIERS, EXTERNAL, PARAM_INPUT, finite, rel_error, sci
+
+
+def first_divergence(rows: list[R.RecordRow]) -> R.RecordRow | None:
+    """Earliest divergent output in execution order (inputs only if no output diverged)."""
+    diverged = [row for row in rows if row.status == R.DIVERGED]
+    outputs = [row for row in diverged if row.divergence in (R.OUTPUT, R.PRECISION)]
+    candidates = outputs or [row for row in diverged if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT)] or diverged
+    return min(candidates, key=lambda row: row.order, default=None)
+
+
+def likely_cause(rows: list[R.RecordRow], first: R.RecordRow | None) -> R.RecordRow | None:
+    """The first divergent output that introduced its error; failing that, the first record
+    where error entered (a changed parameter or argument, a divergent external input); else
+    the first divergence."""
+    ordered = sorted((row for row in rows if row.status == R.DIVERGED), key=lambda row: row.order)
+    for row in ordered:
+        if row.divergence in (R.OUTPUT, R.PRECISION) and row.origin == R.INTRODUCED:
+            return row
+    for row in ordered:
+        if row.divergence in (R.PARAM, R.ARGUMENT, R.INPUT) and row.origin == R.INTRODUCED:
+            return row
+    return first
+
+
+def story(outcomes, entered: dict | None = None) -> tuple[R.RecordRow | None, R.RecordRow | None]:
+    """(first divergence, likely cause) of a whole compare: one story for every report.
+
+    The earliest step file pair with a divergence decides the step. Among its ranks, a rank
+    where an op introduced its error tells the story (on the other ranks the error arrives
+    through a collective, DDP's gradient all-reduce, and is only inherited): a rank-1-only
+    fault is named on rank 1. When no op of that step introduced its error, the likely cause
+    is the first introduced one of a later step file, if any. entered: shard_entries'
+    {step: (row, order)}: a shard that differed on entry on one rank tells its step's story
+    unless an op introduced an error before it."""
+    diverged = [o for o in outcomes if o.diverged]
+    if not diverged:
+        return None, None
+    step = min(o.step for o in diverged)
+    shard = (entered or {}).get(step)
+    told = []
+    for outcome in (o for o in diverged if o.step == step):
+        first = first_divergence(outcome.rows)
+        told.append((outcome.rank, first, likely_cause(outcome.rows, first)))
+    introducing = [t for t in told if t[2] is not None and t[2].origin == R.INTRODUCED]
+    if shard is not None and all(shard[1] <= t[2].order for t in introducing):
+        return shard[0], shard[0]
+    if introducing:
+        rank, first, cause = min(introducing, key=lambda t: (t[2].order, t[0]))
+        return first, cause
+    rank, first, cause = min(told, key=lambda t: (t[1].order, t[0]))
+    for outcome in sorted(diverged, key=lambda o: (o.step, o.rank)):
+        later = likely_cause(outcome.rows, None)
+        if later is not None and later.origin == R.INTRODUCED:
+            return first, later
+    return first, cause
+
+
+
+# ---------------------------------------------------------------------------- shard entry
+
+
+def _call(row: R.RecordRow) -> tuple:
+    return row.module, row.op, row.index, row.phase
+
+
+def shard_entries(outcomes) -> dict:
+    """{step: shard_entry() of its step files} for every step where a record diverged."""
+    steps = sorted({outcome.step for outcome in outcomes if outcome.diverged})
+    found = {step: shard_entry([outcome for outcome in outcomes if outcome.step == step]) for step in steps}
+    return {step: entered for step, entered in found.items() if entered is not None}
+
+
+def shard_entry(outcomes) -> tuple[R.RecordRow, tuple] | None:
+    """(the parameter or collective input row the step's story starts from, with its origin
+    and cause set; the execution order where it entered: the collective's input), the
+    collective's outputs made inherited; None when no collective input differs on some ranks
+    only. outcomes: one step's, every rank."""
+    if len(outcomes) < 2:
+        return None
+    entering: dict = {}  # call -> {rank: the differing input row}
+    agreeing: dict = {}  # call -> ranks whose inputs of the call were compared and agree
+    for outcome in outcomes:
+        for row in outcome.rows:
+            if row.io != "in" or row.status not in R.PAIRED or not is_gathering_collective(row.op):
+                continue
+            if row.status == R.DIVERGED:
+                entering.setdefault(_call(row), {}).setdefault(outcome.rank, row)
+            elif row.metrics is not None and row.metrics.evidence != "value":
+                agreeing.setdefault(_call(row), set()).add(outcome.rank)
+    candidates = [(call, ranks) for call, ranks in entering.items()
+                  if agreeing.get(call, set()) - set(ranks)]
+    if not candidates:
+        return None
+    by_rank = {outcome.rank: outcome for outcome in outcomes}
+    for call, ranks in candidates:
+        _inherit(call, ranks, by_rank)
+    # the story starts where a differing input entered unmade (not carried from an earlier op)
+    unmade = [(call, ranks) for call, ranks in candidates
+              if any(row.divergence == R.INPUT and row.origin == R.INTRODUCED for row in ranks.values())]
+    if not unmade:
+        return None
+    call, ranks = min(unmade, key=lambda item: min(row.order for row in item[1].values()))
+    rank = min(r for r, row in ranks.items() if row.origin == R.INTRODUCED)
+    source = ranks[rank]
+    gathered = f"{call[0] or '<root>'} {call[1]}#{call[2]}"
+    param = min((row for row in by_rank[rank].rows
+                 if row.status == R.DIVERGED and is_param_slot(row.slot) and module_within(row.module, call[0])),
+                key=lambda row: row.order, default=None)
+    elsewhere = _ranks(agreeing[call] - set(ranks))
+    if param is not None:
+        name = param_name(param.module, param.slot)
+        param.origin = R.INTRODUCED
+        param.cause = (f"rank {rank}'s shard of parameter {name} differs on entry, before anything in this step "
+                       f"computed it: {gathered} gathers it from rank {rank}'s {source.slot} (rel L2 "
+                       f"{sci(rel_error(source))}), which differs on {_ranks(ranks)} and agrees on {elsewhere}; "
+                       f"the gathered {name} differs by rel L2 {sci(rel_error(param))} on every rank")
+        param.reasons.append(f"rank {rank}'s shard differs on entry")
+        return param, source.order
+    source.cause = (f"rank {rank}'s {source.slot} of {gathered} differs while no recorded op made it (a parameter "
+                    f"shard, data); it agrees on {elsewhere}")
+    return source, source.order
+
+
+def _ranks(ranks) -> str:
+    """"rank 1", "ranks 0, 2"."""
+    ordered = sorted(ranks)
+    return f"rank{'s' if len(ordered) > 1 else ''} {', '.join(str(rank) for rank in ordered)}"
+
+
+def _inherit(call, ranks: dict, by_rank: dict) -> None:
+    """The collective's outputs combine the differing input of some ranks: inherited on every
+    rank (the ranks whose inputs agree gather another's)."""
+    rank = min(ranks)
+    source = ranks[rank]
+    for other, outcome in by_rank.items():
+        if other in ranks:
+            cause = f"its own {ranks[other].slot} differs on this rank (rel L2 {sci(rel_error(ranks[other]))})"
+        else:
+            cause = (f"its inputs on this rank agree; it combines rank {rank}'s {source.slot}, which differs there "
+                     f"(rel L2 {sci(rel_error(source))})")
+        for row in outcome.rows:
+            if _call(row) == call and row.io == "out" and row.status == R.DIVERGED \
+                    and row.origin == R.INTRODUCED:
+                row.origin = R.INHERITED
+                row.cause = cause
+
+
+# ---------------------------------------------------------------------------- drift
+
+
+#: the previous step's update of a parameter must differ by at least this fraction of the
+#: parameter's own difference for that difference to count as carried by the optimizer
+CARRIED_SHARE = 10.0
+
+
+def _source_params(row) -> list | None:
+    """[(parameter name, rel L2)] of the divergent sources of an introduced output, or None
+    when any source is not a parameter recorded as one (external data, a changed argument)."""
+    found = []
+    for item in row.input_errors:
+        if item.get("status") != R.DIVERGED or item.get("source") in CARRIERS:
+            continue
+        producer = item.get("producer") or ""
+        if item.get("source") != "param":
+            return None
+        if item["slot"].startswith("param."):  # a module's own parameter
+            found.append((param_name(row.module, item["slot"]), item.get("rel_l2") or 0.0))
+        elif "/param." in producer:  # an api call's input holding a parameter
+            module = producer.split("/", 1)[0]
+            found.append((param_name(module, "param." + producer.rsplit("/param.", 1)[1]), item.get("rel_l2") or 0.0))
+        else:
+            return None
+    return found
+
+
+def _differs_at_rounding(rows) -> bool:
+    tensors = [row for row in rows if row.status in R.WITHIN and row.metrics is not None
+               and row.metrics.evidence != "value"]
+    return any(rel_error(row) > 0 or row.metrics.bit_equal is False for row in tensors)
+
+
+def find_drift(first, verdict: str, steps_info: list[dict], rows: list) -> dict | None:
+    """{step, rank, text} when the compare's divergences are drift (see the module docstring)."""
+    if first is None or verdict != "diverged":
+        return None
+    rank = first.rank
+    steps = sorted({info["step"] for info in steps_info if info["rank"] == rank})
+    by_step: dict = {}
+    for row in rows:
+        if row.rank == rank:
+            by_step.setdefault(row.step, []).append(row)
+    if len(steps) < 2 or first.step == steps[0]:
+        return None
+    if not _differs_at_rounding(by_step.get(steps[0], [])):
+        return None  # identical before the divergence: something changed, not rounding
+    updates: dict = {}  # (step, parameter) -> largest difference of the optimizer's writes
+    for row in rows:
+        if row.target and row.io == "out" and row.status in R.PAIRED:
+            key = (row.step, row.rank, row.target)
+            updates[key] = max(updates.get(key, 0.0), rel_error(row))
+    for row in rows:
+        if row.status != R.DIVERGED or row.origin != R.INTRODUCED:
+            continue
+        if row.divergence == R.PARAM and not row.slot.startswith("param."):
+            continue  # an api call's input holding a parameter: judged at the parameter's record
+        if row.divergence == R.PARAM:
+            params = [(param_name(row.module, row.slot), rel_error(row))]
+        elif row.divergence == R.OUTPUT:
+            params = _source_params(row)
+        else:
+            return None  # a changed argument, an external input, a precision finding
+        if not params:
+            return None  # an op that made its error from agreeing inputs
+        earlier = [step for step in steps if step < row.step] if row.rank == rank else []
+        if not earlier:
+            return None
+        for name, rel in params:
+            if updates.get((earlier[-1], row.rank, name), 0.0) * CARRIED_SHARE < rel:
+                return None  # the parameter jumped: not what its last update wrote
+    text = (f"drift: the runs part through accumulated rounding; they already differ at rounding level at step "
+            f"{steps[0]} (within tolerance), and every divergence from step {first.step} on enters through "
+            "parameters whose difference the previous step's optimizer update wrote; no op introduced an error "
+            "(replay with --replay on tensor dumps checks that no op computes beyond rounding)")
+    return {"step": first.step, "rank": rank, "text": text}
+
+
+def apply_drift(found: dict, rows: list) -> None:
+    """Take the "introduced" origins of rows back where the compare is drift."""
+    for row in rows:
+        if row.status == R.DIVERGED and row.origin == R.INTRODUCED:
+            row.origin = R.INHERITED
+            row.cause = f"{row.cause}; drift: this difference grew over the earlier steps' updates"
+
+
+
+#: envelope verdicts a drifting output may have (rounding.py, envelope.Envelope.judge)
+_SETTLED = ("within", "unbounded")
+
+
+def within_envelopes(rows) -> bool:
+    """Every divergent record is an inherited input or an output within its envelope."""
+    diverged = [row for row in rows if row.status == R.DIVERGED]
+    if not diverged:
+        return False
+    for row in diverged:
+        if row.io == "out":
+            if row.envelope is None or row.envelope.get("verdict") not in _SETTLED:
+                return False
+        elif row.origin != R.INHERITED:
+            return False
+    return True
+
+
+def settle_drift(drift: dict, rows, steps_info: list[dict], strict: bool) -> str | None:
+    """Explain the divergent rows of a drift that stays within the envelopes, and restate the
+    step files' counts and verdicts; the note saying so, or None (nothing changed)."""
+    if strict or drift is None or not within_envelopes(rows):
+        return None
+    settled = [row for row in rows if row.status == R.DIVERGED]
+    for row in settled:
+        envelope = row.envelope
+        within = f"; {envelope['text']}" if envelope else ""
+        row.explain(f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
+                     f"rounding{within}", ROUNDING)
+    by_file: dict = {}
+    for row in rows:
+        by_file.setdefault((row.step, row.rank), []).append(row)
+    for info in steps_info:
+        info["counts"] = count_rows(by_file.get((info["step"], info["rank"]), []))
+        info["verdict"] = None
+    return (f"drift within rounding: the runs part through accumulated rounding from step {drift['step']} on "
+            f"({len(settled)} records beyond the fixed tolerance, each within its rounding envelope, grown over the "
+            "optimizer's updates); no op introduced an error. --strict judges by the fixed tolerance alone")
+
+
+# ---------------------------------------------------------------------------- entering
+
+
+#: an error entering this many unit roundoffs of the dtype is beyond two correct kernels' rounding
+ENTERING_UNITS = 1.0
+#: an op makes the error itself when its output differs this many times more than its inputs
+AMPLIFICATION = 10.0
+_UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float8_e4m3fn": 2.0 ** -4, "float8_e4m3fnuz": 2.0 ** -4,
+         "float8_e5m2": 2.0 ** -3, "float8_e5m2fnuz": 2.0 ** -3}
+#: where an error enters a call (input kinds, structs.py), and what carries one made upstream
+_SOURCES = (PARAM_INPUT, EXTERNAL, CHANGED_INPUT)
+
+
+def entering_reason(row) -> str | None:
+    """Why the error enters at this output row, or None when it does not (module docstring)."""
+    unit = _UNIT.get(row.tol_dtype)
+    if unit is None or row.kind != "api" or row.io != "out" or row.status not in R.PAIRED:
+        return None
+    if row.metrics is None or row.metrics.evidence == "value":
+        return None
+    out = finite(rel_error(row))
+    if out < ENTERING_UNITS * unit:
+        return None
+    carried = max((finite(item.get("rel_l2")) for item in row.input_errors if item.get("source") in CARRIERS),
+                  default=0.0)
+    sources = [item for item in row.input_errors if item.get("source") in _SOURCES]
+    entering = max(sources, key=lambda item: finite(item.get("rel_l2")), default=None)
+    size = f"rel L2 {out:.2e}, {out / unit:.3g} units of {row.tol_dtype} roundoff"
+    if entering is not None and finite(entering.get("rel_l2")) >= max(ENTERING_UNITS * unit, carried):
+        what = entering.get("producer") or entering["slot"]
+        return (f"the error enters here within tolerance: input {entering['slot']} ({entering['source']}: {what}) "
+                f"differs by rel L2 {finite(entering.get('rel_l2')):.2e} ({size} at the output; its produced inputs "
+                f"carry {carried:.2e}); two correct kernels differ by well under one unit, and the later "
+                "divergence grows from here")
+    if out > AMPLIFICATION * max(carried, math.sqrt(carried * unit)):
+        return (f"the error enters here within tolerance: the op makes it from inputs that agree ({size}; its "
+                f"inputs carry {carried:.2e}); two correct kernels differ by well under one unit, and the later "
+                "divergence grows from here")
+    return None
+
+
+def entering_cause(first, cause, rows: list):
+    """The likely cause, made the first op where a low-precision error entered when there is
+    one before any op introduced its error (module docstring)."""
+    if first is None:
+        return cause
+    rows = sorted((row for row in rows if row.step == first.step and row.rank == first.rank
+                   and row.order <= first.order), key=lambda row: row.order)
+    for row in rows:
+        if cause is not None and cause.origin == R.INTRODUCED and cause.step == row.step and cause.order <= row.order:
+            return cause  # an op introduced its error at or before this one
+        reason = entering_reason(row)
+        if reason is None:
+            continue
+        if row.status != R.DIVERGED:
+            row.origin = R.INTRODUCED
+            row.cause = reason
+        return row
+    return cause
