@@ -53,11 +53,14 @@ def drop_stale_checksums(rows: dict, calls: list[dict]) -> int:
             stale.append((rows["module"][first], _stats(rows, first)))
             rows["checksum"][first] = ""
             cleared += 1
+    module_inputs: dict[tuple, list[int]] = {}  # statistics -> module forward input rows holding them
+    for row, checksum in enumerate(rows["checksum"]):
+        if checksum and rows["kind"][row] == "module" and rows["phase"][row] == "forward" \
+                and rows["slot"][row].startswith("input."):
+            module_inputs.setdefault(_stats(rows, row), []).append(row)
     for module, stats in stale:
-        for row, checksum in enumerate(rows["checksum"]):
-            if (checksum and rows["kind"][row] == "module" and rows["phase"][row] == "forward"
-                    and rows["slot"][row].startswith("input.") and _encloses(rows["module"][row], module)
-                    and _stats(rows, row) == stats):
+        for row in module_inputs.get(stats, ()):
+            if rows["checksum"][row] and _encloses(rows["module"][row], module):
                 rows["checksum"][row] = ""
                 cleared += 1
     return cleared
