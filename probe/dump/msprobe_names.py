@@ -9,8 +9,10 @@ Record names (dump.json's ``data`` keys)::
 
 API names become probe's op names: ``Functional.linear`` -> ``functional.linear``,
 ``Torch.matmul`` -> ``torch.matmul``, ``Distributed.all_reduce`` -> ``distributed.all_reduce``;
-a Tensor operator is named by the method torch dispatches it to, as probe's capture sees it
-(``Tensor.__add__`` -> ``Tensor.add``, ``Tensor.__rmul__`` -> ``Tensor.mul``). A name this
+a functional that is torch's own function is named as such (``Functional.conv2d`` ->
+``torch.conv2d``: ``F.conv2d is torch.conv2d``); a Tensor operator is named by the method torch
+dispatches it to, as probe's capture sees it (``Tensor.__add__`` -> ``Tensor.add``,
+``Tensor.__rmul__`` -> ``Tensor.mul``). A name this
 table does not know keeps msprobe's spelling: its calls then pair only with msprobe's.
 """
 
@@ -36,6 +38,14 @@ _TENSOR_OPERATORS = {
     "__mod__": "remainder", "__gt__": "gt", "__lt__": "lt", "__ge__": "ge", "__le__": "le",
     "__neg__": "neg", "__abs__": "abs",
 }
+#: torch.nn.functional names that are torch's own functions (F.conv2d is torch.conv2d): probe
+#: names them torch.*, as the function torch hands its function mode
+_FUNCTIONAL_IS_TORCH = frozenset({
+    "adaptive_avg_pool1d", "avg_pool1d", "bilinear", "celu_", "channel_shuffle", "conv1d", "conv2d", "conv3d",
+    "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "cosine_similarity", "hardshrink",
+    "native_channel_shuffle", "pairwise_distance", "pdist", "pixel_shuffle", "pixel_unshuffle", "prelu",
+    "relu_", "rrelu_", "selu_", "threshold_",
+})
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,9 @@ def parse(name: str) -> Name | None:
     prefix, api = parts[0], ".".join(parts[1:-2])
     if prefix == "Tensor":
         api = _TENSOR_OPERATORS.get(api, api)
-    op = f"{_NAMESPACES.get(prefix, prefix.lower())}.{api}"
+    namespace = "torch" if prefix == "Functional" and api in _FUNCTIONAL_IS_TORCH else \
+        _NAMESPACES.get(prefix, prefix.lower())
+    op = f"{namespace}.{api}"
     return Name("api", op, "", int(parts[-2]), parts[-1], api=".".join(parts[:-2]))
 
 

@@ -218,3 +218,20 @@ def test_a_compare_of_statistics_never_imports_torch():
             "print(result.verdict, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["pass", "False"], done.stderr
+
+
+def test_msprobe_names_become_the_op_names_probes_capture_gives():
+    from probe.dump.msprobe_names import parse
+
+    ops = {name: parse(name).op for name in (
+        "Functional.linear.3.forward", "Functional.conv2d.0.forward", "Tensor.__rmul__.1.backward",
+        "Tensor.__iadd__.0.forward", "Torch.matmul.2.forward", "Distributed.all_reduce.0.forward")}
+    assert ops == {"Functional.linear.3.forward": "functional.linear", "Functional.conv2d.0.forward": "torch.conv2d",
+                   "Tensor.__rmul__.1.backward": "Tensor.mul", "Tensor.__iadd__.0.forward": "Tensor.add_",
+                   "Torch.matmul.2.forward": "torch.matmul", "Distributed.all_reduce.0.forward": "distributed.all_reduce"}
+    module = parse("Module.blocks.0.attn.CausalSelfAttention.backward.1")
+    assert (module.kind, module.path, module.op, module.phase, module.count) == (
+        "module", "blocks.0.attn", "CausalSelfAttention", "backward", 1)
+    grads = parse("Module.fc.Linear.parameters_grad.7")
+    assert (grads.kind, grads.path, grads.phase) == ("param_grad", "fc", "backward")
+    assert parse("optimizer") is None and parse("Module.fc.Linear.forward.x") is None
