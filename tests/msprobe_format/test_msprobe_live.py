@@ -20,7 +20,7 @@ INSTALL = "pip install mindstudio-probe==26.2.0 (or name a Python that has it in
 
 def msprobe_python() -> str:
     """The interpreter that has mindstudio-probe, asked by its installed metadata: msprobe is never
-    imported here (and this folder, tests/msprobe, is not it)."""
+    imported here."""
     python = os.environ.get("PROBE_MSPROBE_PYTHON", sys.executable)
     check = "from importlib.metadata import version; version('mindstudio-probe')"
     if subprocess.run([python, "-c", check], capture_output=True, timeout=60).returncode != 0:
