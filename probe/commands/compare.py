@@ -94,7 +94,7 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     """Find where two dumps part: the first op beyond tolerance, introduced or inherited.
 
     A and B are dump folders (written by PrecisionDebugger) or single step files
-    (step<N>/rank<R>.h5). Calls are aligned by execution order, so extra or missing calls
+    (step<N>/rank<R>.h5); either may be an msprobe dump (docs/msprobe.md). Calls are aligned by execution order, so extra or missing calls
     on one side (autocast casts, a fused op) do not shift the pairing of the others.
     """
     from probe.fingerprint.command import is_fingerprints
