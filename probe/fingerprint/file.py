@@ -320,9 +320,8 @@ def ranks_in(path: str) -> list[int]:
     return sorted(found)
 
 
-def is_fingerprint_run(path: str) -> bool:
-    """True when ``path`` is a fingerprint file or a folder holding fingerprint files (and
-    no step files: a dump folder with both compares as a dump)."""
+def has_fingerprints(path: str) -> bool:
+    """True when ``path`` is a fingerprint file or a folder holding fingerprint files."""
     if os.path.isfile(path):
         try:
             import h5py
@@ -331,7 +330,10 @@ def is_fingerprint_run(path: str) -> bool:
                 return schema.ROWS in handle and schema.NAMES_ENDS in handle
         except OSError:
             return False
-    if not os.path.isdir(path) or not ranks_in(path):
-        return False
-    return not any(name.startswith("step") and os.path.isdir(os.path.join(path, name))
-                   for name in os.listdir(path))
+    return os.path.isdir(path) and bool(ranks_in(path))
+
+
+def has_step_files(path: str) -> bool:
+    """True when ``path`` is a dump folder holding step folders (``step<N>/``)."""
+    return os.path.isdir(path) and any(name.startswith("step") and os.path.isdir(os.path.join(path, name))
+                                       for name in os.listdir(path))
