@@ -40,6 +40,14 @@ def test_a_script_without_probe_code_is_dumped_one_step_per_optimizer_step(tmp_p
     assert {"0", "1", "3"} <= {record["module"] for record in dump.records(step=2)}
 
 
+def test_a_program_that_looks_torch_up_before_importing_it_is_still_captured(tmp_path):
+    """datasets and transformers ask importlib.util.find_spec("torch") before anything
+    imports torch: the import that follows must still attach."""
+    probe_run(tmp_path, "-c", "import importlib.util, runpy, sys; importlib.util.find_spec('torch'); "
+              f"sys.argv = [{PLAIN_LOOP!r}, '--steps', '1']; runpy.run_path({PLAIN_LOOP!r}, run_name='__main__')")
+    assert probe.load(str(tmp_path / "dump")).steps == [0]
+
+
 def test_zero_edit_capture_puts_every_micro_batch_in_its_optimizer_steps_file(tmp_path):
     probe_run(tmp_path, PLAIN_LOOP, "--steps", "2", "--accumulation", "3", level="module")
     assert_each_step_holds_micro_batches(tmp_path / "dump", 2, "0", 3)
