@@ -1,8 +1,8 @@
 """``probe determinism -- python train.py``: run a script twice, name its nondeterministic op.
 
 Each run is a fresh process started the way ``probe run -c`` starts one: PYTHONHASHSEED,
-PROBE_CONFIG pointing at a config forced to task "checksum" with the run's own dump_path (and
-the keys of the ``-c`` file), and zero-edit capture (probe/autoattach), so a script without
+PROBE_CONFIG pointing at a config forced to task "checksum" with the run's own dump_path and
+fingerprints off (and the keys of the ``-c`` file), and zero-edit capture (probe/autoattach), so a script without
 probe code is captured as ``probe run`` captures it, and a script that builds its own
 debugger or trainer callback records with the command's keys laid over its own config
 (probe/command_config.py). The dumps are then compared bit for bit
@@ -152,11 +152,13 @@ class _Launch:
             raise ProbeError(f"determinism: {dump} already holds files; give --dump an empty or "
                              "new folder")
         os.makedirs(folder, exist_ok=True)
-        # the keys the -c file writes, and the two this command sets: what wins over a
-        # config the script gives its own debugger or callback
+        # the keys the -c file writes, and those this command sets: what wins over a config
+        # the script gives its own debugger or callback. Fingerprints off: with them, step []
+        # would capture no step in full, and the runs are compared by their step files
         given = self.base.to_dict()
         forced = {key: given[key] for key in self.keys}
-        forced.update(task="checksum", dump_path=dump)
+        forced.update(task="checksum", dump_path=dump, fingerprint=False, reference="",
+                      stop_on_divergence=False)
         config_file = os.path.join(folder, f"run{run}.config.json")
         with open(config_file, "w", encoding="utf-8") as handle:
             json.dump(forced, handle, indent=2)

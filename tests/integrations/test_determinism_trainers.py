@@ -48,10 +48,11 @@ def test_a_planted_nondeterministic_op_in_an_unedited_trainer_script_is_named(tm
 
 
 def test_the_commands_config_wins_over_the_callbacks_own_and_the_report_says_so(tmp_path):
-    """The script's ProbeCallback asks for statistics into its own folder at level module:
-    the runs record checksums into the command's folders (nothing lands in the script's),
-    keep the callback's level, and the report names what gave way."""
-    own = {"task": "statistics", "dump_path": "own_dump", "level": "module"}
+    """The script's ProbeCallback asks for statistics and fingerprints (which capture no step
+    in full) into its own folder at level module: the runs record checksums of every step
+    into the command's folders (nothing lands in the script's), keep the callback's level,
+    and the report names what gave way."""
+    own = {"task": "statistics", "dump_path": "own_dump", "level": "module", "fingerprint": True}
     done = determinism(tmp_path, "--planted-noise", "--steps", "1", "--callback-config", json.dumps(own))
     assert done.returncode == 1, done.stderr[-3000:]
     out = done.stdout
@@ -60,6 +61,7 @@ def test_the_commands_config_wins_over_the_callbacks_own_and_the_report_says_so(
                             "determinism's (")
     assert 'task "checksum" (the script\'s: "statistics")' in first
     assert 'dump_path "' in first and '(the script\'s: "own_dump")' in first
+    assert "fingerprint false (the script's: true)" in first
     # level module, the callback's: the innermost module holding the draw is named
     assert "nondeterministic op: model.layers.0.mlp LlamaMLP#0 (forward) at step 0" in out
     assert not (tmp_path / "own_dump").exists()
