@@ -239,11 +239,13 @@ class AutoCapture:
             self._warn_outside(optimizer, len(stepped - model_params))
 
     def _warn_outside(self, optimizer, outside: int) -> None:
+        named = self._chooser.wanted and self._chooser.unmatched is None
+        why = (f"it is the module of class {self._chooser.wanted} named with --model" if named
+               else "no module alive at the first training forward owns them all")
         self._warn_once("outside", f"{type(optimizer).__name__} holds {outside} parameters the "
-                        f"captured model ({type(self.model).__name__}) does not own, and no "
-                        "module alive at the first training forward owns them all: their "
-                        "calls are recorded outside the model's modules and fingerprints name "
-                        f"them by position (opt0.paramN); {_CHOOSE}")
+                        f"captured model ({type(self.model).__name__}) does not own, and {why}: "
+                        "their calls are recorded outside the model's modules and fingerprints "
+                        f"name them by position (opt0.paramN); {_CHOOSE}")
 
     def _stop_finding(self) -> None:
         handle, self._find_handle = self._find_handle, None
