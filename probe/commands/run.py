@@ -214,10 +214,10 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
     """
     if not command:
         raise ProbeError(f"run: no command given; usage: {USAGE}")
-    config = load(config_path) if config_path is not None else None
-    if model_class and (config is None or no_attach):
+    if model_class and (config_path is None or no_attach):
         raise ProbeError("run: --model names the model of the automatic capture, which runs "
                          "with -c and without --no-attach")
+    config = load(config_path) if config_path is not None else None
     if config is not None:
         check_dump_path(config)  # now, not at the first dumped step hours into training
         # another run's step files: refused (or removed with "overwrite") before any rank starts
