@@ -226,7 +226,7 @@ class AutoCapture:
                             f"exists at the first training forward; modules with parameters of "
                             f"their own: {', '.join(self._chooser.unmatched[:12]) or 'none'}")
         if choice.outside:
-            self._warn_outside(choice.optimizer, choice.outside)
+            self._warn_outside(choice.optimizer, choice.outside)  # known before the first step
 
     def _check_optimizer(self, optimizer) -> None:
         model_params = {id(param) for param in self.model.parameters()}
@@ -239,9 +239,12 @@ class AutoCapture:
             self._warn_outside(optimizer, len(stepped - model_params))
 
     def _warn_outside(self, optimizer, outside: int) -> None:
-        named = self._chooser.wanted and self._chooser.unmatched is None
-        why = (f"it is the module of class {self._chooser.wanted} named with --model" if named
-               else "no module alive at the first training forward owns them all")
+        if self._chooser.wanted and self._chooser.unmatched is None:
+            why = f"it is the module of class {self._chooser.wanted} named with --model"
+        elif self._choice is not None and self._choice.optimizer is optimizer:
+            why = "no module alive at the first training forward owns them all"
+        else:
+            why = "the model was chosen at the first training forward, before this optimizer held them"
         self._warn_once("outside", f"{type(optimizer).__name__} holds {outside} parameters the "
                         f"captured model ({type(self.model).__name__}) does not own, and {why}: "
                         "their calls are recorded outside the model's modules and fingerprints "
