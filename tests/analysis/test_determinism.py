@@ -33,9 +33,11 @@ def determinism(*args, timeout=240):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_an_unedited_loop_that_repeats_is_bit_identical_as_probe_run_captures_it():
+def test_an_unedited_loop_that_repeats_is_bit_identical_as_probe_run_captures_it(tmp_path):
     """No probe code in the script: the model and the steps are found as under probe run -c."""
-    done = determinism("--", sys.executable, SCRIPT, "--unedited", timeout=180)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"writer": "inline"}))  # no writer process to start
+    done = determinism("-c", config, "--", sys.executable, SCRIPT, "--unedited", timeout=180)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == ("note (run 1): automatic capture: the model is Sequential (6 parameter "
@@ -49,7 +51,7 @@ def test_an_unseeded_draw_in_an_unedited_script_is_named_with_its_source_line(tm
     (Block "1", the root Sequential) also change outputs from identical inputs, but the op
     named and listed is the draw inside them. The script has no probe code."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"task": "statistics", "level": "mix", "seed": 7}))
+    config.write_text(json.dumps({"task": "statistics", "level": "mix", "seed": 7, "writer": "inline"}))
     dumps = tmp_path / "dumps"
     done = determinism("-c", config, "--dump", dumps, "--", sys.executable, SCRIPT, "--unseeded-noise",
                        "--unedited")

@@ -19,7 +19,9 @@ SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "hf_trainer_train.py")
 def determinism(tmp_path, *script_args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE_")}
     env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "probe.cli", "determinism", "--",
+    config = tmp_path / "inline.json"  # step files written by step(): no writer process to start
+    config.write_text(json.dumps({"writer": "inline"}))
+    return subprocess.run([sys.executable, "-m", "probe.cli", "determinism", "-c", str(config), "--",
                            sys.executable, SCRIPT, "--out", str(tmp_path / "trainer"), *script_args],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
 
