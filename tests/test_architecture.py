@@ -11,7 +11,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: probe's layers, lowest first: a module may import its own layer and the ones below
 LAYERS = [
     {"_version", "errors"},
-    {"compat", "config", "config_values"},
+    {"compat", "config", "config_values", "command_config"},
     {"seed"},
     {"dump"},
     {"capture", "perturb", "analysis"},

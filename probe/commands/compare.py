@@ -160,7 +160,7 @@ def _compare_fingerprints(a, b, as_json, html_path, ranks):
     if html_path:
         output.write_atomic(destinations["--html"], fingerprint_report.render_html(primary), "--html")
         click.echo(f"probe: wrote the HTML report to {html_path}", err=True)
-    click.echo(command.render(primary, results, as_json), nl=False)
+    click.echo(command.render(primary, results, as_json, command.shared_note(a, b)), nl=False)
     return EXIT_DIVERGED if any(r.diverged for r in results) else EXIT_PASS
 
 

@@ -24,7 +24,9 @@ other module of probe names a private torch attribute:
     rank holds and where it sits);
   * torch.autograd._make_grads, ._tensor_or_tensors_to_tuple, graph._engine_run_backward:
     a backward pass started the way torch.autograd.backward starts it;
-  * a module's forward hook dicts (``_forward_hooks``, ...), to give a hook a shared key;
+  * a module's forward hook dicts (``_forward_hooks``, ...), to give a hook a shared key, and
+    the global forward pre-hooks (``_global_forward_pre_hooks``), to run the hooks start()
+    adds to a call already under way (zero-edit capture);
   * dynamo: ``_torchdynamo_orig_callable``, OptimizeContext, config, lookup_backend, torch._TorchCompileInductorWrapper
     and a graph input's ``_dynamo_source``; the ``callback`` cell of a torch.compile'd
     callable's closure and the ``_torchdynamo_orig_backend`` chain down to its backend
@@ -322,6 +324,20 @@ def forward_hook_dicts(module, kind: str) -> list:
     """The dicts a module keeps its forward hooks of ``kind`` ("pre"/"post") in, by handle id."""
     return [hooks for hooks in (getattr(module, name, None) for name in _HOOK_DICTS[kind])
             if hooks is not None]
+
+
+def forward_pre_hooks(module) -> list[tuple]:
+    """The forward pre-hooks torch calls for ``module``'s next call, in its order: the global
+    ones (``register_module_forward_pre_hook``), then the module's own; each as (hook, whether
+    it takes the call's keyword arguments)."""
+    import torch.nn.modules.module as module_file
+
+    found = [(hook, False) for hook in module_file._global_forward_pre_hooks.values()]
+    dicts = forward_hook_dicts(module, "pre")
+    own = dicts[0] if dicts else {}
+    with_kwargs = dicts[1] if len(dicts) > 1 else {}
+    found += [(hook, key in with_kwargs) for key, hook in own.items()]
+    return found
 
 
 def has_input_source(node) -> bool:
