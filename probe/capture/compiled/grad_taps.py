@@ -158,9 +158,10 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
                          if (call, source) in use_zero]
                 if found:
                     grads.append((_grad_slot(slot), found, "out"))
+            passed = {ref[1] for _, ref in event[3] if ref[0] == "env"}
             for slot, ref in event[4]:
-                if ref[0] != "env":
-                    continue
+                if ref[0] != "env" or ref[1] in passed:
+                    continue  # an input returned as it was (nn.Identity): nothing made here
                 made = node_at.get(ref[1])
                 if made in output_zero:
                     grads.append(("grad_" + slot, [output_zero[made]], "in"))
