@@ -136,9 +136,8 @@ class ModuleHooks:
         if target.compiled_call:
 
             def before(module, args, kwargs):
-                replaced = pre(module, args, kwargs)
+                pre(module, args, kwargs)
                 gate.enter()
-                return replaced
 
             def after(module, args, output):
                 gate.leave()
@@ -158,7 +157,7 @@ class ModuleHooks:
     def _pre_region(self, pre, inside, module, args, kwargs):
         """A compiled region's pre-hook, then the parameters of each module inside it, named
         as that module's call would name them (``blocks.0.fc1/Linear#0/forward/param.weight``)."""
-        replaced = pre(module, args, kwargs)
+        pre(module, args, kwargs)
         rec = self.recorder
         if rec.filter.forward_in:
             with _DisableTorchFunction():
@@ -171,7 +170,6 @@ class ModuleHooks:
                     call = rec.call("param", target.path, kind, index, "forward", "", decision)
                     for name, param in target.module.named_parameters(recurse=False):
                         rec.add(call, "param." + name, "in", param)
-        return replaced
 
     def _install_region_tracking(self, targets) -> None:
         """API level on a model with compiled regions: the module stack from hooks on the
@@ -238,22 +236,21 @@ class ModuleHooks:
     def enter_running_call(self, module, args, kwargs):
         """What the root's forward pre-hook does, for a call of the root that was already
         under way when install() ran (torch had read that call's hook list): the forward hook
-        then closes it as usual. Returns None or the (args, kwargs) to run the call with."""
+        then closes it as usual. Returns None: the call runs with its own arguments."""
         position = next((i for i, target in enumerate(self.targets or ())
                          if target.hook_on is module), None)
         region = position is not None and self.targets[position].region
         if not self.record:
             self.recorder.module_stack.append("")
-            replaced = None
         else:
             user = wrappers.unwrap(module)
             pre = functools.partial(self._pre_record, "", wrappers.user_kind(user), user)
             if region and self.region_params:
                 pre = functools.partial(self._pre_region, pre, _inside(self.targets, position))
-            replaced = pre(module, args, kwargs)
+            pre(module, args, kwargs)
         if region:  # a compiled root: the gate's pre-hook missed this call too
             self.gate.enter()
-        return replaced
+        return None
 
     # ------------------------------------------------------------------ forward
 
