@@ -116,9 +116,15 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
             continue
         members = [event[6]] if event[0] == op_kind else event[5]
         for call in members:
+            if returns_its_input(call):
+                continue  # eager autograd makes no node for it: a zero would add one
             for used in list(call.all_input_nodes):
                 source = origin.get(used, used)
                 if (call, source) in use_zero or used in taps or not _trained(source):
+                    continue
+                if _reads(call, used) > 1:
+                    # x * x: through a zero of its own, the call's two gradients would be
+                    # summed before the other uses' (autograd adds each to x's in turn)
                     continue
                 if source in output_zero and _only_user(used, call, taps):
                     # all of the value's gradient flows through this call: the gradient of
@@ -166,6 +172,19 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
                 if made in output_zero:
                     grads.append(("grad_" + slot, [output_zero[made]], "in"))
     return zeros, added
+
+
+def _reads(call, value) -> int:
+    """How many of the call's arguments are ``value``."""
+    count = 0
+
+    def visit(node):
+        nonlocal count
+        count += node is value
+        return node
+
+    torch.fx.node.map_arg((call.args, call.kwargs), visit)
+    return count
 
 
 def _only_user(value, call, taps) -> bool:
