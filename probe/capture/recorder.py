@@ -47,7 +47,8 @@ from probe.capture.eager.filters import BY_KEY, CaptureFilter
 from probe.capture.eager.naming import Namer
 from probe.capture.eager.values import SourceLocator, describe_value, flatten
 from probe.config import Config
-from probe.dump.schema import COLUMN_NAMES
+from probe.capture.eager import unwritten
+from probe.dump.schema import COLUMN_NAMES, UNINITIALIZED
 from probe.errors import DumpError, ProbeError
 
 _version_of = compat.tensor_version  # bumped by every in-place write
@@ -139,6 +140,12 @@ class Recorder:
         if host_batch is True:
             host_batch = HostBatch(self._sketch_size)
         self._host_batch = host_batch or None
+        #: storages of empty-family allocations nothing has written yet (eager/unwritten.py)
+        self.unwritten: dict = {}
+        #: keys of this step's records of such memory, and the step file's root attributes
+        #: (set by the debugger) that list them
+        self.uninitialized: list[str] = []
+        self.step_attrs: dict | None = None
 
     # ------------------------------------------------------------------ rows
     #
@@ -163,6 +170,9 @@ class Recorder:
         if decision == BY_KEY and not self.filter.key_wanted(op, prefix + slot):
             return
         if isinstance(value, Tensor):
+            if self.unwritten and unwritten.holds(self.unwritten, value):
+                self._add_unwritten(call, slot, io, value)
+                return
             placed = ""
             try:
                 version = _version_of(value)
@@ -202,6 +212,23 @@ class Recorder:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
                               described[1], "", None))
+
+    def _add_unwritten(self, call: tuple, slot: str, io: str, tensor: Tensor) -> None:
+        """A record of memory nothing has written yet (eager/unwritten.py): its dtype, shape
+        and device, no numbers; its key is listed in the step file's root attribute
+        ``uninitialized``, so that nothing compares it."""
+        kind, module, op, index, phase, seq, source, decision, prefix = call
+        self.uninitialized.append(prefix + slot)
+        if self.step_attrs is not None:
+            self.step_attrs[UNINITIALIZED] = self.uninitialized
+        try:
+            head = (stats.dtype_name(tensor.dtype), stats.shape_text(tensor.shape),
+                    stats.device_text(tensor.device), "")
+            numel = tensor.numel()
+        except Exception:  # a tensor type without these: as one whose values cannot be read
+            head, numel = _opaque_payload(tensor)[:4], 0
+        self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *head,
+                          *_UNKNOWN_STATS, numel, "", -1, source, "", "", None))
 
     def _sketch_of_shard(self, local: Tensor, placed: str, own, position: int):
         """A shard row's sketch: its own where the shard starts the logical tensor's flat
@@ -400,6 +427,7 @@ class Recorder:
         self.generation += 1
         self.namer.reset()
         self._cache.clear()
+        self.uninitialized = []
         self.module_stack.clear()
 
 
