@@ -43,7 +43,7 @@ from probe.comparison.call_rules import (
     judge_call,
 )
 from probe.comparison.record_rules import (
-    StaleRecords, judge_checksum_change, judge_shape, judge_tensor, judge_value,
+    StaleRecords, judge_checksum_change, judge_shape, judge_tensor, judge_uninitialized, judge_value,
 )
 from probe.comparison.measure import STATS
 from probe.comparison.recheck import recheck_amplified
@@ -145,6 +145,9 @@ def _judge_records(measured: MeasuredStep, previous_explained: dict | None, stri
     for item in measured.measurements:
         row = item.row
         judge_record(item)
+        if row.stale:  # measure found memory nothing had written yet
+            judge_uninitialized(row)
+            continue
         stale.check(row, item.stats, item.input_stats, item.slot.number)
         _carry_accepted(item, previous_explained)
         untouched = _untouched(row, item.kind, item.order, measured.aligned.step, measured.backward_from, differed)

@@ -65,7 +65,8 @@ from probe.comparison import result as R
 from probe.comparison.metrics import Metrics
 from probe.comparison.records import LOCAL_GRAD
 from probe.comparison.structs import (
-    CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNPAIRED, UNRECORDED, rel_error, sci,
+    CARRIED, CHANGED, EXTERNAL, FORWARD, PARAM_INPUT, PARAM_UPDATE, UNINITIALIZED_NOTE, UNPAIRED, UNRECORDED,
+    rel_error, sci,
 )
 from probe.comparison.tolerances import MANTISSA_BITS, Tolerance
 
@@ -281,6 +282,16 @@ def _mark(row: R.RecordRow, name: str) -> None:
         f"not compared: {name}'s record holds the values from before the in-place write (identical to the "
         f"call's input.0, while the other run's changed), and the op that read it computed what the other run "
         f"did: the capture measured it too early")
+
+
+def judge_uninitialized(row: R.RecordRow) -> None:
+    """A record of memory nothing had written yet in run(s) row.stale (set by measure): an
+    empty-family allocation, or a view of it, read before its first write. Its bytes are
+    whatever the memory held: not a value of either run, never compared."""
+    row.status = R.MATCH
+    row.reasons.clear()
+    row.notes.append(f"{UNINITIALIZED_NOTE} in {' and '.join(row.stale)} (an empty-family allocation, "
+                     "or a view of one, read before anything wrote it)")
 
 
 def amplified_cause(row, carriers, out_rel, carried_rel, within_ratio) -> str:
