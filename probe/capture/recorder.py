@@ -142,10 +142,9 @@ class Recorder:
         self._host_batch = host_batch or None
         #: storages of empty-family allocations nothing has written yet (eager/unwritten.py)
         self.unwritten: dict = {}
-        #: keys of this step's records of such memory, and the step file's root attributes
-        #: (set by the debugger) that list them
+        #: keys of this step's records of such memory (the step file's root attribute
+        #: uninitialized, see end_attrs)
         self.uninitialized: list[str] = []
-        self.step_attrs: dict | None = None
 
     # ------------------------------------------------------------------ rows
     #
@@ -219,8 +218,6 @@ class Recorder:
         ``uninitialized``, so that nothing compares it."""
         kind, module, op, index, phase, seq, source, decision, prefix = call
         self.uninitialized.append(prefix + slot)
-        if self.step_attrs is not None:
-            self.step_attrs[UNINITIALIZED] = self.uninitialized
         try:
             head = (stats.dtype_name(tensor.dtype), stats.shape_text(tensor.shape),
                     stats.device_text(tensor.device), "")
@@ -414,6 +411,11 @@ class Recorder:
         """Fill in the statistics still on a device (one host copy per device)."""
         self._resolve_pending()
 
+    def end_attrs(self) -> dict:
+        """Root attributes of the step file known only at its end: ``uninitialized`` (the
+        keys of the records of memory nothing had written yet) when there is any."""
+        return {UNINITIALIZED: list(self.uninitialized)} if self.uninitialized else {}
+
     def cost(self) -> dict:
         """What capturing this step cost (the step file's ``cost`` attribute): device-to-host
         copies, milliseconds in probe's code on the training thread, and records whose tensor
@@ -427,7 +429,6 @@ class Recorder:
         self.generation += 1
         self.namer.reset()
         self._cache.clear()
-        self.uninitialized = []
         self.module_stack.clear()
 
 
