@@ -181,3 +181,27 @@ def test_a_compiled_model_with_fan_out_trains_bit_identically_under_capture(tmp_
     [debugger] = debuggers(tmp_path, [("mix", "statistics")])
     found = moved(compiled_plain, _train_compiled(compile_model, debugger))
     assert not found, found[:10]
+
+
+def test_a_backend_that_may_fuse_around_the_taps_is_named_once_when_probe_first_compiles(monkeypatch):
+    """Inductor compiles the graph it is given: with the recorded values as extra outputs it may
+    fuse and round differently (eager and aot_eager do not: no message for them)."""
+    import warnings
+
+    import probe
+    from probe.capture.compiled import graph_taps
+
+    monkeypatch.setattr(graph_taps, "_warned", set())
+
+    def fusing(gm, example_inputs):  # stands in for inductor, which needs a C++ compiler
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = probe.compile(FanOut(depth=1), backend=fusing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.zeros(2, 4, dtype=torch.long))
+    torch._dynamo.reset()
+    found = [str(w.message) for w in caught if "fuse" in str(w.message)]
+    # (aot_eager gets no message: test_capture_compiled_marks.py sees no warning at all)
+    assert len(found) == 1 and "a graph compiled by fusing" in found[0] and "level module" in found[0]
