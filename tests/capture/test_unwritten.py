@@ -95,18 +95,27 @@ def test_a_part_written_through_setitem_or_out_is_a_value_and_the_rest_stays_unw
     tracked = {}
     buf = _allocate(tracked, 4, 6)
     assert unwritten.holds(tracked, buf) and unwritten.holds(tracked, buf[1])
-    unwritten.written(tracked, "Tensor.__setitem__", (buf, (slice(0, 2),)), [buf])  # buf[:2] = ...
+    unwritten.written(tracked, "Tensor.__setitem__", (buf, (slice(0, 2),)), {}, [buf])  # buf[:2] = ...
     assert not unwritten.holds(tracked, buf[:2]) and not unwritten.holds(tracked, buf[1, 3:])
     assert unwritten.holds(tracked, buf) and unwritten.holds(tracked, buf[:, 0].view(-1)[2:])
-    unwritten.written(tracked, "torch.mm", (), [buf[2:]])  # torch.mm(..., out=buf[2:])
+    unwritten.written(tracked, "torch.mm", (), {}, [buf[2:]])  # torch.mm(..., out=buf[2:])
     assert not unwritten.holds(tracked, buf) and not unwritten.holds(tracked, buf.t())
 
 
 def test_a_whole_write_or_an_advanced_index_write_ends_the_tracking():
     tracked = {}
     copied, scattered = _allocate(tracked, 3, 3), _allocate(tracked, 5)
-    unwritten.written(tracked, "Tensor.copy_", (copied,), [copied])
-    unwritten.written(tracked, "Tensor.__setitem__", (scattered, torch.tensor([0, 2])), [scattered])
+    unwritten.written(tracked, "Tensor.copy_", (copied,), {}, [copied])
+    unwritten.written(tracked, "Tensor.__setitem__", (scattered, torch.tensor([0, 2])), {}, [scattered])
+    assert not tracked
+
+
+def test_a_custom_op_given_the_memory_may_fill_it_and_a_plain_read_does_not():
+    tracked = {}
+    out = _allocate(tracked, 2, 3)
+    unwritten.written(tracked, "torch.matmul", (out, out), {}, None)  # reads it: still unwritten
+    assert unwritten.holds(tracked, out)
+    unwritten.written(tracked, "ops.mylib.attention", (torch.ones(2, 3),), {"out": [out]}, None)
     assert not tracked
 
 

@@ -14,16 +14,20 @@ are such records. A record of memory that has all been written is a value like a
 
 The recorder keeps the allocations its API mode has seen and not yet seen written whole: a
 dict ``{id(storage): _Allocation}`` (its ``unwritten``), empty for most models, so a record
-costs one truth test of it. The API mode adds each empty-family allocation (``allocate``)
-and reports every call that writes a tensor in place or into ``out=`` (an in-place method,
-``copy_``, ``__setitem__``, ``out=``, a collective; write_watch.py names them) before it runs
-(``written``). A write of the whole allocation ends its tracking; a write of a part of it
+costs one truth test of it. The API mode adds each empty-family allocation of the user's
+code (``allocate``; a sharding framework's own buffers are left out, as its calls are) and,
+while some allocation is tracked, reports every call before it runs (``written``): a call
+that writes a tensor in place or into ``out=`` (an in-place method, ``copy_``,
+``__setitem__``, ``out=``, a collective; write_watch.py names them) writes it, and a custom op
+(``torch.ops.*``) may write any tensor it is given. A write of the whole allocation ends its tracking; a write of a part of it
 (the tile above) is kept in a mask of the written elements, on the host (no device
 synchronisation), made at the first such write. A read is uninitialized (``holds``) while
 any element it covers is unwritten. An allocation of more than MASK_LIMIT elements gets no
 mask: it counts as written at its first write. A freed allocation is forgotten (a weak
 reference to its storage says when). Allocations made where the API mode is off (level
-module) are not tracked: their records are compared as values.
+module) are not tracked: their records are compared as values. Memory written where no torch
+call shows it (through ``.numpy()``, by a C++ extension's own function) stays unwritten: its
+records are not compared.
 """
 
 from __future__ import annotations
@@ -108,10 +112,19 @@ def _mask_view(entry: _Allocation, tensor):
     return entry.mask.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
-def written(unwritten: dict, name: str, args, tensors) -> None:
-    """A call named name (naming.op_name) is about to write tensors (write_watch's
-    written_tensors of it): what it writes of a tracked allocation holds values from now on.
-    ``x[i] = v`` writes ``x[i]``, not x, where that is a view of x."""
+def written(unwritten: dict, name: str, args, kwargs, tensors) -> None:
+    """A call named name (naming.op_name) is about to run; tensors: what write_watch says it
+    writes (its written_tensors), or None for a call it does not take for a writer. What the
+    call writes of a tracked allocation holds values from now on. ``x[i] = v`` writes
+    ``x[i]``, not x, where that is a view of x. A custom op (``torch.ops.*``: flash
+    attention's kernels, FSDP2's copies) may fill any tensor it is given, so each tensor
+    argument of one counts as written."""
+    if tensors is None:
+        if not name.startswith("ops."):
+            return
+        tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, _Tensor)]
+        tensors += [item for value in (*args, *kwargs.values()) if isinstance(value, (list, tuple))
+                    for item in value if isinstance(item, _Tensor)]
     for tensor in tensors:
         if not isinstance(tensor, _Tensor):
             continue
