@@ -412,9 +412,9 @@ class Recorder:
         self._resolve_pending()
 
     def end_attrs(self) -> dict:
-        """Root attributes of the step file known only at its end: ``uninitialized`` (the
-        keys of the records of memory nothing had written yet) when there is any."""
-        return {UNINITIALIZED: list(self.uninitialized)} if self.uninitialized else {}
+        """Root attributes of the step file known only at its end: ``uninitialized``, the keys
+        of the records of memory nothing had written yet ([] when there is none)."""
+        return {UNINITIALIZED: list(self.uninitialized)}
 
     def cost(self) -> dict:
         """What capturing this step cost (the step file's ``cost`` attribute): device-to-host

@@ -209,7 +209,7 @@ ROOT_ATTRS = {
     "uninitialized": "JSON (optional on read): [key, ...], the records of memory nothing had written "
     "yet (an empty-family allocation, or a view of one, read before its first write): dtype, shape and "
     "device only, statistics NaN and counts -1, no sketch, checksum or tensor; never compared. "
-    "Absent when there is none, and in older files",
+    "[] when there is none; absent in older files",
 }
 #: the root attribute listing the records of memory nothing had written yet
 UNINITIALIZED = "uninitialized"
