@@ -47,7 +47,8 @@ from probe.capture.eager.filters import BY_KEY, CaptureFilter
 from probe.capture.eager.naming import Namer
 from probe.capture.eager.values import SourceLocator, describe_value, flatten
 from probe.config import Config
-from probe.dump.schema import COLUMN_NAMES
+from probe.capture.eager import unwritten
+from probe.dump.schema import COLUMN_NAMES, UNINITIALIZED
 from probe.errors import DumpError, ProbeError
 
 _version_of = compat.tensor_version  # bumped by every in-place write
@@ -139,6 +140,11 @@ class Recorder:
         if host_batch is True:
             host_batch = HostBatch(self._sketch_size)
         self._host_batch = host_batch or None
+        #: storages of empty-family allocations nothing has written yet (eager/unwritten.py)
+        self.unwritten: dict = {}
+        #: keys of this step's records of such memory (the step file's root attribute
+        #: uninitialized, see end_attrs)
+        self.uninitialized: list[str] = []
 
     # ------------------------------------------------------------------ rows
     #
@@ -163,6 +169,9 @@ class Recorder:
         if decision == BY_KEY and not self.filter.key_wanted(op, prefix + slot):
             return
         if isinstance(value, Tensor):
+            if self.unwritten and unwritten.holds(self.unwritten, value):
+                self._add_unwritten(call, slot, io, value)
+                return
             placed = ""
             try:
                 version = _version_of(value)
@@ -202,6 +211,21 @@ class Recorder:
             self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
                               "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
                               described[1], "", None))
+
+    def _add_unwritten(self, call: tuple, slot: str, io: str, tensor: Tensor) -> None:
+        """A record of memory nothing has written yet (eager/unwritten.py): its dtype, shape
+        and device, no numbers; its key is listed in the step file's root attribute
+        ``uninitialized``, so that nothing compares it."""
+        kind, module, op, index, phase, seq, source, decision, prefix = call
+        self.uninitialized.append(prefix + slot)
+        try:
+            head = (stats.dtype_name(tensor.dtype), stats.shape_text(tensor.shape),
+                    stats.device_text(tensor.device), "")
+            numel = tensor.numel()
+        except Exception:  # a tensor type without these: as one whose values cannot be read
+            head, numel = _opaque_payload(tensor)[:4], 0
+        self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *head,
+                          *_UNKNOWN_STATS, numel, "", -1, source, "", "", None))
 
     def _sketch_of_shard(self, local: Tensor, placed: str, own, position: int):
         """A shard row's sketch: its own where the shard starts the logical tensor's flat
@@ -386,6 +410,11 @@ class Recorder:
     def resolve(self) -> None:
         """Fill in the statistics still on a device (one host copy per device)."""
         self._resolve_pending()
+
+    def end_attrs(self) -> dict:
+        """Root attributes of the step file known only at its end: ``uninitialized``, the keys
+        of the records of memory nothing had written yet ([] when there is none)."""
+        return {UNINITIALIZED: list(self.uninitialized)}
 
     def cost(self) -> dict:
         """What capturing this step cost (the step file's ``cost`` attribute): device-to-host

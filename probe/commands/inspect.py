@@ -49,6 +49,10 @@ def _table_row(record: dict) -> dict:
     if not record["dtype"]:  # a non-tensor argument: show its value instead of statistics
         return {"seq": str(record["seq"]), "key": record["key"], "dtype": "-", "shape": "-",
                 "min": f"value={record['value']}", "max": "", "mean": "", "norm": "", "nan": "", "inf": ""}
+    if record.get("uninitialized"):  # memory nothing had written yet: no numbers
+        return {"seq": str(record["seq"]), "key": record["key"], "dtype": record["dtype"],
+                "shape": record["shape"], "min": "uninitialized", "max": "", "mean": "", "norm": "",
+                "nan": "", "inf": ""}
     return {
         "seq": str(record["seq"]), "key": record["key"], "dtype": record["dtype"], "shape": record["shape"],
         "min": _number(record["min"]), "max": _number(record["max"]), "mean": _number(record["mean"]),
@@ -105,6 +109,12 @@ def step_cost(step_file: reader.StepDump) -> dict:
     return cost
 
 
+def uninitialized_count(step_file: reader.StepDump) -> int:
+    """Records of memory nothing had written yet (an empty-family allocation read before its
+    first write): listed in the root attribute ``uninitialized``, 0 in older files."""
+    return len(step_file.attrs.get("uninitialized") or ())
+
+
 def cost_line(cost: dict) -> str:
     def shown(value, unit: str) -> str:
         return "?" if value is None else f"{value}{unit}"
@@ -131,7 +141,9 @@ def inspect(dump, step, rank, key, limit, as_json):
     an msprobe dump (its dump path, a step folder, a rank or proc folder), read as probe reads
     its own.
     Prints a summary per step file (records, tensors, task, level, torch, device, seed),
-    what capturing it cost (device-to-host copies, milliseconds in probe, bytes) and a table of records with their statistics. Incomplete step files (*.h5.partial,
+    what capturing it cost (device-to-host copies, milliseconds in probe, bytes), how many
+    records hold memory nothing had written yet (uninitialized, not compared) and a table of
+    records with their statistics. Incomplete step files (*.h5.partial,
     left by a process killed mid-step) are reported on stderr and skipped.
 
     \b
@@ -173,6 +185,7 @@ def inspect(dump, step, rank, key, limit, as_json):
                 "step": file_step, "rank": file_rank, "path": step_file.path,
                 "record_count": len(step_file.records), "tensor_count": step_file.tensor_count,
                 "attrs": step_file.attrs, "cost": step_cost(step_file),
+                "uninitialized": uninitialized_count(step_file),
                 "summary": summary_line(step_file), "records": keep,
             })
             shown.extend(keep)
@@ -196,6 +209,9 @@ def inspect(dump, step, rank, key, limit, as_json):
         click.echo(f"\nstep {entry['step']} rank {entry['rank']}  {entry['path']}")
         click.echo(entry["summary"])
         click.echo(cost_line(entry["cost"]))
+        if entry["uninitialized"]:
+            click.echo(f"  uninitialized: {entry['uninitialized']} record(s) of memory nothing had written yet "
+                       "(an empty-family allocation read before its first write; not compared)")
         if entry["records"]:
             click.echo("")
             for text in format_table(entry["records"]):

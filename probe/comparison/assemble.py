@@ -30,7 +30,7 @@ from probe.comparison.sketch import sketch_note
 from probe.comparison.story import (
     apply_drift, entering_cause, find_drift, settle_drift, shard_entries, story,
 )
-from probe.comparison.structs import sci
+from probe.comparison.structs import UNINITIALIZED_NOTE, sci
 
 _EVIDENCE_ORDER = ("statistics", "checksum", "tensor")  # weakest first
 
@@ -109,6 +109,10 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
                    "gradient shards)") if counts["sharded_only"] else ""
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']})"
                      f"{sharded}; they are not compared")
+    unwritten = sum(1 for row in rows if any(note.startswith(UNINITIALIZED_NOTE) for note in row.notes))
+    if unwritten:
+        notes.append(f"{unwritten} records hold memory nothing had written yet (an empty-family allocation, or "
+                     "a view of one, read before its first write); they are not compared")
     reduced = reduced_gradients_note(rows)
     if reduced:
         notes.append(reduced)

@@ -10,6 +10,7 @@ other module of probe names a private torch attribute:
   * torch._C.DisableTorchFunction: run torch calls inside a hook without re-entering the mode;
   * torch._C._current_graph_task_id (2.1+): one id per backward pass;
   * Node._sequence_nr(): autograd numbers nodes in creation order;
+    torch.autograd._get_sequence_nr: the number the next node gets;
   * torch.overrides._get_current_function_mode_stack, torch._C._pop_torch_function_stack,
     torch._C._push_on_torch_function_stack: take one mode out of the middle of the stack;
   * torch.utils._device.DeviceContext and torch._GLOBAL_DEVICE_CONTEXT: where a factory call
@@ -69,6 +70,15 @@ graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 def sequence_nr(node) -> int:
     """Creation number of an autograd node: a node made later has a larger one."""
     return node._sequence_nr()
+
+
+_peek_sequence_nr = getattr(torch.autograd, "_get_sequence_nr", None)
+
+
+def next_sequence_nr() -> int:
+    """The creation number the next autograd node made on this thread gets (every node made
+    from now on has at least this one); -1 where torch cannot tell."""
+    return -1 if _peek_sequence_nr is None else _peek_sequence_nr()
 
 
 def function_mode_stack() -> list:
