@@ -34,6 +34,7 @@ import time
 import weakref
 
 import torch
+import torch.optim.optimizer as _optimizer_hooks
 
 from probe import compat
 from probe.capture.numbers import stats
@@ -51,6 +52,7 @@ from probe.dump.schema import COLUMN_NAMES
 from probe.errors import DumpError, ProbeError
 
 _version_of = compat.tensor_version  # bumped by every in-place write
+_graph_task_id = compat.graph_task_id
 
 Tensor = torch.Tensor
 NAN = float("nan")
@@ -119,6 +121,8 @@ class Recorder:
             device_bucket = DeviceBucket(getattr(config, "sketch_size", 0))
         self._bucket = device_bucket
         self._stale_before = self._bucket.stale
+        self._backward_task = -1  # the backward pass whose start flushed the bucket
+        self._optimizer_hooks: tuple = ()
         #: the DTensor whose local shard is being described (its version is the one to watch)
         self._watched = None
         #: device-to-host copies made for this step's numbers (the step file's cost)
@@ -150,8 +154,44 @@ class Recorder:
         namer = self.namer
         seq = namer.seq
         namer.seq = seq + 1
+        if phase == "backward" and _graph_task_id() != self._backward_task:
+            self._backward_began()
         return (kind, module, op, index, phase, seq, source, decision,
                 f"{module}/{op}#{index}/{phase}/")
+
+    # ------------------------------------------------------------------ flush points
+    #
+    # The device bucket reads its tensors when it flushes. Besides a full bucket and a write
+    # the capture sees (before_write), it is flushed where a step's recorded tensors are
+    # next written or freed: when a backward pass starts (the forward's tensors), when it
+    # ends (the gradients, before an optimizer or DDP's reducer writes them) and around each
+    # optimizer step (its updates). A flush of an empty bucket costs nothing.
+
+    def _backward_began(self) -> None:
+        task = _graph_task_id()
+        self._backward_task = task
+        if task == -1:  # a hook run outside a backward pass
+            return
+        self._bucket.flush()
+        compat.queue_backward_callback(self._bucket.flush)
+
+    def watch_optimizers(self) -> None:
+        """Flush the device bucket before and after every optimizer step (until unwatch)."""
+        if self._optimizer_hooks:
+            return
+        bucket = self._bucket
+
+        def flush(*_):
+            if len(bucket):
+                _outside_function_modes(bucket.flush)
+
+        self._optimizer_hooks = (_optimizer_hooks.register_optimizer_step_pre_hook(flush),
+                                 _optimizer_hooks.register_optimizer_step_post_hook(flush))
+
+    def unwatch_optimizers(self) -> None:
+        hooks, self._optimizer_hooks = self._optimizer_hooks, ()
+        for handle in hooks:
+            handle.remove()
 
     def add(self, call: tuple, slot: str, io: str, value, fresh: bool = False) -> None:
         """One record for a tensor or a plain value at slot; anything else is skipped.
@@ -307,8 +347,8 @@ class Recorder:
         self._bucket.copy_on_add = on
 
     def before_write(self, tensors) -> None:
-        """A call is about to write these tensors in place: what the device bucket holds of
-        them is kept as recorded (device_bucket.DeviceBucket.before_write)."""
+        """A call is about to write these tensors in place: if the device bucket holds their
+        memory, it is flushed first (device_bucket.DeviceBucket.before_write)."""
         self._bucket.before_write(tensors)
 
     def _store(self, tensor: Tensor) -> int:
@@ -416,6 +456,19 @@ def charged(function):
         finally:
             getattr(first, "recorder", first).busy_s += clock() - began
     return run
+
+
+def _outside_function_modes(work) -> None:
+    """work() with no TorchFunctionMode active (an optimizer hook runs under the capture's
+    mode, whose records must not include the bucket's own torch calls)."""
+    modes = compat.function_mode_stack()
+    for _ in modes:
+        compat.pop_function_mode()
+    try:
+        work()
+    finally:
+        for mode in modes:
+            compat.push_function_mode(mode)
 
 
 def _lifetime(tensor: Tensor):
