@@ -293,3 +293,13 @@ def test_no_stage_after_measure_reads_a_record_column(module):
     with open(os.path.join(ROOT, "comparison", f"{module}.py"), encoding="utf-8") as handle:
         reads = re.findall(r"columns\[|cols(?:_a|_b)?\[", handle.read())
     assert not reads, f"comparison/{module}.py reads record columns {len(reads)} times"
+
+
+def test_nothing_outside_capture_imports_its_wings():
+    """Code outside probe/capture reaches capture through its face (probe/capture/__init__.py),
+    never through eager/, compiled/ or numbers/: one place says what capture offers."""
+    wings = ("probe.capture.eager", "probe.capture.compiled", "probe.capture.numbers")
+    reached = sorted(f"{module} -> {target}" for module, targets in GRAPH.items()
+                     if not module.startswith("probe.capture")
+                     for target in targets if target.startswith(wings))
+    assert not reached, reached

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.optim.optimizer as _optimizer_hooks
 
-from probe.capture.numbers.host_batch import HostBatch
+from probe.capture import HostBatch
 from probe.fingerprint import schema, take as take_module
 from probe.fingerprint.file import FingerprintWriter
 

@@ -166,10 +166,11 @@ class DeviceBucket:
 
     # ------------------------------------------------------------------ flush
 
-    def flush(self) -> None:
-        """Statistics of every held tensor, left on the device (no host synchronisation)."""
+    def flush(self) -> bool:
+        """Statistics of every held tensor, left on the device (no host synchronisation).
+        Returns whether it held any."""
         if not self._held:
-            return
+            return False
         held, self._held, self._storages, self._bytes = self._held, [], set(), 0
         groups: dict = {}
         for tensor, version, slot, watched in held:
@@ -190,6 +191,7 @@ class DeviceBucket:
                             self._add_group([member])
                         except (RuntimeError, TypeError, ValueError, NotImplementedError):
                             member[1].result = _UNKNOWN
+        return True
 
     def _add_group(self, members: list) -> None:
         rows = self._group_numbers([tensor for tensor, _ in members])
