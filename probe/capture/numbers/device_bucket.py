@@ -63,9 +63,14 @@ import torch
 from probe.capture.numbers import sketch
 from probe.compat import flatten_dense_tensors, foreach_copy, local_tensor, tensor_version as _version_of
 
-#: flush when a bucket holds this many tensors or bytes (bounds the device memory it pins)
+#: flush when a bucket holds this many tensors, or this many bytes of values: BUCKET_BYTES
+#: on the CPU, a share of an accelerator's memory there (BUCKET_MEMORY_SHARE, at most
+#: BUCKET_BYTES_MAX). A flush's arena holds the values as float64 (twice a float32 tensor's
+#: bytes, four times a 16-bit one's); the fewer flushes, the fewer launches per step.
 BUCKET_TENSORS = 4096
 BUCKET_BYTES = 64 << 20
+BUCKET_MEMORY_SHARE = 1 / 64
+BUCKET_BYTES_MAX = 2 << 30
 #: values per super-row: the sketch's fold unit, so a tensor's rows are its super-rows
 SPAN = sketch.GROUPS * sketch.BLOCK
 #: what the bucket reads; other dtypes (complex, float8, quantized) take stats.device_stats
@@ -83,6 +88,14 @@ _LAYOUT_CACHE_BYTES = 64 << 20
 def device_path_on_cpu() -> bool:
     """PROBE_DEVICE_PATH=1: CPU tensors take the accelerator's path (for tests)."""
     return os.environ.get("PROBE_DEVICE_PATH", "") == "1"
+
+
+def bucket_bytes(device) -> int:
+    """How many bytes of values a bucket holds before it flushes, on this device."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(min(max(total * BUCKET_MEMORY_SHARE, BUCKET_BYTES), BUCKET_BYTES_MAX))
+    return BUCKET_BYTES
 
 
 class DeviceSlot:
@@ -103,7 +116,7 @@ class DeviceBucket:
                  max_bytes: int | None = None):
         self.k = max(int(sketch_size), 0)
         self.max_tensors = BUCKET_TENSORS if max_tensors is None else max_tensors
-        self.max_bytes = BUCKET_BYTES if max_bytes is None else max_bytes
+        self.max_bytes = max_bytes  # None: bucket_bytes() of the first tensor's device
         self._held: list = []  # [alias, version, slot, watched]
         self._storages: set = set()  # storage addresses of the held tensors
         self._bytes = 0
@@ -144,6 +157,8 @@ class DeviceBucket:
         self._held.append([tensor, _version_of(watched), slot, watched])
         self._storages.add(_address(tensor))
         self._bytes += numel * tensor.element_size()
+        if self.max_bytes is None:
+            self.max_bytes = bucket_bytes(tensor.device)
         if len(self._held) >= self.max_tensors or self._bytes >= self.max_bytes:
             self.flush()
         return slot
