@@ -227,6 +227,13 @@ class Recorder:
         if call[7] == BY_KEY and not self.filter.key_wanted(call[2], call[8] + slot):
             return
         if isinstance(value, Tensor):
+            if not fresh:
+                # the same tensor object again (an op's output is the next op's input)
+                known = self._by_id.get(id(value))
+                if known is not None and known[0]() is value and \
+                        known[1] == _version_of(value) and known[2] == value.data_ptr():
+                    self._records.append((call, slot, io, known[3]))
+                    return
             if type(value) is self._dtensor:
                 self._add_shard(call, slot, io, value, fresh)
             else:
@@ -237,15 +244,9 @@ class Recorder:
             self._records.append((call, slot, io, described))
 
     def _entry(self, value: Tensor, fresh: bool, wrapper=None) -> "_Entry":
-        """The cache entry of value's numbers: found, or made now (see the module docstring).
-        wrapper: the DTensor value is the local shard of (its in-place ops bump the
-        wrapper's version only)."""
-        if not fresh and wrapper is None:
-            # the same tensor object again (an op's output is the next op's input): no key
-            known = self._by_id.get(id(value))
-            if known is not None and known[0]() is value and known[1] == _version_of(value) \
-                    and known[2] == value.data_ptr():
-                return known[3]
+        """The cache entry of value's numbers, by its key: found, or made now (see the
+        module docstring; add() looks the tensor object up first). wrapper: the DTensor value
+        is the local shard of (its in-place ops bump the wrapper's version only)."""
         try:
             version = _version_of(value)
             if wrapper is not None:
