@@ -14,7 +14,9 @@
   a CPU batch at a time (host_batch.py, host_view.py), a device bucket at a time, read by the
   host once per step (device_bucket.py), per DTensor shard (shard_sketch.py); route.py decides
   which of them a tensor takes (``numbers_of``, for the recorder and for fingerprints);
-* ``recorder.py`` makes the records both wings hand it, with the numbers of numbers/.
+* ``recorder.py`` makes the records both wings hand it, with the numbers of numbers/;
+  flush_points.py says where its device bucket is flushed (backward's start and end, around
+  optimizer steps).
 
 The names below are what the debugger, the replay, fingerprints, the integrations and
 ``probe.compile`` use; code outside capture imports them from here, never from a wing

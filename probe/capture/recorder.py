@@ -37,7 +37,6 @@ import time
 import weakref
 
 import torch
-import torch.optim.optimizer as _optimizer_hooks
 
 from probe import compat
 from probe.capture.numbers import stats
@@ -47,6 +46,7 @@ from probe.capture.numbers.route import UNKNOWN, numbers_of, resolve_device_stat
 from probe.capture.numbers.shard_sketch import shard_layout, shard_sketch
 from probe.capture.numbers.sketch import pack as pack_sketch
 from probe.capture.numbers.host_batch import HostBatch
+from probe.capture.flush_points import FlushPoints
 from probe.capture.eager.filters import BY_KEY, CaptureFilter
 from probe.capture.eager.naming import Namer
 from probe.capture.eager.values import SourceLocator, describe_value, flatten
@@ -55,7 +55,6 @@ from probe.dump.schema import COLUMN_NAMES
 from probe.errors import DumpError, ProbeError
 
 _version_of = compat.tensor_version  # bumped by every in-place write
-_graph_task_id = compat.graph_task_id
 
 Tensor = torch.Tensor
 NAN = float("nan")
@@ -144,8 +143,8 @@ class Recorder:
             device_bucket = DeviceBucket(getattr(config, "sketch_size", 0))
         self._bucket = device_bucket
         self._stale_before = self._bucket.stale
-        self._backward_task = -1  # the backward pass whose start flushed the bucket
-        self._optimizer_hooks: tuple = ()
+        #: where the bucket is flushed besides a full bucket and before_write
+        self._flush_points = FlushPoints(self._bucket)
         #: the DTensor whose local shard is being described (its version is the one to watch)
         self._watched = None
         #: device-to-host copies made for this step's numbers (the step file's cost)
@@ -179,44 +178,17 @@ class Recorder:
         namer = self.namer
         seq = namer.seq
         namer.seq = seq + 1
-        if phase == "backward" and _graph_task_id() != self._backward_task:
-            self._backward_began()
+        if phase == "backward":
+            self._flush_points.backward_event()
         return (kind, module, op, index, phase, seq, source, decision,
                 f"{module}/{op}#{index}/{phase}/")
 
-    # ------------------------------------------------------------------ flush points
-    #
-    # The device bucket reads its tensors when it flushes. Besides a full bucket and a write
-    # the capture sees (before_write), it is flushed where a step's recorded tensors are
-    # next written or freed: when a backward pass starts (the forward's tensors), when it
-    # ends (the gradients, before an optimizer or DDP's reducer writes them) and around each
-    # optimizer step (its updates). A flush of an empty bucket costs nothing.
-
-    def _backward_began(self) -> None:
-        task = _graph_task_id()
-        self._backward_task = task
-        if task == -1:  # a hook run outside a backward pass
-            return
-        self._bucket.flush()
-        compat.queue_backward_callback(self._bucket.flush)
-
     def watch_optimizers(self) -> None:
-        """Flush the device bucket before and after every optimizer step (until unwatch)."""
-        if self._optimizer_hooks:
-            return
-        bucket = self._bucket
-
-        def flush(*_):
-            if len(bucket):
-                _outside_function_modes(bucket.flush)
-
-        self._optimizer_hooks = (_optimizer_hooks.register_optimizer_step_pre_hook(flush),
-                                 _optimizer_hooks.register_optimizer_step_post_hook(flush))
+        """Flush the device bucket around every optimizer step (flush_points.py)."""
+        self._flush_points.watch()
 
     def unwatch_optimizers(self) -> None:
-        hooks, self._optimizer_hooks = self._optimizer_hooks, ()
-        for handle in hooks:
-            handle.remove()
+        self._flush_points.unwatch()
 
     def add(self, call: tuple, slot: str, io: str, value, fresh: bool = False) -> None:
         """One record for a tensor or a plain value at slot; anything else is skipped.
@@ -480,19 +452,6 @@ def charged(function):
         finally:
             getattr(first, "recorder", first).busy_s += clock() - began
     return run
-
-
-def _outside_function_modes(work) -> None:
-    """work() with no TorchFunctionMode active (an optimizer hook runs under the capture's
-    mode, whose records must not include the bucket's own torch calls)."""
-    modes = compat.function_mode_stack()
-    for _ in modes:
-        compat.pop_function_mode()
-    try:
-        work()
-    finally:
-        for mode in modes:
-            compat.push_function_mode(mode)
 
 
 def _lifetime(tensor: Tensor):
