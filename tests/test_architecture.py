@@ -402,3 +402,13 @@ def test_what_compare_knows_of_an_op_is_in_ops_py_alone():
                     and ((node.value in names and node.value not in NOT_OP_NAMES) or node.value.startswith(OP_SPELLINGS)):
                 found.append(f"{module}:{node.lineno}: {node.value!r}")
     assert not found, "\n".join(found)
+
+
+def test_nothing_outside_capture_imports_its_wings():
+    """Code outside probe/capture reaches capture through its face (probe/capture/__init__.py),
+    never through eager/, compiled/ or numbers/: one place says what capture offers."""
+    wings = ("probe.capture.eager", "probe.capture.compiled", "probe.capture.numbers")
+    reached = sorted(f"{module} -> {target}" for module, targets in GRAPH.items()
+                     if not module.startswith("probe.capture")
+                     for target in targets if target.startswith(wings))
+    assert not reached, reached

@@ -8,7 +8,8 @@ warning that says so, in version_gaps.py). Nothing here imports h5py.
 Private torch API used (present, with the same meaning, in every supported version); no
 other module of probe names a private torch attribute:
   * torch._C.DisableTorchFunction: run torch calls inside a hook without re-entering the mode;
-  * torch._C._current_graph_task_id (2.1+): one id per backward pass;
+  * torch._C._current_graph_task_id (2.1+): one id per backward pass; the autograd engine's
+    queue_callback (run a function when the backward pass ends);
   * Node._sequence_nr(): autograd numbers nodes in creation order;
     torch.autograd._get_sequence_nr: the number the next node gets;
   * torch.overrides._get_current_function_mode_stack, torch._C._pop_torch_function_stack,
@@ -17,8 +18,8 @@ other module of probe names a private torch attribute:
     without ``device=`` allocates;
   * torch._C._is_any_autocast_enabled, torch._C._are_functorch_transforms_active: cheap
     checks on the hot path (absent: the slower public check, or "no transform");
-  * Tensor._version (in-place writes bump it), torch._foreach_norm, torch._C._to_dlpack,
-    the sparse ``_values()``;
+  * Tensor._version (in-place writes bump it), torch._foreach_norm, torch._foreach_copy_,
+    torch._C._to_dlpack, the sparse ``_values()``;
   * nn.Module._modules (children without the generator of named_children) and
     ``_compiled_call_impl`` (what ``module.compile()`` calls);
   * DTensor._local_tensor and ._spec, compute_local_shape_and_global_offset (the shard a
@@ -65,6 +66,12 @@ from torch.overrides import TorchFunctionMode
 DisableTorchFunction = torch._C.DisableTorchFunction
 #: one id per backward pass; -1 (every pass looks the same) where torch lacks it
 graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def queue_backward_callback(callback) -> None:
+    """Run callback() when the backward pass running now ends (after every node and hook of
+    it; callbacks run in the order they were queued). Call it from inside a backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def sequence_nr(node) -> int:
@@ -504,10 +511,6 @@ def local_tensor(tensor):
     return tensor if local is None else local
 
 
-def copy_tensors(tensors: list) -> list:
-    """Copies of the tensors; floating ones of one device in one multi-tensor call
-    (``torch._foreach_mul(..., 1)``: x * 1 is x exactly, NaN, Inf and -0.0 included)."""
-    if len(tensors) > 1 and all(t.is_floating_point() for t in tensors) \
-            and len({t.device for t in tensors}) == 1:
-        return list(torch._foreach_mul(tensors, 1))
-    return [t.clone() for t in tensors]
+def foreach_copy(targets: list, sources: list) -> None:
+    """targets[i].copy_(sources[i]) for every i, in one multi-tensor call."""
+    torch._foreach_copy_(targets, sources)

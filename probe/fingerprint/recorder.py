@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.optim.optimizer as _optimizer_hooks
 
-from probe.capture.numbers.host_batch import HostBatch
+from probe.capture import HostBatch
 from probe.fingerprint import envelope, schema, take as take_module
 from probe.fingerprint.file import FingerprintWriter
 

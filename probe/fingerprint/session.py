@@ -21,8 +21,7 @@ import sys
 import torch
 
 from probe._version import __version__
-from probe.capture.eager import autocast
-from probe.capture.numbers import sketch as sketch_module
+from probe.capture import SKETCH_SIZE, autocast_dtype
 from probe.errors import ConfigError, DivergenceError, DumpError, DumpFormatError, RunExistsError
 from probe.fingerprint import schema
 from probe.fingerprint.live import LiveReference, LiveStep
@@ -56,7 +55,7 @@ class FingerprintSession:
         attrs = {"probe_version": __version__, "torch_version": str(torch.__version__), "run_id": run_id,
                  "rank": rank, "config": json.dumps(config.to_dict())}
         self.recorder = FingerprintRecorder(
-            lambda: fingerprint_path(config, rank_of()), attrs, sketch_module.DEFAULT_SIZE, step_of, lambda: self._names,
+            lambda: fingerprint_path(config, rank_of()), attrs, SKETCH_SIZE, step_of, lambda: self._names,
             on_step=self._judge if self.live is not None else None, immediate=self.live is not None)
 
     # ------------------------------------------------------------------ the debugger's calls
@@ -121,7 +120,7 @@ class FingerprintSession:
 
     def _forward_begins(self, module, args) -> None:
         if torch.is_grad_enabled():  # an evaluation does not say how the step trained
-            self.recorder.note_forward(autocast.autocast_dtype())
+            self.recorder.note_forward(autocast_dtype())
 
     def _model_output(self, module, args, output) -> None:
         if not torch.is_grad_enabled():

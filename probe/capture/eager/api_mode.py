@@ -115,8 +115,13 @@ class ApiCaptureMode(TorchFunctionMode):
             self._paths = {id(target.module): target.path for target in self.targets or ()}
         return self._paths.get(id(module), "")
 
+    def __enter__(self):
+        self.recorder.watch_optimizers()  # the device bucket's flushes around their steps
+        return super().__enter__()
+
     def __exit__(self, exc_type, exc_value, traceback):
         self.recorder.locate.forget()  # the source walk may hold a frame of the user's code
+        self.recorder.unwatch_optimizers()
         return super().__exit__(exc_type, exc_value, traceback)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

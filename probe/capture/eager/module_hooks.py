@@ -343,10 +343,9 @@ class ModuleHooks:
         with _DisableTorchFunction():
             index = rec.namer.index(path, "param_grad." + name)
             call = rec.call("param", path, kind, index, "backward", "", decision)
-            rec.add(call, "param_grad." + name, "out", param.grad)
             # DDP's reducer and later micro-batches write .grad where no hook sees it: the
-            # device path keeps its values as they are now
-            rec.before_write((param.grad,))
+            # device bucket reads it when this backward pass ends, before they do (recorder.py)
+            rec.add(call, "param_grad." + name, "out", param.grad)
 
 
 def _inside(targets, position: int) -> list:
