@@ -89,6 +89,7 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
     inputs: dict[int, tuple | None] = {}  # pair -> the statistics of its input.0, read once
     effective: dict[int, str] = {}  # A's row -> the tolerance dtype it was judged with
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
+    forward_floor: dict[tuple, str] = {}  # (module, op, index) -> lowest precision of its forward's records
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
     measurements = []
     measurer.start_prefetch(paired)
@@ -104,6 +105,11 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
                 upstream = lower_precision(upstream, effective[producer])
             if row.io == "out" and number in call_floor:
                 upstream = lower_precision(upstream, call_floor[number])
+            call_key = (row.module, row.op, row.index)
+            if row.phase == "backward" and call_key in forward_floor:
+                # a backward computes from the values its forward saw: a float32 gradient in a
+                # bfloat16 model's float32 island carries bfloat16 rounding, as its forward did
+                upstream = lower_precision(upstream, forward_floor[call_key])
             what, metrics, tol = measurer.measure(row, row_a, row_b, upstream)
             row.stale = _unwritten_in(cols_a, row_a, cols_b, row_b)
             if number not in inputs:
@@ -114,6 +120,8 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
                                              inputs[number]))
             if row.tol_dtype and row.tol_dtype != "exact":
                 effective[row_a] = row.tol_dtype
+                if row.phase == "forward":
+                    forward_floor[call_key] = lower_precision(forward_floor.get(call_key), row.tol_dtype)
                 if row.io == "in":
                     call_floor[number] = lower_precision(call_floor.get(number), row.tol_dtype)
                 if row.dtype_a != row.dtype_b:
