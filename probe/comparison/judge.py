@@ -61,6 +61,7 @@ from collections import Counter
 from probe.comparison import result as R
 from probe.comparison.align import CLASS
 from probe.comparison.call_rules import AMPLIFICATION, judge_call
+from probe.comparison.measure import MASK_NOTE
 from probe.comparison.op_envelopes import LOW_PRECISION
 from probe.comparison.record_rules import judge_records
 from probe.comparison.rounding import ACCEPTED, REPLAYED_DIFFERENTLY, judge_envelopes, judge_untouched, recheck_amplified
@@ -124,6 +125,7 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
             judge_call(call, input_kind, forward, values, None if strict else clean_before)
             if call[0].paired_by == CLASS:
                 _class_changed([row for row in call if row.io == "out"])
+            _name_mask_forms(call)
             explain_different_kernels(call)
             explain_module_by_its_calls(call, rows)
             apply(recheck_amplified(slots, measured))
@@ -236,6 +238,17 @@ def _class_changed(outputs) -> None:
             row.reasons.append(f"computed by another module class ({other} in B)")
         row.status, row.divergence, row.origin = R.DIVERGED, R.OUTPUT, R.INTRODUCED
         row.cause = text + (f"; {row.cause}" if row.cause else "")
+
+
+def _name_mask_forms(call: list[R.RecordRow]) -> None:
+    """A mask the runs give in two forms that mask the same positions (measure.same_mask) is no
+    error, but an output the call introduced an error in names the change of form."""
+    forms = [(row.slot, note) for row in call if row.io == "in" for note in row.notes if note.startswith(MASK_NOTE)]
+    if not forms:
+        return
+    for row in call:
+        if row.io == "out" and row.status == R.DIVERGED and row.origin == R.INTRODUCED:
+            row.cause += f"; {forms[0][0]}: {forms[0][1]}"
 
 
 def _explained(per_pair, of_row: dict, rows: list[R.RecordRow]) -> dict:

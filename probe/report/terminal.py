@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import math
+
 from probe.comparison import result as R
 from probe.comparison import load
 from probe.comparison.result import where_text
@@ -111,6 +113,9 @@ def _judged(row: R.RecordRow) -> str:
         return "exact comparison"
     if row.rtol is None or row.score is None:
         return "not measured: " + ("; ".join(row.reasons) or "no metrics")
+    if row.tol_dtype == "exact" or not math.isfinite(row.score):
+        # integers and bools compare exactly (a zero budget too): no ratio to give
+        return "exact comparison: the values must be equal" + (", and they differ" if row.score else "")
     return (f"score {num(row.score)}: the error is {num(row.score)}x the {row.tol_dtype} tolerance "
             f"(rtol {row.rtol:g}, atol {row.atol:g}); above 1 fails")
 

@@ -115,6 +115,20 @@ def test_an_exact_copy_that_differs_by_its_inputs_difference_and_a_hair_is_withi
     assert env.judge(env.propagated * 1.01, env.propagated * 1.01) == "beyond"
 
 
+def test_what_rounding_makes_is_never_given_as_a_ratio_to_nothing():
+    assert E.expected_text(0.0, 3e-4) == "expected from rounding: none (it rounds nothing), seen: 3.00e-04"
+    assert E.expected_text(2e-4, 1e-4).endswith("(0.5x)")
+
+
+def test_the_rounding_headline_above_1x_says_it_is_within_the_margin_not_a_gap_beyond():
+    from probe.comparison.result import headline
+
+    summary = dict(rounding_only=True, largest_gap=1.2, uncertain=0, baseline=None)
+    assert headline(summary) == ("the runs differ by rounding only (largest difference 1.2x what rounding makes, "
+                                 "within the 2x margin an op's own rounding may take)")
+    assert "its envelope" not in headline(dict(summary, largest_gap=0.5, baseline="c"))
+
+
 def test_rsqrts_backward_scales_its_gradients_difference_by_its_derivative_at_small_variances():
     var = _operand(np.linspace(1e-4, 1.0, 32))
     gy = _operand(np.ones(32), err=1e-3)
