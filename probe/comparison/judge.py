@@ -26,7 +26,10 @@ API forward call whose floating output has a coarser dtype on one side (``X``):
 * the runs compute in different dtypes throughout (their most common output dtypes differ:
   a float32 run against a ``model.double()`` one): a choice of the whole run, listed under
   "the runs differ in", not a divergence.
-* otherwise the model's own casts chose it: a divergence of kind ``precision`` at that op,
+* otherwise the model's own casts chose it. One rule: where the op's values lie within the
+  coarser side's rounding envelope (or, without an envelope model, its tolerance) and no
+  divergence follows in the step file, a finding, named in the headline and the notes
+  (PrecisionTally.within), exit 0; beyond it, a divergence of kind ``precision`` at that op,
   introduced there: "B computes fc1 functional.linear in bfloat16 where A uses float32".
   Dumps that do not record autocast (older versions) cannot tell, and keep the note only.
 
@@ -351,6 +354,7 @@ def judge_precision(rows: list, autocast_a, autocast_b, tally: R.PrecisionTally)
     tally.dtypes_b.update(main_b)
     whole_run = bool(main_a) and main_a.most_common(1)[0][0] != main_b.most_common(1)[0][0]
     external = _external_inputs_of_lower_precision(rows, calls)
+    found = []
     for call, row in calls.items():
         read = None
         if _EPS[row.dtype_a] == _EPS[row.dtype_b]:
@@ -368,8 +372,31 @@ def judge_precision(rows: list, autocast_a, autocast_b, tally: R.PrecisionTally)
         elif runs is None:
             tally.unknown[(side, low)] += 1
         else:
+            found.append((row, side, low, high, read))
+    # one rule: within the coarser side's rounding envelope, a finding; beyond it, or followed
+    # by a divergence in this step file (where the difference it made grew), introduced
+    within = [item for item in found if _within_coarser(item[0])]
+    for item in found:
+        if item not in within:
+            _mark(*item)
+            tally.findings += 1
+    diverged_from = min((row.order for row in rows if row.status == R.DIVERGED), default=None)
+    for row, side, low, high, read in within:
+        if diverged_from is not None and row.order < diverged_from:
             _mark(row, side, low, high, read)
             tally.findings += 1
+            continue
+        text = _finding(row, side, low, high, read)
+        row.notes.append(f"{R.PRECISION_FINDING} {text}, within {low}'s rounding envelope: not a divergence")
+        tally.within.append(f"{text} (step {row.step} rank {row.rank})")
+
+
+def _within_coarser(row: R.RecordRow) -> bool:
+    """The output's values lie within the coarser side's envelope: the rounding envelope where
+    the op has one (its verdict, at the coarser dtype), else that dtype's tolerance."""
+    if row.status not in R.WITHIN:
+        return False
+    return row.envelope is None or row.envelope.get("verdict") == "within"
 
 
 def _external_inputs_of_lower_precision(rows: list, calls: dict) -> dict:
@@ -392,12 +419,17 @@ def _external_inputs_of_lower_precision(rows: list, calls: dict) -> dict:
     return found
 
 
-def _mark(row, side: str, low: str, high: str, read=None) -> None:
+def _finding(row, side: str, low: str, high: str, read=None) -> str:
+    """B computes fc1 functional.linear in bfloat16 where A uses float32."""
     other = "A" if side == "B" else "B"
-    text = f"{side} computes {row.module or '<root>'} {row.op} in {low} where {other} uses {high}"
     if read is not None:
-        text = (f"{side} reads {row.module or '<root>'} {row.op}'s {read.slot} (no recorded op made it: a buffer, "
+        return (f"{side} reads {row.module or '<root>'} {row.op}'s {read.slot} (no recorded op made it: a buffer, "
                 f"data) in {low} where {other} reads {high}")
+    return f"{side} computes {row.module or '<root>'} {row.op} in {low} where {other} uses {high}"
+
+
+def _mark(row, side: str, low: str, high: str, read=None) -> None:
+    text = _finding(row, side, low, high, read)
     earlier = row.cause if row.status == R.DIVERGED and row.cause else ""
     row.status = R.DIVERGED
     row.divergence = R.PRECISION

@@ -415,7 +415,9 @@ class PrecisionTally:
     unknown: Counter = field(default_factory=Counter)  # ("A"/"B", dtype) -> ops, autocast not recorded
     dtypes_a: Counter = field(default_factory=Counter)  # dtype -> api forward outputs of A
     dtypes_b: Counter = field(default_factory=Counter)
-    findings: int = 0
+    findings: int = 0  # precision divergences
+    #: precision findings within the coarser side's rounding envelope: not divergences
+    within: list = field(default_factory=list)
 
     @classmethod
     def total(cls, tallies) -> "PrecisionTally":
@@ -427,10 +429,16 @@ class PrecisionTally:
             for name in ("autocast", "unknown", "dtypes_a", "dtypes_b"):
                 getattr(total, name).update(getattr(tally, name))
             total.findings += tally.findings
+            total.within.extend(tally.within)
         return total
 
     def notes(self) -> list[str]:
         out = []
+        if self.within:
+            more = len(self.within) - 1
+            also = f" and {more} more op{'s' if more != 1 else ''}" if more else ""
+            listed = f": {'; '.join(self.within[1:6])}{'; ...' if more > 5 else ''}" if more else ""
+            out.append(f"{PRECISION_FINDING} {self.within[0]}{also}{PRECISION_WHY}{listed}")
         for (side, dtype), count in sorted(self.autocast.items()):
             other = "B" if side == "A" else "A"
             out.append(f"{side} ran {count} op{'s' if count != 1 else ''} in {dtype} under autocast where {other} "
@@ -443,9 +451,15 @@ class PrecisionTally:
 
     def differences(self) -> list[dict]:
         """The "the runs differ in" entry for the dtypes each run computed in."""
-        if set(self.dtypes_a) == set(self.dtypes_b) and not self.findings and not self.autocast:
+        if set(self.dtypes_a) == set(self.dtypes_b) and not self.findings and not self.autocast and not self.within:
             return []
         return [{"setting": "compute dtypes", "a": _describe(self.dtypes_a), "b": _describe(self.dtypes_b)}]
+
+
+#: how a precision finding within the coarser side's envelope starts, in a row's notes and the result's
+PRECISION_FINDING = "precision finding:"
+PRECISION_WHY = (": the model's own casts, the values within the coarser dtype's rounding envelope (a finding, "
+                 "not a divergence)")
 
 
 def _describe(dtypes: Counter) -> str:

@@ -46,6 +46,8 @@ def verdict_line(result: R.CompareResult) -> str:
         sharded = counts.get("sharded_only", 0)
         sharded = f", {sharded} of them only a sharded run makes" if sharded else ""
         extra += f"; {unmatched} without partner (not compared{sharded})" if unmatched else ""
+        found = next((note for note in result.notes if note.startswith(R.PRECISION_FINDING)), "")
+        extra += f"; {found.split(R.PRECISION_WHY, 1)[0]}" if found else ""
         rounding = R.headline(getattr(result, "envelope", None))
         if rounding:
             return f"PASS: {rounding}: {counts['matched']} records in {where} (evidence: {result.evidence}){extra}"
