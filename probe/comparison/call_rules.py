@@ -142,8 +142,6 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
         if kind == CARRIED and row.status in R.WITHIN and row.accepted is None:
             # state from the previous step, judged there: within tolerance here, accepted
             row.accepted = True
-        if kind == UNRECORDED and clean_before is not None:
-            accept_unrecorded(row, clean_before)
         if producer is not None:
             producers[id(row)] = producer
             if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
@@ -158,6 +156,11 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
             row.origin = R.INHERITED if kind in CARRIERS else R.INTRODUCED
     _accept_assembled(carriers, kinds)
+    for row in carriers if clean_before is not None else ():
+        kind = kinds[id(row)]
+        if kind == UNRECORDED or (kind == EXTERNAL and row.step > 0 and row.status in R.WITHIN):
+            # data after step 0 may be made from the model the earlier steps accepted (rollouts)
+            accept_unrecorded(row, clean_before)
     for row in forward_carriers(forward):
         carriers.append(row)
         kinds[id(row)] = FORWARD
@@ -237,8 +240,8 @@ def accept_unrecorded(row: R.RecordRow, clean_before) -> None:
     other run does not have, has no envelope of its own. When every paired output recorded
     before it is accepted, it is made from accepted values by a few more roundings: its
     difference is accepted while it is within AMPLIFICATION times the largest difference of
-    those outputs within tolerance (clean_before(row): that difference, None when one of them
-    is not accepted), and explained where beyond its tolerance. The fixed rtol says nothing
+    those outputs (clean_before(row): that difference, None when one of them is not
+    accepted), and explained where beyond its tolerance. The fixed rtol says nothing
     there: a 16-bit backward several ops deep differs by more than the two roundings rtol
     allows, however correct (and drift over steps does the same)."""
     if row.accepted is not None or row.status == R.EXPLAINED or row.rounding_ok or not row.explainable:

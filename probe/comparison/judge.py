@@ -59,6 +59,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from probe.comparison import result as R
@@ -117,7 +118,9 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
     largest: dict = {}
 
     def clean_before(row):
-        return largest.get(row.phase, 0.0) if row.order < unaccepted_from[0] else None
+        # the first backward call's gradient comes from the forward's values (the loss's backward)
+        found = largest.get(row.phase) or max(largest.values(), default=0.0)
+        return found if row.order < unaccepted_from[0] else None
 
     # calls in the order their outputs were made: what made a call's inputs is judged before it,
     # and a module call after the api calls inside it (call_rules.explain_module_by_its_calls)
@@ -149,19 +152,22 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
 
 def _track(call: list[R.RecordRow], kind_of, unaccepted_from: list, largest: dict) -> None:
     """After a call is judged: where the first paired tensor record is that is not known to
-    differ by rounding (an output not accepted, or a parameter or external input that differs
-    and is accepted by the fixed tolerance alone: a difference that entered, not one rounding
-    made), and the largest difference (rel L2) of outputs within tolerance, per phase."""
+    differ by rounding (an output not accepted, or a parameter, or data read at step 0, that
+    differs and is accepted by the fixed tolerance alone: a difference that entered, not one
+    rounding made), and the largest difference (rel L2) of accepted outputs, per phase."""
     for row in call:
         if row.status not in R.PAIRED or row.metrics is None or row.metrics.evidence == "value":
             continue
         if row.io == "in":
-            entered = is_param_slot(row.slot) or kind_of(row) in (PARAM_INPUT, EXTERNAL)
-            if entered and row.accepted is None and row.metrics.err_l2 != 0:
+            # data that differs at step 0 entered there; later, the data can be made from the
+            # model the previous steps accepted (a policy's rollouts), which is no entry
+            entered = is_param_slot(row.slot) or kind_of(row) == PARAM_INPUT or (
+                kind_of(row) == EXTERNAL and row.step == 0)
+            if entered and row.accepted is None and row.status != R.EXPLAINED and row.metrics.err_l2 != 0:
                 unaccepted_from[0] = min(unaccepted_from[0], row.order)
         elif not row.is_accepted:
             unaccepted_from[0] = min(unaccepted_from[0], row.order)
-        elif row.status in (R.MATCH, R.CHANGED):
+        elif math.isfinite(rel_error(row)):
             largest[row.phase] = max(largest.get(row.phase, 0.0), rel_error(row))
 
 

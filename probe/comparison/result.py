@@ -480,4 +480,6 @@ def headline(summary: dict | None) -> str:
     gap = summary["largest_gap"]
     # an op's own error may reach FACTOR x its rounding (envelope.py): above 1x is still rounding
     margin = f", within the {ENVELOPE_FACTOR:g}x margin an op's own rounding may take" if gap > 1 else ""
+    if gap > ENVELOPE_FACTOR:  # an output whose inputs' accepted differences explain it (amplified)
+        margin = ", its inputs' accepted differences explaining the rest (amplified rounding)"
     return f"the runs differ by rounding only (largest difference {gap:.2g}x what rounding makes{measured}{margin}{uncertain})"
