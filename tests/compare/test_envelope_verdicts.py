@@ -127,6 +127,9 @@ def test_the_rounding_headline_above_1x_says_it_is_within_the_margin_not_a_gap_b
     assert headline(summary) == ("the runs differ by rounding only (largest difference 1.2x what rounding makes, "
                                  "within the 2x margin an op's own rounding may take)")
     assert "its envelope" not in headline(dict(summary, largest_gap=0.5, baseline="c"))
+    assert headline(dict(summary, largest_gap=400.0)).endswith(
+        "(largest difference 4e+02x what rounding makes, its inputs' accepted differences explaining the rest "
+        "(amplified rounding))")
 
 
 def test_rsqrts_backward_scales_its_gradients_difference_by_its_derivative_at_small_variances():
