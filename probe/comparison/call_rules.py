@@ -169,7 +169,8 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     # every input agreed or its difference was accepted: what the output may differ by is
     # what those differences explain through the op (judged below), not a new error
     accepted = not sources and not changed_args and all(r.is_accepted for r in carriers)
-    amplifier = rows[0].spec.amplifies if rows else False
+    amplifier = bool(rows) and (rows[0].spec.amplifies or (rows[0].phase == "backward"
+                                                           and rows[0].spec.backward_amplifies))
     summary = [input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     summary += [input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
     outputs = [row for row in rows if row.io == "out" and row.status in R.PAIRED]

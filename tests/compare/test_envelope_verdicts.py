@@ -383,3 +383,46 @@ def test_ppo_over_15_updates_each_dumped_against_other_device_rounding_passes_by
     result = probe.compare(tmp_path / "a", tmp_path / "b")
     assert len(result.steps) == 15
     assert result.verdict == "pass" and result.to_text().startswith(ROUNDING_ONLY), result.to_text()[:1500]
+
+
+def _policy_run(path, perturb, steps=14):
+    """A tanh policy trained on a ratio of its new log-probabilities to those of a rollout made
+    with the model outside the captured step (data the model makes: external inputs after step
+    0), lr 0.1: its tanh units saturate; the second run under other_rounding() on 2 threads."""
+    import contextlib
+
+    from probe.perturb import other_rounding
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    debugger = probe.PrecisionDebugger({"task": "statistics", "level": "mix", "dump_path": str(path), "seed": 1})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if perturb else 1)
+    try:
+        with other_rounding() if perturb else contextlib.nullcontext():
+            for _ in range(steps):
+                with torch.no_grad():
+                    old = torch.log_softmax(model(x), -1)[:, 0]
+                debugger.start(model)
+                ratio = torch.exp(torch.log_softmax(model(x), -1)[:, 0] - old)
+                loss = -(ratio * torch.linspace(-1, 1, 32)).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                debugger.stop()
+                debugger.step()
+    finally:
+        torch.set_num_threads(threads)
+        debugger.close()
+    return str(path)
+
+
+def test_a_saturating_tanh_policy_on_its_own_rollouts_against_other_device_rounding_passes(tmp_path):
+    """tanh's backward computes 1 - y^2 from its output: near saturation it amplifies the
+    output's accepted difference; and each step's rollout data is made from the model the
+    previous steps accepted. Neither is an op introducing an error."""
+    result = probe.compare(_policy_run(tmp_path / "a", False), _policy_run(tmp_path / "b", True))
+    assert result.verdict == "pass" and result.to_text().startswith(ROUNDING_ONLY), result.to_text()[:1500]
