@@ -14,7 +14,11 @@ file's renames; a call can only pair with a call of the same module), in three p
 2. Name pass. Inside each region SequenceMatcher marks as replaced, calls are aligned again
    on the op alone: same op, same place, different shapes -> paired, reported as a shape
    change, provided their tensor inputs have the same shapes or their arguments are the same
-   (both different: two different calls, left unpaired).
+   (both different: two different calls, left unpaired). API calls whose arguments differ
+   in kind (a tensor in one, a plain value in the other) and whose outputs differ in shape
+   are different calls, never paired. Module calls still alone there whose classes differ
+   pair when given the same inputs (class pass: another activation module at the same
+   path).
 3. Key pass. Calls still unmatched pair by key (module, op, index) only when that
    (module, op, phase) stream is identical in both runs (same number of calls, same shapes
    in the same order); this recovers calls whose order differs (e.g. backward hooks firing
@@ -55,7 +59,7 @@ from probe.comparison.structs import AlignedStep, NormalizedStep, Slot
 from probe.dump import schema
 
 #: how a pair was made: see the module docstring
-SEQUENCE, NAME, KEY = "sequence", "name", "key"
+SEQUENCE, NAME, KEY, CLASS = "sequence", "name", "key", "class"
 
 
 def align_calls(calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
@@ -133,11 +137,52 @@ def _match(calls_a, calls_b, tokens_a, tokens_b, how, forward=None) -> list[Call
                     pairs.append(CallPair(a, b, how))
         elif tag == "replace" and how == SEQUENCE:
             sub_a, sub_b = calls_a[a0:a1], calls_b[b0:b1]
-            pairs += _match(sub_a, sub_b, [c.name[1] for c in sub_a], [c.name[1] for c in sub_b], NAME, forward)
+            pairs += _pair_classes(
+                _match(sub_a, sub_b, [c.name[1] for c in sub_a], [c.name[1] for c in sub_b], NAME, forward), forward)
         else:
             pairs += [CallPair(c, None) for c in calls_a[a0:a1]]
             pairs += [CallPair(None, c) for c in calls_b[b0:b1]]
     return pairs
+
+
+def _pair_classes(pairs: list[CallPair], forward: dict | None) -> list[CallPair]:
+    """Module calls left alone in one replaced region, at the same path, whose classes differ
+    (GELUActivation in A, NewGELUActivation in B) pair when they are given the same inputs
+    (a backward one: where its forward paired): the change is named at that module, not at
+    the next op that reads what its unpaired inner calls made."""
+    lonely_b = [p.b for p in pairs if p.a is None and p.b.kind == "module"]
+    partner: dict[int, Call] = {}  # id of A's call -> B's
+    taken: set = set()
+    for pair in pairs:
+        a = pair.a
+        if pair.b is not None or a.kind != "module":
+            continue
+        for b in lonely_b:
+            if id(b) in taken or a.name[1] == b.name[1]:
+                continue
+            wanted = forward.get(_identity(a)) if forward is not None else None
+            if (wanted == _identity(b)) if wanted is not None else _inputs(a) == _inputs(b):
+                partner[id(a)] = b
+                taken.add(id(b))
+                break
+    return _repaired(pairs, partner, CLASS)
+
+
+def _repaired(pairs: list[CallPair], partner: dict, how: str) -> list[CallPair]:
+    """pairs with each lonely call of A whose id is in partner paired with its partner (made
+    ``how``), and those partners' lonely entries dropped."""
+    if not partner:
+        return pairs
+    taken = {id(c) for c in partner.values()}
+    result = []
+    for pair in pairs:
+        if pair.b is None and id(pair.a) in partner:
+            result.append(CallPair(pair.a, partner[id(pair.a)], how))
+        elif pair.a is None and id(pair.b) in taken:
+            continue
+        else:
+            result.append(pair)
+    return result
 
 
 def _inputs(call: Call) -> tuple:
@@ -155,7 +200,22 @@ def _related(a: Call, b: Call, forward: dict | None = None) -> bool:
     if forward is not None:
         partner = forward.get(_identity(a))
         return partner == _identity(b) if partner is not None else same_inputs
+    if a.kind != "module" and _other_kinds(a, b) and _outputs(a) != _outputs(b):
+        return False
     return same_inputs or a.values == b.values
+
+
+def _outputs(call: Call) -> tuple:
+    return tuple(item for item in call.shapes if item[0].startswith("output"))
+
+
+def _other_kinds(a: Call, b: Call) -> bool:
+    """An argument is a tensor in one call and a plain value in the other (``mask[:, -1]``
+    against indexing with two index tensors): of an API call, not the same call. (A module is
+    identified by what it is given; its arguments may change form: a mask or None.)"""
+    tensors_a, tensors_b = {slot for slot, _ in _inputs(a)}, {slot for slot, _ in _inputs(b)}
+    values_a, values_b = {slot for slot, _ in a.values}, {slot for slot, _ in b.values}
+    return bool(tensors_a & values_b or tensors_b & values_a)
 
 
 def _pair_by_key(pairs: list[CallPair], calls_a: list[Call], calls_b: list[Call]) -> list[CallPair]:
@@ -170,18 +230,7 @@ def _pair_by_key(pairs: list[CallPair], calls_a: list[Call], calls_b: list[Call]
         other = wanted.get((call.name, call.index))
         if other is not None and other.shapes == call.shapes and streams_a[call.name] == streams_b[call.name]:
             partner[id(call)] = other
-    if not partner:
-        return pairs
-    taken = {id(c) for c in partner.values()}
-    result = []
-    for pair in pairs:
-        if pair.b is None and id(pair.a) in partner:
-            result.append(CallPair(pair.a, partner[id(pair.a)], KEY))
-        elif pair.a is None and id(pair.b) in taken:
-            continue
-        else:
-            result.append(pair)
-    return result
+    return _repaired(pairs, partner, KEY)
 
 
 def _streams(calls: list[Call]) -> dict:

@@ -20,23 +20,6 @@
   largest carrier's; otherwise ``inherited``. An output whose inputs' accepted differences
   explain it is ``explained`` (origin ``amplified``): not a divergence.
 
-Kernels
--------
-
-Two kernels for one computation in a low precision: their roundings differ by more than one.
-
-A bf16 model with sdpa attention in one run and eager attention (matmul, softmax, matmul) in
-the other computes the same function with different ops. Those ops have no partner, so the
-tensors they make are sources (docs/compare.md, "made by a call that has no partner"), and
-in backward the gradient they send back differs by a few bfloat16 roundings: each kernel
-rounds its own intermediates. The bfloat16 tolerance allows about two roundings, so a clean
-pair false-alarms there.
-
-The rule: in a call whose only divergent inputs were made by unpartnered calls, a divergent
-output judged at a 16-bit or coarser tolerance, within KERNEL_SLACK times that tolerance, is
-explained ("two kernels round differently"), and so are those inputs. A different function
-in the other run (SiLU against GELU) is far beyond it and stays introduced. Float32 and
-float64 records are not touched: there, other ops by either run are findings.
 """
 
 from __future__ import annotations
@@ -44,6 +27,7 @@ from __future__ import annotations
 import math
 
 from probe.comparison import result as R
+from probe.comparison.op_envelopes import LOW_PRECISION, UNIT_ROUNDOFF as _ROUNDOFF
 from probe.comparison.ops import BATCH_NORM_TRAINING, MEANS, RUNNING_STATISTICS, is_batch_norm
 from probe.comparison.records import LOCAL_GRAD, is_param_slot, param_name
 from probe.comparison.structs import (
@@ -88,10 +72,13 @@ def is_dtype_limit_pair(a, b) -> bool:
     return bool(_LIMITS.get(float(a), set()) & _LIMITS.get(float(b), set()))
 
 
-def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] = (), values=None) -> None:
+def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] = (), values=None,
+               clean_before=None) -> None:
     """Classify the divergent rows of one call pair and give its outputs an origin.
 
     values(row) -> both runs' parsed values of a plain-value row (Measurement.values).
+    clean_before(row) -> whether every tensor output the step file made before this input
+    is accepted (accept_unrecorded); None: not known.
     input_kind(row) -> (kind, producer) for an input-side tensor row: kind is "produced",
     "param", "carried" or "external"; producer is the RecordRow of the earlier output that
     made the tensor (None when unknown).
@@ -160,11 +147,20 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
             if row.status in R.WITHIN and row.status != R.EXPLAINED and kind == PRODUCED:
                 # the same tensor as its producer's output: accepted as that one was
                 row.accepted = bool(row.accepted) or row.rounding_ok or producer.is_accepted
+                if producer.status in (R.ONLY_A, R.ONLY_B) and row.tol_dtype in LOW_PRECISION and clean_before is not None:
+                    # another kernel of the same computation made it (explain_different_kernels)
+                    row.accepted = row.accepted or None
+                    accept_unrecorded(row, clean_before)
         (carriers if is_carrier(kind, row.status) else sources).append(row)
         if row.status == R.DIVERGED:
             row.divergence = R.PARAM if kind == PARAM_INPUT else R.INPUT
             row.origin = R.INHERITED if kind in CARRIERS else R.INTRODUCED
     _accept_assembled(carriers, kinds)
+    for row in carriers if clean_before is not None else ():
+        kind = kinds[id(row)]
+        if kind == UNRECORDED or (kind == EXTERNAL and row.step > 0 and row.status in R.WITHIN):
+            # data after step 0 may be made from the model the earlier steps accepted (rollouts)
+            accept_unrecorded(row, clean_before)
     for row in forward_carriers(forward):
         carriers.append(row)
         kinds[id(row)] = FORWARD
@@ -173,7 +169,8 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
     # every input agreed or its difference was accepted: what the output may differ by is
     # what those differences explain through the op (judged below), not a new error
     accepted = not sources and not changed_args and all(r.is_accepted for r in carriers)
-    amplifier = rows[0].spec.amplifies if rows else False
+    amplifier = bool(rows) and (rows[0].spec.amplifies or (rows[0].phase == "backward"
+                                                           and rows[0].spec.backward_amplifies))
     summary = [input_summary(r, kinds[id(r)], producers.get(id(r))) for r in rows if id(r) in kinds]
     summary += [input_summary(r, FORWARD, None) for r in carriers if kinds[id(r)] == FORWARD]
     outputs = [row for row in rows if row.io == "out" and row.status in R.PAIRED]
@@ -229,7 +226,37 @@ def judge_call(rows: list[R.RecordRow], input_kind, forward: list[R.RecordRow] =
         if stale and row.status == R.DIVERGED and row.origin == R.INTRODUCED:
             row.cause += (f"; input {stale[0].slot} was not compared ({stale[0].stale}'s record holds the values from "
                           "before an in-place write): if that write did not happen, the error entered there")
-    _unused_inputs(rows, outputs, kinds)
+    if _unused_inputs(rows, outputs, kinds) and not changed_args and not sources \
+            and all(r.is_accepted for r in carriers):
+        # the inputs it explained count as accepted now: so do the outputs they explain
+        for row in outputs:
+            if row.status in R.WITHIN and not row.accepted:
+                row.accepted = row.rounding_ok or _explains(carriers, rel_error(row), carried_rel) or (
+                    amplifier and carried_rel > 0)
+
+
+def accept_unrecorded(row: R.RecordRow, clean_before) -> None:
+    """An input that unrecorded code made after the backward began (autograd summing the
+    gradients of a tensor read twice, a parameter's gradient accumulated), or a kernel the
+    other run does not have, has no envelope of its own. When every paired output recorded
+    before it is accepted, it is made from accepted values by a few more roundings: its
+    difference is accepted while it is within AMPLIFICATION times the largest difference of
+    those outputs (clean_before(row): that difference, None when one of them is not
+    accepted), and explained where beyond its tolerance. The fixed rtol says nothing
+    there: a 16-bit backward several ops deep differs by more than the two roundings rtol
+    allows, however correct (and drift over steps does the same)."""
+    if row.accepted is not None or row.status == R.EXPLAINED or row.rounding_ok or not row.explainable:
+        return
+    largest = clean_before(row)
+    rel = rel_error(row)
+    if largest is None or largest <= 0 or rel > AMPLIFICATION * largest:
+        return
+    if row.status in R.WITHIN:
+        row.accepted = True
+    elif row.status == R.DIVERGED:
+        row.explain(f"made by code probe does not record (autograd summing the gradients of a tensor read more "
+                    f"than once, a kernel the other run does not have) from values that all agree or are accepted "
+                    f"(largest difference rel L2 {sci(largest)}; this one {sci(rel)}): accumulated rounding")
 
 
 def _accept_assembled(carriers, kinds) -> None:
@@ -318,47 +345,35 @@ def _unread_running_statistics(rows) -> frozenset:
     return frozenset()
 
 
-def _unused_inputs(rows, outputs, kinds) -> None:
+def _unused_inputs(rows, outputs, kinds) -> bool:
     """An input read from outside the step's records (a buffer, state carried over) that
     differs while every tensor output of the call agrees had no effect on this call
-    (BatchNorm's running statistics in training mode): accepted, with a note."""
+    (BatchNorm's running statistics in training mode): accepted, with a note. Where the call
+    casts it to a coarser dtype (a float32 gradient of a bfloat16 model cast back), the
+    difference is one the coarser dtype's tolerance holds. Returns whether it accepted any."""
     tensors = [r for r in outputs if r.metrics is not None and r.metrics.evidence != "value"]
     if not tensors or any(r.status not in R.WITHIN for r in tensors):
-        return
+        return False
+    found = False
     for row in rows:
         if row.io == "in" and row.status == R.DIVERGED and kinds.get(id(row)) in (EXTERNAL, CARRIED, UNRECORDED) \
                 and row.explainable:
-            row.explain(f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has no effect "
-                         f"here (a buffer such as BatchNorm's running statistics in training mode)", "")
+            coarser = next((r.tol_dtype for r in tensors if _coarser(r.tol_dtype, row.tol_dtype)), "")
+            if coarser:
+                row.explain(f"differs (rel L2 {sci(rel_error(row))}) in {row.tol_dtype}, and this call casts it to "
+                            f"{coarser}, where every output agrees within {coarser}'s tolerance: the difference of "
+                            f"values computed from {coarser} ones", "")
+            else:
+                row.explain(f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has "
+                            f"no effect here (a buffer such as BatchNorm's running statistics in training mode)", "")
+            found = True
+    return found
 
 
-#: how many times its tolerance a record made through different kernels may differ
-KERNEL_SLACK = 2.0
-_LOW = ("bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
-
-
-def explain_different_kernels(rows: list) -> None:
-    """Explain the rounding of different kernels in one judged call (see the module docstring)."""
-    outputs = [row for row in rows if row.io == "out" and row.status == R.DIVERGED and row.divergence == R.OUTPUT]
-    if not outputs or not all(_slack(row) for row in outputs):
-        return
-    entries = outputs[0].input_errors
-    divergent = [item for item in entries if item.get("status") == R.DIVERGED]
-    if not divergent or any(item.get("source") != "unpaired" for item in divergent):
-        return
-    slots = {item["slot"] for item in divergent}
-    inputs = [row for row in rows if row.io == "in" and row.slot in slots and row.status == R.DIVERGED]
-    if not all(_slack(row) for row in inputs):
-        return
-    producers = ", ".join(sorted({item.get("producer") or "?" for item in divergent}))
-    for row in inputs + outputs:
-        row.explain(f"the runs compute its input with different kernels ({producers} has no partner), "
-                             f"whose {row.tol_dtype} roundings differ by more than the tolerance's two: within "
-                             f"{KERNEL_SLACK:g}x it (score {row.score:.3g}), not a divergence", R.INHERITED)
-
-
-def _slack(row) -> bool:
-    return row.tol_dtype in _LOW and row.score is not None and row.score <= KERNEL_SLACK
+def _coarser(dtype: str, than: str) -> bool:
+    """dtype's unit roundoff is larger than that of ``than`` (both floating dtypes compare knows)."""
+    mine, theirs = _ROUNDOFF.get(dtype), _ROUNDOFF.get(than)
+    return mine is not None and theirs is not None and mine > theirs
 
 
 # ---------------------------------------------------------------------------- causes: why an output differs, in words

@@ -177,6 +177,7 @@ def with_baseline(env: Envelope | None, measured: float) -> Envelope:
 
 
 def expected_text(expected: float, seen: float) -> str:
-    """expected from rounding: 3.1e-06, seen: 2.0e-06 (0.64x)."""
-    gap = seen / expected if expected > 0 else (0.0 if seen == 0 else math.inf)
-    return f"expected from rounding: {sci(expected)}, seen: {sci(seen)} ({gap:.2g}x)"
+    """expected from rounding: 3.1e-06, seen: 2.0e-06 (0.64x); never a ratio to 0 ("infx")."""
+    if expected <= 0:  # an exact op (a copy): a ratio to nothing says nothing
+        return f"expected from rounding: none (it rounds nothing), seen: {sci(seen)}"
+    return f"expected from rounding: {sci(expected)}, seen: {sci(seen)} ({seen / expected:.2g}x)"

@@ -89,6 +89,7 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
     inputs: dict[int, tuple | None] = {}  # pair -> the statistics of its input.0, read once
     effective: dict[int, str] = {}  # A's row -> the tolerance dtype it was judged with
     call_floor: dict[int, str] = {}  # pair -> lowest precision among its inputs
+    forward_floor: dict[tuple, str] = {}  # (module, op, index) -> lowest precision of its forward's records
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
     measurements = []
     measurer.start_prefetch(paired)
@@ -104,6 +105,11 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
                 upstream = lower_precision(upstream, effective[producer])
             if row.io == "out" and number in call_floor:
                 upstream = lower_precision(upstream, call_floor[number])
+            call_key = (row.module, row.op, row.index)
+            if row.phase == "backward" and call_key in forward_floor:
+                # a backward computes from the values its forward saw: a float32 gradient in a
+                # bfloat16 model's float32 island carries bfloat16 rounding, as its forward did
+                upstream = lower_precision(upstream, forward_floor[call_key])
             what, metrics, tol = measurer.measure(row, row_a, row_b, upstream)
             row.stale = _unwritten_in(cols_a, row_a, cols_b, row_b)
             if number not in inputs:
@@ -114,6 +120,8 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
                                              inputs[number]))
             if row.tol_dtype and row.tol_dtype != "exact":
                 effective[row_a] = row.tol_dtype
+                if row.phase == "forward":
+                    forward_floor[call_key] = lower_precision(forward_floor.get(call_key), row.tol_dtype)
                 if row.io == "in":
                     call_floor[number] = lower_precision(call_floor.get(number), row.tol_dtype)
                 if row.dtype_a != row.dtype_b:
@@ -277,6 +285,10 @@ class Measurer:
             row.notes.append(f"computed from {row.tol_dtype} values upstream (judged as {row.tol_dtype})")
         if not _same_shape(row.shape_a, row.shape_b):
             return SHAPE, None, tol
+        if "bool" in (row.dtype_a, row.dtype_b) and row.dtype_a != row.dtype_b:
+            same = self.same_mask(row_a, row_b)
+            if same is not None:
+                return _mask_pair(row, same)
         metrics = self.metrics(row_a, row_b, tol)
         self.evidence.add(metrics.evidence)
         return TENSOR, metrics, tol
@@ -309,6 +321,62 @@ class Measurer:
             if found.sketch is not None:
                 self.evidence.add("sketch")
         return found
+
+
+    def same_mask(self, row_a: int, row_b: int) -> tuple | None:
+        """A bool mask (True: attend, as sdpa reads it) in one run and an additive float mask
+        (0: attend, a large negative number or -inf: masked, as eager attention adds it) in the
+        other: (whether they mask the same positions, the float side's masking value, the masked
+        counts of A and B); None when the pair is not two such masks."""
+        a, b = self.a, self.b
+        flip = a["dtype"][row_a] != "bool"
+        (bools, rb), (floats, rf) = ((b, row_b), (a, row_a)) if flip else ((a, row_a), (b, row_b))
+        low, high = floats["min"][rf], floats["max"][rf]
+        if high not in (0.0, low) or not low <= _MASKED or floats["nan_count"][rf]:
+            return None
+        numel = int(bools["numel"][rb])
+        masked_bool = numel - round(float(bools["mean"][rb]) * numel)
+        ids = (a["tensor_id"][row_a], b["tensor_id"][row_b])
+        if min(ids) >= 0 and self.fetch_a is not None and self.fetch_b is not None:
+            arrays = (self.fetch_a(ids[0]), self.fetch_b(ids[1]))
+            mask, added = (arrays[1], arrays[0]) if flip else arrays
+            same = bool(np.array_equal(mask.astype(bool), added == 0) and np.all(added[~mask.astype(bool)] <= _MASKED))
+            masked_float = int(np.count_nonzero(added != 0))
+        elif math.isinf(low):
+            masked_float = int(floats["inf_count"][rf])
+            same = masked_float == masked_bool
+        else:
+            # every masked value is ``low`` and the rest 0: ||f||^2 = count * low^2
+            estimate = (float(floats["norm"][rf]) / abs(low)) ** 2
+            masked_float = round(estimate)
+            same = abs(estimate - masked_float) < 1e-3 * max(numel, 1) and masked_float == masked_bool
+        counts = (masked_float, masked_bool) if flip else (masked_bool, masked_float)
+        return same, low, counts
+
+
+#: an additive mask's masking value is at most float16's lowest
+_MASKED = -65504.0
+
+
+def _mask_pair(row: RecordRow, found: tuple):
+    """The measurement of a bool mask against an additive float mask (Measurer.same_mask)."""
+    same, low, counts = found
+    forms = {"bool": "bool (True: attend)"}
+    form_a = forms.get(row.dtype_a, f"additive {row.dtype_a} (0: attend, {low:g}: masked)")
+    form_b = forms.get(row.dtype_b, f"additive {row.dtype_b} (0: attend, {low:g}: masked)")
+    row.notes = [note for note in row.notes if not note.startswith("dtype ")]
+    text = f"mask given as {form_a} in A, {form_b} in B"
+    if same:
+        row.notes.append(f"{MASK_NOTE}: {text}")
+        return VALUE, Metrics(evidence="value", numel=1, bit_equal=True, value_a=form_a, value_b=form_b), None
+    row.cause = f"{text}, and they mask other positions ({counts[0]} masked in A, {counts[1]} in B)"
+    row.notes.append(f"mask representation changed: {text}")
+    return VALUE, Metrics(evidence="value", numel=1, err_l2=math.inf, rel_l2=math.inf, max_abs=math.inf,
+                          bit_equal=False, value_a=form_a, value_b=form_b), None
+
+
+#: the note of a mask pair of two representations that mask the same positions
+MASK_NOTE = "the same mask in another form"
 
 
 def _scalar_text(cols: dict, row: int) -> str | None:

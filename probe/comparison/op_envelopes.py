@@ -28,6 +28,10 @@ UNIT_ROUNDOFF = {
     "float8_e5m2": 2.0 ** -3, "float8_e5m2fnuz": 2.0 ** -3,
 }
 
+#: the 16-bit and 8-bit floating dtypes: where two kernels of one computation round apart
+LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+
+
 def unit_roundoff(dtype: str) -> float | None:
     return UNIT_ROUNDOFF.get(dtype.removeprefix("torch."))
 

@@ -143,6 +143,9 @@ class OpSpec:
     family: str | None = None
     form: str = ""
     amplifies: bool = False
+    #: its backward computes the derivative from the saved output by a cancellation (tanh's
+    #: 1 - y^2, sigmoid's y (1 - y)): near saturation it amplifies what the output differs by
+    backward_amplifies: bool = False
     sums: str = ""
     lipschitz: float = 1.0
     replay: Callable[[Replay], object] | None = None
@@ -190,10 +193,11 @@ SPECS: dict[str, OpSpec] = {
     "neg": OpSpec(ELEMENTWISE, replay=lambda r: np.negative(r.x)),
     "abs": OpSpec(ELEMENTWISE, replay=lambda r: np.abs(r.x)),
     **_specs(ELEMENTWISE, "relu clamp clamp_min clamp_max where masked_fill maximum minimum relu6 leaky_relu "
-                          "hardtanh sign ReLU Identity dropout Dropout elu softplus tanh Tanh sin cos"),
+                          "hardtanh sign ReLU Identity dropout Dropout elu softplus sin cos"),
+    **_specs(ELEMENTWISE, "tanh Tanh", backward_amplifies=True),
     **_specs(ELEMENTWISE, "gelu GELU erf", lipschitz=1.13),
     **_specs(ELEMENTWISE, "silu SiLU mish", lipschitz=1.1),
-    **_specs(ELEMENTWISE, "sigmoid Sigmoid", lipschitz=0.25),
+    **_specs(ELEMENTWISE, "sigmoid Sigmoid", lipschitz=0.25, backward_amplifies=True),
     **_specs(COPY, "view reshape transpose permute contiguous clone split chunk getitem __getitem__ squeeze "
                    "unsqueeze flatten unflatten t narrow select detach copy flip roll unbind view_as reshape_as "
                    "movedim swapaxes tril triu zero fill zeros_like ones_like"),

@@ -30,6 +30,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from probe.comparison.envelope import FACTOR as ENVELOPE_FACTOR
 from probe.comparison.structs import (  # noqa: F401  the names every report reads from here
     AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
     ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, RecordRow,
@@ -414,7 +415,9 @@ class PrecisionTally:
     unknown: Counter = field(default_factory=Counter)  # ("A"/"B", dtype) -> ops, autocast not recorded
     dtypes_a: Counter = field(default_factory=Counter)  # dtype -> api forward outputs of A
     dtypes_b: Counter = field(default_factory=Counter)
-    findings: int = 0
+    findings: int = 0  # precision divergences
+    #: precision findings within the coarser side's rounding envelope: not divergences
+    within: list = field(default_factory=list)
 
     @classmethod
     def total(cls, tallies) -> "PrecisionTally":
@@ -426,10 +429,16 @@ class PrecisionTally:
             for name in ("autocast", "unknown", "dtypes_a", "dtypes_b"):
                 getattr(total, name).update(getattr(tally, name))
             total.findings += tally.findings
+            total.within.extend(tally.within)
         return total
 
     def notes(self) -> list[str]:
         out = []
+        if self.within:
+            more = len(self.within) - 1
+            also = f" and {more} more op{'s' if more != 1 else ''}" if more else ""
+            listed = f": {'; '.join(self.within[1:6])}{'; ...' if more > 5 else ''}" if more else ""
+            out.append(f"{PRECISION_FINDING} {self.within[0]}{also}{PRECISION_WHY}{listed}")
         for (side, dtype), count in sorted(self.autocast.items()):
             other = "B" if side == "A" else "A"
             out.append(f"{side} ran {count} op{'s' if count != 1 else ''} in {dtype} under autocast where {other} "
@@ -442,9 +451,15 @@ class PrecisionTally:
 
     def differences(self) -> list[dict]:
         """The "the runs differ in" entry for the dtypes each run computed in."""
-        if set(self.dtypes_a) == set(self.dtypes_b) and not self.findings and not self.autocast:
+        if set(self.dtypes_a) == set(self.dtypes_b) and not self.findings and not self.autocast and not self.within:
             return []
         return [{"setting": "compute dtypes", "a": _describe(self.dtypes_a), "b": _describe(self.dtypes_b)}]
+
+
+#: how a precision finding within the coarser side's envelope starts, in a row's notes and the result's
+PRECISION_FINDING = "precision finding:"
+PRECISION_WHY = (": the model's own casts, the values within the coarser dtype's rounding envelope (a finding, "
+                 "not a divergence)")
 
 
 def _describe(dtypes: Counter) -> str:
@@ -454,13 +469,17 @@ def _describe(dtypes: Counter) -> str:
 
 
 def headline(summary: dict | None) -> str:
-    """"the runs differ by rounding only (largest gap 0.4x its envelope)", or "" unless the runs
-    differ, every output's size is known from above (tensors, sketches), none is beyond its
-    envelope (a pass only by the fixed tolerance) or more than FACTOR x it without another
-    explanation, and --strict did not ask for the fixed tolerance alone."""
+    """"the runs differ by rounding only (largest difference 0.4x what rounding makes)", or ""
+    unless the runs differ, every output's size is known from above (tensors, sketches), none
+    is beyond its envelope (a pass only by the fixed tolerance) or more than FACTOR x it
+    without another explanation, and --strict did not ask for the fixed tolerance alone."""
     if not summary or not summary["rounding_only"] or summary["largest_gap"] is None:
         return ""
     uncertain = f"; {summary['uncertain']} uncertain" if summary["uncertain"] else ""
-    measured = " measured by the baseline" if summary.get("baseline") else ""
-    return (f"the runs differ by rounding only (largest gap {summary['largest_gap']:.2g}x its envelope{measured}"
-            f"{uncertain})")
+    measured = " as the baseline measured it" if summary.get("baseline") else ""
+    gap = summary["largest_gap"]
+    # an op's own error may reach FACTOR x its rounding (envelope.py): above 1x is still rounding
+    margin = f", within the {ENVELOPE_FACTOR:g}x margin an op's own rounding may take" if gap > 1 else ""
+    if gap > ENVELOPE_FACTOR:  # an output whose inputs' accepted differences explain it (amplified)
+        margin = ", its inputs' accepted differences explaining the rest (amplified rounding)"
+    return f"the runs differ by rounding only (largest difference {gap:.2g}x what rounding makes{measured}{margin}{uncertain})"

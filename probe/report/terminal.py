@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import math
+
 from probe.comparison import result as R
 from probe.comparison import load
 from probe.comparison.result import where_text
@@ -44,6 +46,8 @@ def verdict_line(result: R.CompareResult) -> str:
         sharded = counts.get("sharded_only", 0)
         sharded = f", {sharded} of them only a sharded run makes" if sharded else ""
         extra += f"; {unmatched} without partner (not compared{sharded})" if unmatched else ""
+        found = next((note for note in result.notes if note.startswith(R.PRECISION_FINDING)), "")
+        extra += f"; {found.split(R.PRECISION_WHY, 1)[0]}" if found else ""
         rounding = R.headline(getattr(result, "envelope", None))
         if rounding:
             return f"PASS: {rounding}: {counts['matched']} records in {where} (evidence: {result.evidence}){extra}"
@@ -111,6 +115,9 @@ def _judged(row: R.RecordRow) -> str:
         return "exact comparison"
     if row.rtol is None or row.score is None:
         return "not measured: " + ("; ".join(row.reasons) or "no metrics")
+    if row.tol_dtype == "exact" or not math.isfinite(row.score):
+        # integers and bools compare exactly (a zero budget too): no ratio to give
+        return "exact comparison: the values must be equal" + (", and they differ" if row.score else "")
     return (f"score {num(row.score)}: the error is {num(row.score)}x the {row.tol_dtype} tolerance "
             f"(rtol {row.rtol:g}, atol {row.atol:g}); above 1 fails")
 

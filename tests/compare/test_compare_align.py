@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from probe.comparison.align import KEY, NAME, SEQUENCE, align_calls
+from probe.comparison.align import CLASS, KEY, NAME, SEQUENCE, align_calls
 from probe.comparison.records import load_mapping, mapping_from_dict
 from probe.comparison.records import Records, build_calls
 from probe.errors import CompareError
@@ -176,3 +176,75 @@ def test_bad_mapping_file_is_one_compare_error(tmp_path, content, fragment):
 def test_missing_mapping_file_names_the_path(tmp_path):
     with pytest.raises(CompareError, match="does not exist"):
         load_mapping(str(tmp_path / "nope.yaml"))
+
+
+def _slotted(calls):
+    """calls: [(module, op, kind, {slot: shape list or a value string})], one call each, in order."""
+    rows, counters = [], {}
+    for seq, (module, op, kind, slots) in enumerate(calls):
+        index = counters.get((module, op), 0)
+        counters[(module, op)] = index + 1
+        for slot, what in slots.items():
+            row = dict(module=module, op=op, index=index, seq=seq, slot=slot, kind=kind, source=f"{op}#{index}")
+            row.update(value=what) if isinstance(what, str) else row.update(shape=json.dumps(what))
+            rows.append(row)
+    records = Records.from_dicts(rows)
+    return records, build_calls(records)
+
+
+def _slotted_pairs(calls_a, calls_b):
+    (rec_a, a), (rec_b, b) = _slotted(calls_a), _slotted(calls_b)
+    return [(rec_a.get("source", p.a.first_row) if p.a else None, rec_b.get("source", p.b.first_row) if p.b else None,
+             p.how) for p in align_calls(a, b)]
+
+
+def test_calls_whose_arguments_differ_in_kind_and_whose_outputs_differ_in_shape_are_never_paired():
+    """transformers' masking_utils runs mask[:, -1] only when not tracing; the compiled run indexes
+    with two index tensors at that place instead: the same op and input, not the same call."""
+    eager = [("model", "Tensor.__getitem__", "api", {"input.0": [4, 16], "input.1.0": '"slice(None, None, None)"',
+                                                     "input.1.1": "-1", "output.0": [4]})]
+    compiled = [("model", "Tensor.__getitem__", "api", {"input.0": [4, 16], "input.1.0": [4, 1, 1, 1],
+                                                        "input.1.1": [1, 1, 1, 16], "output.0": [4, 1, 1, 16]})]
+    assert sorted(_slotted_pairs(eager, compiled), key=str) == [
+        ("Tensor.__getitem__#0", None, ""), (None, "Tensor.__getitem__#0", "")]
+    # the same kinds of argument with another shape are one call whose shape changed
+    wider = [("model", "Tensor.__getitem__", "api", {"input.0": [4, 32], "input.1.0": '"slice(None, None, None)"',
+                                                     "input.1.1": "-1", "output.0": [4]})]
+    assert _slotted_pairs(eager, wider) == [("Tensor.__getitem__#0", "Tensor.__getitem__#0", NAME)]
+
+
+def test_a_module_replaced_by_another_class_at_the_same_path_pairs_with_it():
+    """BERT's GELUActivation in one run, NewGELUActivation (tanh GELU from pow, tanh, mul) in the
+    other: the module calls pair (their inner calls do not), so the change is named there."""
+    act = "layer.0.intermediate.intermediate_act_fn"
+    a = [(act, "GELUActivation", "module", {"input.0": [2, 8, 64], "output.0": [2, 8, 64]}),
+         (act, "functional.gelu", "api", {"input.0": [2, 8, 64], "output.0": [2, 8, 64]})]
+    b = [(act, "NewGELUActivation", "module", {"input.0": [2, 8, 64], "output.0": [2, 8, 64]}),
+         (act, "torch.pow", "api", {"input.0": [2, 8, 64], "input.1": "3.0", "output.0": [2, 8, 64]}),
+         (act, "torch.tanh", "api", {"input.0": [2, 8, 64], "output.0": [2, 8, 64]})]
+    pairs = _slotted_pairs(a, b)
+    assert ("GELUActivation#0", "NewGELUActivation#0", CLASS) in pairs
+    assert {(x, y) for x, y, _ in pairs if x is None or y is None} == {
+        ("functional.gelu#0", None), (None, "torch.pow#0"), (None, "torch.tanh#0")}
+
+
+def test_a_bert_layer_whose_gelu_becomes_gelu_new_is_named_at_its_activation_module(tmp_path):
+    """transformers' GELUActivation against NewGELUActivation in one layer of a tiny BERT: the
+    module calls pair across the class change and the change is named there, not at the next
+    Linear that reads what the unpaired inner calls made."""
+    pytest.importorskip("transformers", reason="the BERT pair needs transformers: pip install -e '.[test]'")
+    import probe
+    from tests import rounding_pairs as P
+    from tests.real_models import hf_model, lm_loss, token_batch
+
+    def gelu_new(model):
+        from transformers.activations import ACT2FN
+
+        model.bert.encoder.layer[0].intermediate.intermediate_act_fn = ACT2FN["gelu_new"]
+
+    options = dict(build=lambda: hf_model("bert"), batch=token_batch, steps=1, task="statistics", loss=lm_loss)
+    result = probe.compare(P.run(tmp_path / "a", **options), P.run(tmp_path / "b", fault=gelu_new, **options))
+    cause = result.likely_cause
+    assert (cause.module, cause.op, cause.origin) == (
+        "bert.encoder.layer.0.intermediate.intermediate_act_fn", "GELUActivation", "introduced"), result.to_text()[:1500]
+    assert cause.cause.startswith("module class changed: GELUActivation in A, NewGELUActivation in B")

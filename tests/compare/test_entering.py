@@ -34,12 +34,12 @@ def test_a_weight_off_by_half_a_percent_in_bf16_is_the_likely_cause_not_the_op_b
 
 
 def test_a_norm_without_its_float32_upcast_is_a_precision_finding_at_its_first_op(reference, tmp_path):
+    """Its values stay within bfloat16's rounding envelope: a finding in the headline, exit 0."""
     b = train(tmp_path / "b", lambda: TinyAttention(sharpness=8.0, upcast_norm=False), **OPTIONS)
     result = probe.compare(reference, b)
-    first = result.first_divergence
-    assert result.verdict == "diverged" and first.divergence == "precision"
-    assert (first.op, first.origin) == ("Tensor.pow", "introduced")
-    assert first.cause.startswith("B computes <root> Tensor.pow in bfloat16 where A uses float32")
+    headline = result.to_text().splitlines()[0]
+    assert result.verdict == "pass", headline
+    assert "precision finding: B computes <root> Tensor.pow in bfloat16 where A uses float32" in headline
 
 
 def test_the_same_bf16_model_twice_passes_with_no_likely_cause(reference, tmp_path):

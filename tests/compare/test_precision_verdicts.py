@@ -1,6 +1,8 @@
-"""Precision is a finding: a lower dtype chosen by the model's own casts is a divergence of kind
-"precision" at its op; under autocast it is expected and counted; whole-run dtype differences
-(float32 against float64) pass. Either way the dtypes are listed under "the runs differ in"."""
+"""Precision is a finding: a lower dtype chosen by the model's own casts whose values lie within
+that dtype's rounding envelope is a finding in the headline and notes (exit 0); beyond it, a
+divergence of kind "precision" at its op; under autocast it is expected and counted; whole-run
+dtype differences (float32 against float64) pass. Either way the dtypes are listed under "the
+runs differ in"."""
 
 import json
 
@@ -10,7 +12,7 @@ import torch
 import probe
 from probe.cli import main as cli
 from probe.dump.reader import open_step_file
-from tests.verdict_models import SmallNet, train
+from tests.verdict_models import SmallNet, batch, train
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +27,45 @@ def _compare_cli(a, b, capsys):
     return raised.value.code, json.loads(out)
 
 
-def test_one_linear_cast_to_bfloat16_by_the_model_is_a_precision_divergence_at_that_op(reference, tmp_path, capsys):
+def test_one_linear_cast_to_bfloat16_within_its_envelope_is_a_finding_in_the_headline_and_exits_0(
+        reference, tmp_path, capsys):
+    """One precision rule: values within the coarser side's rounding envelope are a finding."""
     b = train(tmp_path / "b", lambda: SmallNet(fc1_dtype=torch.bfloat16))
     code, data = _compare_cli(reference, b, capsys)
-    assert code == 1 and data["verdict"] == "diverged"
-    first = data["first_divergence"]
-    assert (first["module"], first["op"], first["kind"], first["origin"]) == (
-        "fc1", "functional.linear", "precision", "introduced")
-    assert first["cause"].startswith("B computes fc1 functional.linear in bfloat16 where A uses float32")
+    assert code == 0 and data["verdict"] == "pass"
+    finding = "precision finding: B computes fc1 functional.linear in bfloat16 where A uses float32 (step 0 rank 0)"
+    assert finding in data["headline"]
+    assert any(note.startswith(finding) and "rounding envelope" in note for note in data["notes"])
     dtypes = [d for d in data["run_differences"] if d["setting"] == "compute dtypes"]
     assert dtypes and "bfloat16 (1 op)" in dtypes[0]["b"]
     text = probe.compare(reference, b).to_text()
     assert "compute dtypes: float32" in text and "bfloat16 (1 op) in B" in text
+
+
+def test_a_linear_computed_in_float64_and_cast_back_is_a_finding_by_the_same_rule(reference, tmp_path):
+    """Stable-baselines3 style: B's Linears compute in float64, the reference in float32."""
+    result = probe.compare(reference, train(tmp_path / "b", lambda: SmallNet(fc1_dtype=torch.float64)))
+    headline = result.to_text().splitlines()[0]
+    assert result.verdict == "pass", headline
+    assert "precision finding: A computes fc1 functional.linear in float32 where B uses float64" in headline
+
+
+def _overflowing():
+    """The batch scaled beyond float16's range: a linear cast to float16 overflows."""
+    x, y = batch()
+    return x * 1e5, y
+
+
+def test_one_linear_cast_to_float16_beyond_its_envelope_is_a_precision_divergence_introduced_there(
+        tmp_path, capsys):
+    a = train(tmp_path / "a", data=_overflowing)
+    b = train(tmp_path / "b", lambda: SmallNet(fc1_dtype=torch.float16), data=_overflowing)
+    code, data = _compare_cli(a, b, capsys)
+    assert code == 1 and data["verdict"] == "diverged"
+    first = data["first_divergence"]
+    assert (first["module"], first["op"], first["kind"], first["origin"]) == (
+        "fc1", "functional.linear", "precision", "introduced")
+    assert first["cause"].startswith("B computes fc1 functional.linear in float16 where A uses float32")
 
 
 def test_autocast_records_its_calls_and_its_lower_precision_passes_with_a_note_counting_the_ops(reference, tmp_path):
@@ -80,12 +109,13 @@ def test_a_bf16_model_with_sdpa_against_eager_attention_passes_forward_and_backw
     assert result.verdict == "pass", result.to_text()[:1500]
 
 
-def test_a_precision_divergence_first_is_diverged_and_introduced_in_op_summaries_json_and_html(
-        reference, tmp_path):
+def test_a_precision_finding_followed_by_a_divergence_is_introduced_in_op_summaries_json_and_html(tmp_path):
     """The precision rule is a judge rule: the op summaries, the top ops of the JSON and the HTML
-    table are made after it, so they say what the rows say."""
-    b = train(tmp_path / "b", lambda: SmallNet(fc1_dtype=torch.bfloat16))
-    result = probe.compare(reference, b)
+    table are made after it, so they say what the rows say. (A lower precision within its
+    envelope followed by a divergence in the same step file is where the difference entered.)"""
+    a = train(tmp_path / "a")
+    b = train(tmp_path / "b", lambda: SmallNet(fc1_dtype=torch.bfloat16, eps=1e-2))
+    result = probe.compare(a, b)
     first = result.first_divergence
     assert (first.module, first.op, first.divergence, first.origin) == ("fc1", "functional.linear", "precision",
                                                                        "introduced")

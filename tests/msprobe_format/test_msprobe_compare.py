@@ -123,10 +123,13 @@ def test_a_module_input_recorded_after_its_own_in_place_write_is_no_finding(tmp_
     assert [(row.module, row.status) for row in written] == [("act", "only_a")]
 
 
-def test_replay_reruns_the_divergence_from_msprobes_tensor_files():
+def test_replay_reruns_the_precision_finding_from_msprobes_tensor_files():
+    """The bfloat16 linear's values lie within bfloat16's rounding envelope: a precision finding
+    (exit 0), and replay reruns that call from the tensor files."""
     result = compare(stored("mlp_tensor_a"), stored("mlp_tensor_bf16"), replay=5)
     assert result.evidence == ["tensor"] or "tensor" in result.evidence
-    assert first(result) == ("", "functional.linear", "forward", "output.0", "introduced")
+    headline = result.to_text().splitlines()[0]
+    assert result.verdict == "pass" and "precision finding: B computes <root> functional.linear in bfloat16" in headline
     replayed = result.replay.calls[0]
     assert replayed["call"] == "/functional.linear#1/forward"
     assert replayed["replay"]["verdict"] != "not replayable" and "bfloat16" in json.dumps(replayed["replay"])

@@ -7,7 +7,7 @@ CASE:
   weight        fc1.weight x 1.001 in B (task tensor): introduced at fc1's linear, replay agrees
   eps           LayerNorm eps 1e-3 in B (task tensor): arguments differ
   gelu          F.gelu(x) in A, F.gelu(x, approximate="tanh") in B (task tensor)
-  fc1-bf16      B computes fc1 in bfloat16 by its own casts: a precision divergence
+  fc1-bf16      B computes fc1 in bfloat16 by its own casts: a precision finding (exit 0)
   autocast      B runs under torch.autocast(bfloat16): PASS, with a note counting the ops
   fp64          B in float64: PASS, the dtypes listed under "the runs differ in"
   models        B is a conv net: the dumps look like different models
