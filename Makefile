@@ -9,6 +9,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q
+# pytest-xdist: one test process per core (PYTEST_XDIST_AUTO_NUM_WORKERS=N to choose), each
+# test module whole in one process, in file order (tests/conftest.py resets what a module can
+# leave behind). PYTEST_PARALLEL= runs the suite in one process.
+PYTEST_PARALLEL ?= -n auto --dist loadfile
 # torch versions `make test-matrix` runs the suite on, each in its own venv, deleted after use
 MATRIX ?= 2.4.1 2.8.0 2.12.0 2.15.0
 BIN := $(VENV)/bin
@@ -46,11 +50,11 @@ DEVICE_PATH_TESTS ?= tests/capture/test_capture_api.py tests/capture/test_captur
 	tests/capture/test_capture_records_stable.py tests/capture/test_capture_tensor_mode.py \
 	tests/capture/test_capture_names.py tests/capture/test_capture_sketch.py
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
 	echo "== the capture tests on the device path (PROBE_DEVICE_PATH=1)" >&2; \
-	PROBE_DEVICE_PATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS) $(DEVICE_PATH_TESTS); rc=$$?; \
+	PROBE_DEVICE_PATH=1 $(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS) $(DEVICE_PATH_TESTS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc  # PYTEST_ARGS's -k may select none of them
 
 # The suite on each torch version of MATRIX, one after another, each in a fresh .venv-<version>

@@ -43,6 +43,14 @@ Columns:
   syncs api          with --device cuda: host synchronisations between start() and stop() of
                      one stats api step (torch.cuda.set_sync_debug_mode("warn"), warnings
                      counted); the device path's target is 0
+  sync error mode    with --device cuda: "pass" when a captured step runs between start() and
+                     stop() under torch.cuda.set_sync_debug_mode("error")
+  launches plain/api aten ops that launch a kernel, of a plain and of a stats api step
+                     (bench/launch_count.py: views, empty and metadata ops left out); allowed:
+                     1.25 x plain + 30, the device path's target
+  records            records of one stats api step
+  host us/record     (stats api - baseline) / records in the training thread's CPU time: on a
+                     GPU, the host's cost per record (on the CPU it includes the arithmetic)
   msprobe L1/L0      where mindstudio-probe is installed (else "-"): msprobe's statistics dump
                      at API level (L1) and module level (L0), every step, the same step
                      boundaries, timed in the same rounds (bench/msprobe_variants.py says how
@@ -52,9 +60,10 @@ Columns:
   us/call            (stats api - baseline) / calls; (no write): the same without step()
   dump/distinct      tensor-mode step file size / bytes of the distinct tensors it stores
 
-Targets (DESIGN.md, the issue): stats api <= 1.5x on convnet, deepmlp, gpt and <= 3x on mlp;
-<= 30 us per captured call; not started <= 1.02x; tensor api <= 3x on convnet with
-dump/distinct <= 1.0x (plus the records). Prints the table; --json prints one object.
+Targets (docs/performance.md): on the CPU stats api <= 2x on mlp, <= 1.2x on convnet, <= 1.3x on
+deepmlp, <= 1.05x on gpt, each beside msprobe; on a GPU a GPT-2-small-size step <= 1.5x,
+every model at most half of msprobe's ratio, launches <= 1.25 x plain + 30, sync error mode
+"pass"; not started <= 1.02x. Prints the table; --json prints one object.
 """
 
 from __future__ import annotations
@@ -94,31 +103,18 @@ TENSOR_MODELS = ("mlp", "convnet")
 
 
 _SKETCH_TIME = [0.0]  # seconds spent in the host sketches' numpy parts during the current step
-_SKETCH_DEPTH = [0]  # array_sketch calls fold_into: time the outermost call only
 
 
 def _time_sketches() -> None:
     """Wrap the host sketches' numpy parts with a timer (about 0.2 us per call): every CPU
     sketch goes through sketch.array_sketch (one tensor, now), sketch.fold_into (a larger
     tensor's fold at record time, its product deferred) or host_batch._arena_sketches (the
-    products of a batch)."""
+    products of a batch); array_sketch calls fold_into: the outermost call is timed."""
+    from bench.timers import time_calls
     from probe.capture.numbers import host_batch, sketch
 
-    def timed(inner):
-        def call(*args, **kwargs):
-            _SKETCH_DEPTH[0] += 1
-            begin = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                _SKETCH_DEPTH[0] -= 1
-                if not _SKETCH_DEPTH[0]:
-                    _SKETCH_TIME[0] += time.perf_counter() - begin
-        return call
-
-    sketch.array_sketch = timed(sketch.array_sketch)
-    sketch.fold_into = timed(sketch.fold_into)
-    host_batch._arena_sketches = timed(host_batch._arena_sketches)
+    time_calls(sketch, ("array_sketch", "fold_into"), _SKETCH_TIME, time.perf_counter)
+    time_calls(host_batch, ("_arena_sketches",), _SKETCH_TIME, time.perf_counter)
 
 
 class Variant:
@@ -147,6 +143,8 @@ class Variant:
         self.model = model
         self.debugger = None
         self.calls = 0
+        self.records = None  # records of one captured step (read from its file, untimed)
+        self.last_thread = 0.0  # thread CPU seconds of the last step
         self.dump_ratio = None
         self._dump = None
         if construct or config is not None:
@@ -162,6 +160,7 @@ class Variant:
         """One step; returns seconds. self.last_capture: the same without step()'s file write."""
         debugger = self.debugger
         _SKETCH_TIME[0] = 0.0
+        thread_start = time.thread_time()
         start = time.perf_counter()
         if self._captures:
             debugger.start(self.model)
@@ -174,6 +173,7 @@ class Variant:
             self._train()
         self._sync()
         elapsed = time.perf_counter() - start
+        self.last_thread = time.thread_time() - thread_start
         self.last_sketch = _SKETCH_TIME[0]
         if not self._captures:
             self.last_capture = elapsed
@@ -181,6 +181,8 @@ class Variant:
             self.calls = debugger.last_step_calls
             if debugger.config.task == "tensor" and self.dump_ratio is None:
                 self.dump_ratio = _dump_ratio(debugger.last_file)
+            if self.records is None:
+                self.records = _records(debugger.last_file)
             os.remove(debugger.last_file)  # keep the disk small; not timed
             debugger.last_file = None
         return elapsed
@@ -206,6 +208,41 @@ def count_dispatches(variant: Variant, device: str) -> tuple[int, int | None]:
         elif event.name.startswith("aten::"):
             operators += 1
     return operators, (kernels if device == "cuda" else None)
+
+
+def count_launches(variant: Variant) -> int:
+    """Kernel-launching aten ops of one step (bench/launch_count.py), after a warm step."""
+    from bench import launch_count
+
+    variant.run()
+    return launch_count.count(variant.run).total
+
+
+def sync_error_mode(variant: Variant) -> str:
+    """Does one captured CUDA step run with torch.cuda.set_sync_debug_mode("error") between
+    start() and stop() (a host synchronisation raises)? "pass", or the first line of the error."""
+    import torch
+
+    debugger = variant.debugger
+    debugger.start(variant.model)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        variant._train()
+        result = "pass"
+    except RuntimeError as error:
+        result = "fails: " + str(error).splitlines()[0][:60]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        debugger.stop()
+    debugger.step()
+    return result
+
+
+def _records(path: str) -> int:
+    from probe.dump.reader import open_step_file
+
+    with open_step_file(path) as step:
+        return len(step.records)
 
 
 def count_syncs(variant: Variant) -> int:
@@ -272,6 +309,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         variants += [msprobe_variants.MsprobeVariant(name, model, optimizer, batch, dump_root, synchronize=sync)
                      for name in msprobe_variants.LEVELS]
     times = {variant.name: [] for variant in variants}
+    threads = {variant.name: [] for variant in variants}
     capture_times = {variant.name: [] for variant in variants}
     shares = []
     for _ in range(2):  # warm-up
@@ -294,6 +332,7 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
             variant.run()
             for _ in range(block - 1):
                 times[variant.name].append(variant.run())
+                threads[variant.name].append(variant.last_thread)
                 capture_times[variant.name].append(variant.last_capture)
                 if variant.name == "stats api":
                     shares.append(variant.last_sketch / (times[variant.name][-1] - variant.last_sketch))
@@ -307,8 +346,13 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
         result.update(ops_plain=plain_ops, ops_captured=ops, ops_ratio=ops / max(plain_ops, 1),
                       kernels_plain=plain_kernels, kernels_captured=kernels,
                       kernels_ratio=None if kernels is None else kernels / max(plain_kernels, 1))
+        plain_launches = count_launches(by_name["baseline"])
+        launches = count_launches(by_name["stats api"])
+        result.update(launches_plain=plain_launches, launches_api=launches,
+                      launches_allowed=1.25 * plain_launches + 30)
         if device == "cuda":
             result["syncs_api"] = count_syncs(by_name["stats api"])
+            result["sync_error_mode"] = sync_error_mode(by_name["stats api"])
         if "msprobe L1" in by_name:
             result["ops_msprobe_L1"], result["kernels_msprobe_L1"] = count_dispatches(by_name["msprobe L1"], device)
     for variant in variants[1:]:
@@ -322,6 +366,11 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
     extra = (statistics.median(times["stats api"]) - base) * 1e6
     result["us_per_call"] = extra / calls if calls else float("nan")
     result["us_per_call_capture"] = (capture_only - base) * 1e6 / calls if calls else float("nan")
+    records = by_name["stats api"].records
+    result["records_per_step"] = records
+    if records:
+        host = statistics.median(threads["stats api"]) - statistics.median(threads["baseline"])
+        result["host_us_per_record"] = host * 1e6 / records
     result["dump_over_distinct"] = by_name["tensor api"].dump_ratio if "tensor api" in by_name else None
     for name in msprobe_variants.LEVELS:
         if name in by_name:  # records in one step's dump.json
@@ -354,6 +403,12 @@ COLUMNS = [
     ("ops msprobe L1", "{}", "ops_msprobe_L1"),
     ("kernels msprobe L1", "{}", "kernels_msprobe_L1"),
     ("syncs api", "{}", "syncs_api"),
+    ("sync error mode", "{}", "sync_error_mode"),
+    ("launches plain", "{}", "launches_plain"),
+    ("launches api", "{}", "launches_api"),
+    ("allowed", "{:.0f}", "launches_allowed"),
+    ("records", "{}", "records_per_step"),
+    ("host us/record", "{:.1f}", "host_us_per_record"),
     ("us/call", "{:.1f}", "us_per_call"),
     ("(no write)", "{:.1f}", "us_per_call_capture"),
     ("dump/distinct", "{:.3f}x", "dump_over_distinct"),

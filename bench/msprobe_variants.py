@@ -222,6 +222,7 @@ class MsprobeVariant:
     def run(self) -> float:
         """One step; returns seconds."""
         with self.installed() as debugger:
+            thread_start = time.thread_time()
             start = time.perf_counter()
             debugger.start(model=self.model)
             self._train()
@@ -230,6 +231,7 @@ class MsprobeVariant:
             debugger.step()
             self._sync()
             elapsed = time.perf_counter() - start
+            self.last_thread = time.thread_time() - thread_start
         self.last_capture = elapsed
         self._clean_dump()  # not timed
         return elapsed

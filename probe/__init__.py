@@ -56,7 +56,7 @@ _LAZY = {
     "PrecisionDebugger": ("probe.debugger.debugger", "PrecisionDebugger"),
     "load_config": ("probe.config", "load"),
     "Config": ("probe.config", "Config"),
-    "load": ("probe.dump.reader", "load"),
+    "load": ("probe.dump.formats", "load"),
     "compare": ("probe.compare_and_replay", "compare"),
     "first_nonfinite": ("probe.analysis.nonfinite", "first_nonfinite"),
     "compile": ("probe.capture", "compile"),

@@ -317,6 +317,12 @@ def from_dict(data: Any, source: str = "<dict>") -> Config:
 
 def load(path: str | os.PathLike) -> Config:
     """Read and validate a .json, .yaml or .yml config file."""
+    return load_with_keys(path)[0]
+
+
+def load_with_keys(path: str | os.PathLike) -> tuple[Config, tuple[str, ...]]:
+    """load(path), and the keys the file writes (the rest are defaults): what a probe
+    command's config lays over a script's own (probe/command_config.py)."""
     path = os.fspath(path)
     shown = path
     extension = os.path.splitext(path)[1].lower()
@@ -331,7 +337,7 @@ def load(path: str | os.PathLike) -> Config:
     data = _parse_json(shown, text) if extension == ".json" else _parse_yaml(shown, text)
     if data is None:
         raise ConfigError(f"{shown}: the file holds no config (null), expected a mapping of keys")
-    return from_dict(data, source=shown)
+    return from_dict(data, source=shown), tuple(data)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Config | None:
@@ -473,6 +479,6 @@ def _parse_yaml(source: str, text: str) -> Any:
 
 
 __all__ = [
-    "Config", "KeySpec", "KEYS", "load", "from_dict", "from_env", "ENV_CONFIG", "ENV_SEED",
+    "Config", "KeySpec", "KEYS", "load", "load_with_keys", "from_dict", "from_env", "ENV_CONFIG", "ENV_SEED",
     "TASKS", "LEVELS", "MODES", "DATA_MODES", "WRITE_ERROR_POLICIES", "check_dump_path",
 ]

@@ -1,5 +1,17 @@
 import os
 import sys
+import warnings
+
+import pytest
+
+# One intra-op thread per test process unless the caller asks for more: the models here are
+# tiny, the suite runs in parallel processes (pytest-xdist, one per core), and idle OpenMP
+# threads spinning against the other processes cost a fifth of the suite's CPU time. Tests
+# that compare thread counts set them themselves (torch.set_num_threads); subprocesses inherit
+# the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # tests, bench and examples share examples/models.py
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -10,3 +22,103 @@ if REPO_ROOT not in sys.path:
 TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.append(TESTS)
+
+
+def _process_state():
+    """What one test module can leave behind for the next in the same process: environment
+    variables, the working directory, warning filters and torch's global settings."""
+    state = {"environ": dict(os.environ), "cwd": os.getcwd(), "warnings": list(warnings.filters)}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = (torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled(),
+                          torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled())
+    return state
+
+
+def _restore(state):
+    if os.environ != state["environ"]:
+        os.environ.clear()
+        os.environ.update(state["environ"])
+    if os.getcwd() != state["cwd"]:
+        os.chdir(state["cwd"])
+    warnings.filters[:] = state["warnings"]
+    torch = sys.modules.get("torch")
+    if torch is not None and "torch" in state:
+        dtype, threads, grad, deterministic, warn_only = state["torch"]
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:
+        # a transformers Trainer leaves its accelerator settings (torch_compile=True: a dynamo
+        # backend) in accelerate's process-wide state, and every later Accelerator inherits them
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
+        accelerate_state.GradientState._reset_state()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_isolated():
+    """Each test module starts from the process state the session started with, whatever
+    module ran before it in this process: the tests run in parallel processes
+    (pytest-xdist, --dist loadfile), each running its own share of the modules in its own
+    order. Within a module, tests run in file order, as they always have."""
+    state = _process_state()
+    yield
+    _restore(state)
+
+# --cpu-durations=N: the N tests that used the most CPU time, their own process's and that of
+# the subprocesses they waited for (torchrun jobs, examples). Wall-clock --durations moves with
+# the machine's load; CPU time does not, so this is the list to read on a shared machine.
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests that used the most CPU time (subprocesses included)")
+
+
+def _cpu_seconds():
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    spent = getattr(item, "_cpu_spent", None)
+    if spent is not None and call.when in spent:
+        outcome.get_result().user_properties.append(("cpu_seconds", spent[call.when]))
+
+
+def _measured(phase):
+    @pytest.hookimpl(hookwrapper=True)
+    def hook(item, *args):
+        start = _cpu_seconds()
+        yield
+        item.__dict__.setdefault("_cpu_spent", {})[phase] = _cpu_seconds() - start
+    return hook
+
+
+pytest_runtest_setup = _measured("setup")
+pytest_runtest_call = _measured("call")
+pytest_runtest_teardown = _measured("teardown")
+
+_CPU_BY_TEST: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name == "cpu_seconds":
+            _CPU_BY_TEST[report.nodeid] = _CPU_BY_TEST.get(report.nodeid, 0.0) + value
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.getoption("--cpu-durations")
+    if count is None or not _CPU_BY_TEST:
+        return
+    ranked = sorted(_CPU_BY_TEST.items(), key=lambda pair: pair[1], reverse=True)
+    terminalreporter.write_sep("=", f"{count or len(ranked)} tests using the most CPU time "
+                                    f"(all tests: {sum(_CPU_BY_TEST.values()):.1f} s)")
+    for nodeid, seconds in ranked[:count or None]:
+        terminalreporter.write_line(f"{seconds:8.2f}s cpu  {nodeid}")

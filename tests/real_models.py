@@ -94,8 +94,11 @@ def dump_run(path, build, batch, *, steps=1, task="statistics", level="mix", dty
 # ---------------------------------------------------------------------------- transformers
 
 def hf_model(family: str, attn: str = "eager", layers: int = 2, width: int = 32, vocab: int = 128):
-    """A tiny random-init transformers model built from a config (no download)."""
-    import transformers as T
+    """A tiny random-init transformers model built from a config (no download); a test
+    skips, naming what to install, where transformers cannot run."""
+    from tests.torch_versions import transformers_or_skip
+
+    T = transformers_or_skip()
 
     common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=4, hidden_size=width,
                   intermediate_size=2 * width, max_position_embeddings=64)

@@ -11,7 +11,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: probe's layers, lowest first: a module may import its own layer and the ones below
 LAYERS = [
     {"_version", "errors"},
-    {"compat", "config", "config_values"},
+    {"compat", "config", "config_values", "command_config"},
     {"seed"},
     {"dump"},
     {"capture", "perturb", "analysis"},
@@ -402,3 +402,13 @@ def test_what_compare_knows_of_an_op_is_in_ops_py_alone():
                     and ((node.value in names and node.value not in NOT_OP_NAMES) or node.value.startswith(OP_SPELLINGS)):
                 found.append(f"{module}:{node.lineno}: {node.value!r}")
     assert not found, "\n".join(found)
+
+
+def test_nothing_outside_capture_imports_its_wings():
+    """Code outside probe/capture reaches capture through its face (probe/capture/__init__.py),
+    never through eager/, compiled/ or numbers/: one place says what capture offers."""
+    wings = ("probe.capture.eager", "probe.capture.compiled", "probe.capture.numbers")
+    reached = sorted(f"{module} -> {target}" for module, targets in GRAPH.items()
+                     if not module.startswith("probe.capture")
+                     for target in targets if target.startswith(wings))
+    assert not reached, reached

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from probe.analysis.nonfinite import CALL_COLUMNS, INHERITED, INTRODUCED
 
 _COLUMNS = ("key", "seq", "kind", "module", "op", "index", "phase", "slot", "io", "dtype",
-            "value", "checksum", "min", "max", "mean", "norm", "nan_count", "inf_count", "source")
+            "value", "checksum", "min", "max", "mean", "norm", "nan_count", "inf_count", "source",
+            "uninitialized")
 _STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count")
 #: how many differing slots of a call are described value by value
 _DESCRIBED = 3
@@ -90,6 +91,8 @@ class RankReport:
     steps: list[int]
     records: int = 0
     differing: int = 0
+    #: records of memory nothing had written yet in either run: never compared
+    uninitialized: int = 0
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     first: DiffCall | None = None
@@ -143,8 +146,14 @@ def _call(row: dict) -> tuple:
 
 
 def compare_files(file_a, file_b, rank: int, step: int) -> tuple[list[DiffCall], list[str], list[str], int]:
-    """Differing calls of one step file pair, keys found in one run only, records compared."""
+    """Differing calls of one step file pair, keys found in one run only, records compared.
+    A record of memory nothing had written yet in either run (column uninitialized) holds
+    leftover bytes, not a value of the run: it is neither compared nor counted."""
     rows_a, rows_b = _rows(file_a), _rows(file_b)
+    unwritten = {row["key"] for row in rows_a + rows_b if row.get("uninitialized")}
+    if unwritten:
+        rows_a = [row for row in rows_a if row["key"] not in unwritten]
+        rows_b = [row for row in rows_b if row["key"] not in unwritten]
     by_key_b = {row["key"]: row for row in rows_b}
     keys_a = {row["key"] for row in rows_a}
     only_a = [row["key"] for row in rows_a if row["key"] not in by_key_b]
@@ -266,6 +275,7 @@ def bit_compare(path_a, path_b, run_a: int = 1, run_b: int = 2) -> list[RankRepo
                     report.world_size = int(file_a.attrs.get("world_size", 1) or 1)
                 diffs, only_a, only_b, count = compare_files(file_a, file_b, rank, step)
             report.records += count
+            report.uninitialized += _uninitialized(file_a, file_b)
             report.differing += sum(len(d.differing_outputs) + len(d.differing_inputs) for d in diffs)
             report.only_a += [f"step {step}: {key}" for key in only_a]
             report.only_b += [f"step {step}: {key}" for key in only_b]
@@ -275,6 +285,12 @@ def bit_compare(path_a, path_b, run_a: int = 1, run_b: int = 2) -> list[RankRepo
         report.ops = _rank_ops(introduced)
         reports.append(report)
     return reports
+
+
+def _uninitialized(file_a, file_b) -> int:
+    """Records of memory nothing had written yet in either step file (not compared)."""
+    keys = [file.attrs.get("uninitialized") or () for file in (file_a, file_b)]
+    return len(set(keys[0]) | set(keys[1]))
 
 
 def _hash_seed(dump, rank: int) -> str:
@@ -363,13 +379,17 @@ def format_report(report: RankReport, top: int = 10) -> list[str]:
     """Terminal lines for one rank."""
     pair = f"run {report.run_a} vs run {report.run_b}"
     head = f"rank {report.rank}, {pair}"
+    unwritten = (f"; {report.uninitialized} of memory nothing had written yet not compared"
+                 if report.uninitialized else "")
     if not report.recorded:
         lines = [f"{head}: nothing was recorded (0 records over steps {_steps(report.steps)}): "
                  "nothing was checked"]
     elif report.identical:
-        lines = [f"{head}: bit-identical ({report.records} records over steps {_steps(report.steps)})"]
+        lines = [f"{head}: bit-identical ({report.records} records over steps {_steps(report.steps)}"
+                 f"{unwritten})"]
     else:
-        lines = [f"{head}: NOT bit-identical ({report.differing} of {report.records} records differ)"]
+        lines = [f"{head}: NOT bit-identical ({report.differing} of {report.records} records differ"
+                 f"{unwritten})"]
         first = report.first
         if first is not None:
             word = ("nondeterministic op" if first.origin == INTRODUCED

@@ -142,6 +142,8 @@ def _first_in_file(step_file) -> NonfiniteFinding | None:
     nan = records.column("nan_count")
     inf = records.column("inf_count")
     bad = (nan > 0) | (inf > 0)  # -1 = unknown (meta tensors): not evidence of anything
+    if "uninitialized" in records.columns:  # leftover bytes nothing had written: no value of the run
+        bad &= ~records.column("uninitialized")
     if not bad.any():
         return None
     seq = records.column("seq")

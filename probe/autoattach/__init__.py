@@ -1,6 +1,7 @@
-"""Zero-edit capture: ``probe run -c config.json -- python train.py`` on a script without probe code.
+"""Zero-edit capture: ``probe run -c config.json -- python train.py`` (and ``probe determinism
+-- python train.py``) on a script without probe code.
 
-``probe run`` puts this package's ``bootstrap`` folder first on the child's PYTHONPATH and sets
+``probe run`` (``probe determinism`` alike) puts this package's ``bootstrap`` folder first on the child's PYTHONPATH and sets
 $PROBE_ATTACH=1. Python imports ``sitecustomize`` from that folder when it starts (the same
 mechanism ddtrace-run and coverage's subprocess support use): it loads the user's own
 sitecustomize, if any, and waits for ``import torch``. When torch has been imported,
@@ -24,12 +25,20 @@ ENV_ATTACH = "PROBE_ATTACH"
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
 
-def attach_env(env: dict[str, str]) -> dict[str, str]:
+def attach_env(env: dict[str, str], model_class: str | None = None) -> dict[str, str]:
     """``env`` plus what makes a Python child attach: the bootstrap folder first on
-    PYTHONPATH and PROBE_ATTACH=1. Unchanged when ``env`` says PROBE_ATTACH=0 (opt-out)."""
+    PYTHONPATH and PROBE_ATTACH=1, and PROBE_MODEL=``model_class`` when one is named (the
+    model's class, choose_model.py). Unchanged when ``env`` says PROBE_ATTACH=0 (opt-out)."""
     if env.get(ENV_ATTACH) == "0":
         return env
-    return _with_bootstrap(env, ENV_ATTACH)
+    env = _with_bootstrap(env, ENV_ATTACH)
+    if model_class:
+        env[ENV_MODEL] = model_class
+    return env
+
+
+#: the class of the module to take as the model (``--model CLASS``; choose_model.py)
+ENV_MODEL = "PROBE_MODEL"
 
 
 def _with_bootstrap(env: dict[str, str], flag: str) -> dict[str, str]:

@@ -12,15 +12,20 @@
   regions those taps while a capture runs them (region_taps.py);
 * ``numbers/`` turns tensors into statistics and sketches: per tensor (stats.py, sketch.py),
   a CPU batch at a time (host_batch.py, host_view.py), a device bucket at a time, read by the
-  host once per step (device_bucket.py), per DTensor shard (shard_sketch.py);
-* ``recorder.py`` makes the records both wings hand it, with the numbers of numbers/.
+  host once per step (device_bucket.py), per DTensor shard (shard_sketch.py); route.py decides
+  which of them a tensor takes (``numbers_of``, for the recorder and for fingerprints);
+* ``recorder.py`` makes the records both wings hand it, with the numbers of numbers/;
+  flush_points.py says where its device bucket is flushed (backward's start and end, around
+  optimizer steps).
 
-The names below are what the debugger, the replay and ``probe.compile`` use; code outside
-capture imports them from here.
+The names below are what the debugger, the replay, fingerprints, the integrations and
+``probe.compile`` use; code outside capture imports them from here, never from a wing
+(tests/test_architecture.py).
 """
 
 from probe.capture.recorder import Recorder
 from probe.capture.eager.api_mode import ApiCaptureMode
+from probe.capture.eager.autocast import autocast_dtype
 from probe.capture.eager.compiled_regions import Gate
 from probe.capture.eager.compiled_regions import targets as region_targets
 from probe.capture.eager.defaults import bound_values
@@ -28,9 +33,12 @@ from probe.capture.eager.filters import CaptureFilter
 from probe.capture.eager.module_hooks import ModuleHooks
 from probe.capture.eager.write_watch import WriteWatchMode
 from probe.capture.eager.values import SourceLocator, flatten
-from probe.capture.eager.wrappers import user_modules
+from probe.capture.eager.wrappers import unwrap, user_modules
 from probe.capture.numbers.host_batch import HostBatch
 from probe.capture.numbers.device_bucket import DeviceBucket, device_path_on_cpu
+from probe.capture.numbers.route import numbers_of, resolve_device_stats
+from probe.capture.numbers.sketch import DEFAULT_SIZE as SKETCH_SIZE
+from probe.capture.numbers.stats import dtype_name
 from probe.capture.compiled.graph_taps import activate as activate_graph_taps
 from probe.capture.compiled.graph_taps import compile
 from probe.capture.compiled.graph_taps import deactivate as deactivate_graph_taps
@@ -40,5 +48,5 @@ __all__ = [
     "Recorder", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules", "activate_graph_taps",
     "deactivate_graph_taps", "compile", "CaptureFilter", "HostBatch", "SourceLocator", "flatten",
     "bound_values", "DeviceBucket", "WriteWatchMode", "device_path_on_cpu", "RegionTaps",
-    "region_targets",
+    "region_targets", "numbers_of", "resolve_device_stats", "SKETCH_SIZE", "dtype_name", "unwrap", "autocast_dtype",
 ]

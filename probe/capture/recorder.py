@@ -1,30 +1,33 @@
 """Turn observed tensors and values into schema rows for one step.
 
 The Recorder is the state of one step of capture: the per-step name counters, the stack of
-running modules, the rows made so far, and a cache that makes each distinct tensor cost one
-statistics computation (and, for task "tensor", one stored copy) per step however many
+running modules, the records made so far, and a cache that makes each distinct tensor cost
+one statistics computation (and, for task "tensor", one stored copy) per step however many
 records reference it (an op's output is the next op's input).
 
-Cache key: the hash of (data_ptr, dtype, shape, stride, _version). data_ptr includes the
-storage offset, _version changes on every in-place write, and for a hit the storage of the
-tensor the entry was made from (held by a weak reference) must be alive and be the looked-up
-tensor's storage: freed memory may be reused by a new tensor with the same layout, and that
-one must miss (FSDP2 frees memory by resizing a storage that lives on). The storage,
-not the tensor object, because a tensor's Python object can die while its memory lives on
-in an alias that shares its version counter: autograd hands a hook the gradient, then
-stores ``grad.detach()`` as ``param.grad``, a new object over the same bytes (torch keeps a
-storage's Python object alive exactly as long as the storage; measured: 232 of DeepMLP's
-1076 statistics per step were such repeats). The key is the
-64-bit hash rather than the tuple because every object the cache keeps alive is work for
-Python's garbage collector during the step (measured: docs/performance.md).
+Cache: the same tensor object again, unchanged (its version and address as they were), is
+found by its id first. Otherwise the key is the hash of (data_ptr, dtype, shape, stride,
+_version). data_ptr includes the storage offset, _version changes on every in-place write,
+and for a hit the storage of the tensor the entry was made from (held by a weak reference)
+must be alive and be the looked-up tensor's storage: freed memory may be reused by a new
+tensor with the same layout, and that one must miss (FSDP2 frees memory by resizing a storage
+that lives on). The storage, not the tensor object, because a tensor's Python object can die
+while its memory lives on in an alias that shares its version counter: autograd hands a hook
+the gradient, then stores ``grad.detach()`` as ``param.grad``, a new object over the same
+bytes (torch keeps a storage's Python object alive exactly as long as the storage; measured:
+232 of DeepMLP's 1076 statistics per step were such repeats). The key is the 64-bit hash
+rather than the tuple because every object the cache keeps alive is work for Python's garbage
+collector during the step (measured: docs/performance.md).
 
-Rows are tuples in schema.ALL_COLUMNS order followed by the record's sketch (a tuple of
-config.sketch_size floats, or None; schema.ROW_WIDTH). On CPU the statistics and the sketch
-are computed at once; on other devices (and on the CPU with PROBE_DEVICE_PATH=1) the
-tensors wait in a DeviceBucket (device_bucket.py), whose statistics stay on the device until
-``resolve()`` copies them to the host once per step. A call that is about to write a tensor
-in place tells the recorder first (``before_write``), so the bucket keeps its values as they
-were recorded.
+A record is kept small while the step runs: (call, slot, io, entry), the entry shared by
+every record of the tensor. ``resolve()`` fills in the numbers still on their way, once per
+entry, and turns the records into rows: tuples in schema.ALL_COLUMNS order followed by the
+record's sketch (packed bytes, or None; schema.ROW_WIDTH). Where a tensor's numbers come from
+is decided by numbers/route.py: on the CPU computed at once or a batch at a time; on other
+devices (and on the CPU with PROBE_DEVICE_PATH=1) the tensors wait in a DeviceBucket
+(device_bucket.py), whose statistics stay on the device until ``resolve()`` copies them to
+the host once per step. A call that is about to write a tensor in place tells the recorder
+first (``before_write``), so the bucket reads its values as they were recorded.
 """
 
 from __future__ import annotations
@@ -37,28 +40,29 @@ import torch
 
 from probe import compat
 from probe.capture.numbers import stats
-from probe.capture.numbers.device_bucket import DTYPES as _BUCKET_DTYPES, DeviceBucket, DeviceSlot, device_path_on_cpu
+from probe.capture.numbers.device_bucket import DeviceBucket, device_path_on_cpu
 from probe.capture.eager.placement import dtensor_class, local_and_placement
+from probe.capture.numbers.route import UNKNOWN, numbers_of, resolve_device_stats, stored_values
 from probe.capture.numbers.shard_sketch import shard_layout, shard_sketch
 from probe.capture.numbers.sketch import pack as pack_sketch
-from probe.capture.numbers.host_batch import HostBatch, HostSlot
-from probe.capture.numbers.stats import host_stats_and_sketch
+from probe.capture.numbers.host_batch import HostBatch
+from probe.capture.flush_points import FlushPoints
 from probe.capture.eager.filters import BY_KEY, CaptureFilter
 from probe.capture.eager.naming import Namer
 from probe.capture.eager.values import SourceLocator, describe_value, flatten
 from probe.config import Config
-from probe.dump.schema import COLUMN_NAMES
+from probe.capture.eager import unwritten
+from probe.dump.schema import COLUMN_NAMES, UNINITIALIZED
 from probe.errors import DumpError, ProbeError
 
 _version_of = compat.tensor_version  # bumped by every in-place write
 
 Tensor = torch.Tensor
 NAN = float("nan")
-_STATS_AT = COLUMN_NAMES.index("min")  # min max mean norm nan_count inf_count
+#: where the numbers sit in a row's payload (dtype, shape, device, value, min, ...)
+_STATS_AT = COLUMN_NAMES.index("min") - COLUMN_NAMES.index("dtype")  # min max mean norm nan inf
 _STATS_END = _STATS_AT + 6
-#: payload of a meta tensor's statistics: unknown (counts -1)
-_UNKNOWN_STATS = (NAN, NAN, NAN, NAN, -1, -1)
-#: resolve pending device statistics after this many records (bounds device memory)
+#: resolve pending numbers after this many distinct tensors (bounds the device memory held)
 PENDING_LIMIT = 20_000
 _ref = weakref.ref
 _STRIDED = torch.strided
@@ -69,7 +73,23 @@ HOST_BATCH = True
 def _DEAD():
     return None
 
+
 _PLAIN = (bool, int, float, str, type(None))
+
+
+class _Entry:
+    """What the recorder knows of one distinct tensor of the step: its payload (the row's
+    columns dtype..tensor_id), its sketch, and where its numbers arrive while they are not
+    known (``pending``). Every record of the tensor shares the entry; resolving it once
+    fills them all."""
+
+    __slots__ = ("storage", "payload", "pending", "sketch")
+
+    def __init__(self, storage, payload: tuple, pending, sketch):
+        self.storage = storage  # weak reference to the storage (see the module docstring)
+        self.payload = payload
+        self.pending = pending
+        self.sketch = sketch
 
 
 class Recorder:
@@ -95,9 +115,15 @@ class Recorder:
         self.namer = Namer()
         self.locate = locate or SourceLocator()
         self.module_stack: list[str] = []
+        #: the rows made by resolve(), in schema order (see the module docstring)
         self.rows: list[tuple] = []
-        #: row position -> sketch of a shard row whose sketch is not its own values' (bytes,
-        #: None, or a device tensor resolved with the deferred statistics)
+        #: records since the last resolve(): (call, slot, io, _Entry or (text, value_type)),
+        #: and a DTensor's placement after the entry
+        self._records: list[tuple] = []
+        #: entries whose numbers are still on their way
+        self._waiting: list = []
+        #: record position -> sketch of a shard record whose sketch is not its own values'
+        #: (bytes, None, or a device tensor copied to the host at resolve())
         self._shard_sketches: dict = {}
         self.device: str | None = None
         #: hooks registered on activations check this: records of a finished step or of a
@@ -113,12 +139,13 @@ class Recorder:
         self.write_error: DumpError | None = None
         # None: the device path for non-CPU tensors, and for CPU ones with PROBE_DEVICE_PATH=1
         self._defer = True if defer_stats is None and device_path_on_cpu() else defer_stats
-        self._pending: list[tuple[int, tuple]] = []
         # a DeviceBucket the caller keeps across steps (its layouts are reused), or a new one
         if device_bucket is None:
             device_bucket = DeviceBucket(getattr(config, "sketch_size", 0))
         self._bucket = device_bucket
         self._stale_before = self._bucket.stale
+        #: where the bucket is flushed besides a full bucket and before_write
+        self._flush_points = FlushPoints(self._bucket)
         #: the DTensor whose local shard is being described (its version is the one to watch)
         self._watched = None
         #: device-to-host copies made for this step's numbers (the step file's cost)
@@ -126,6 +153,8 @@ class Recorder:
         #: seconds spent in probe's code on the training thread during this step
         self.busy_s = 0.0
         self._cache: dict = {}
+        #: id(tensor) -> (weak reference, version, address, entry): the same object again
+        self._by_id: dict = {}
         #: DTensor's class once torch.distributed.tensor is imported (None matches no type)
         self._dtensor = dtensor_class()
         self._want_checksum = config.task == "checksum" or config.task == "tensor"
@@ -139,6 +168,11 @@ class Recorder:
         if host_batch is True:
             host_batch = HostBatch(self._sketch_size)
         self._host_batch = host_batch or None
+        #: storages of empty-family allocations nothing has written yet (eager/unwritten.py)
+        self.unwritten: dict = {}
+        #: keys of this step's records of such memory (the step file's root attribute
+        #: uninitialized, see end_attrs)
+        self.uninitialized: list[str] = []
 
     # ------------------------------------------------------------------ rows
     #
@@ -150,8 +184,17 @@ class Recorder:
         namer = self.namer
         seq = namer.seq
         namer.seq = seq + 1
+        if phase == "backward":
+            self._flush_points.backward_event()
         return (kind, module, op, index, phase, seq, source, decision,
                 f"{module}/{op}#{index}/{phase}/")
+
+    def watch_optimizers(self) -> None:
+        """Flush the device bucket around every optimizer step (flush_points.py)."""
+        self._flush_points.watch()
+
+    def unwatch_optimizers(self) -> None:
+        self._flush_points.unwatch()
 
     def add(self, call: tuple, slot: str, io: str, value, fresh: bool = False) -> None:
         """One record for a tensor or a plain value at slot; anything else is skipped.
@@ -159,59 +202,83 @@ class Recorder:
         fresh: the tensor was written without a version bump (a collective's buffer), so
         its cached statistics are stale: compute them again and replace the cache entry.
         """
-        kind, module, op, index, phase, seq, source, decision, prefix = call
-        if decision == BY_KEY and not self.filter.key_wanted(op, prefix + slot):
+        if call[7] == BY_KEY and not self.filter.key_wanted(call[2], call[8] + slot):
             return
         if isinstance(value, Tensor):
-            placed = ""
-            try:
-                version = _version_of(value)
-                if type(value) is self._dtensor:  # a shard: its local values and placement
-                    # DTensor's in-place ops bump the wrapper's version, not the local one's
-                    self._watched = value
-                    value, placed = local_and_placement(value)
-                    version = (version, _version_of(value))
-                cache_key = hash((value.data_ptr(), value.dtype, value.shape, value.stride(),
-                                  version))
-            except (RuntimeError, NotImplementedError, AttributeError):
-                entry = self._describe(value, None)  # sparse, nested, inference: not cached
+            if self.unwritten and unwritten.holds(self.unwritten, value):
+                self._add_unwritten(call, slot, io, value)
+                return
+            if not fresh:
+                # the same tensor object again (an op's output is the next op's input)
+                known = self._by_id.get(id(value))
+                if known is not None and known[0]() is value and \
+                        known[1] == _version_of(value) and known[2] == value.data_ptr():
+                    self._records.append((call, slot, io, known[3]))
+                    return
+            if type(value) is self._dtensor:
+                self._add_shard(call, slot, io, value, fresh)
             else:
-                if fresh:
-                    self._forget_storage(value)
-                entry = self._cache.get(cache_key)
-                # a hit must be over the same storage, not only the same address: FSDP2
-                # frees its unsharded parameters by resizing their storage to 0, and the
-                # address comes back for a gradient while that storage object lives on
-                if entry is None or fresh or entry[0]() is not _lifetime(value):
-                    entry = self._describe(value, cache_key)
-            self._watched = None
-            rows = self.rows
-            sketched = entry[3]
-            if placed and "S(" in placed:
-                sketched = self._sketch_of_shard(value, placed, sketched, len(rows))
-            rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, *entry[1],
-                         source, "", placed,  # value_type "" for tensors, then the sketch
-                         sketched))
-            if entry[2] is not None:
-                self._pending.append((len(rows) - 1, entry[2]))
-                if len(self._pending) >= PENDING_LIMIT:
-                    self._resolve_pending()
+                self._records.append((call, slot, io, self._entry(value, fresh)))
             return
         described = describe_value(value)  # (JSON text, value_type)
         if described is not None:
-            self.rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
-                              "", described[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
-                              described[1], "", None))
+            self._records.append((call, slot, io, described))
 
-    def _sketch_of_shard(self, local: Tensor, placed: str, own, position: int):
-        """A shard row's sketch: its own where the shard starts the logical tensor's flat
-        index, else taken at its logical positions (None where the placement has no offset)."""
-        layout = shard_layout(placed, local.shape)
-        if layout == 0 and local.numel():
-            return own
-        found = None if layout is None else shard_sketch(local, layout, self._sketch_size)
-        self._shard_sketches[position] = found
-        return found if type(found) is bytes else None
+    def _add_unwritten(self, call: tuple, slot: str, io: str, tensor: Tensor) -> None:
+        """A record of memory nothing has written yet (eager/unwritten.py): its dtype, shape
+        and device, no numbers; its key is listed in the step file's root attribute
+        ``uninitialized``, so that nothing compares it."""
+        self.uninitialized.append(call[8] + slot)
+        try:
+            payload = (stats.dtype_name(tensor.dtype), stats.shape_text(tensor.shape),
+                       stats.device_text(tensor.device), "", *UNKNOWN, tensor.numel(), "", -1)
+        except Exception:  # a tensor type without these: as one whose values cannot be read
+            payload = _opaque_payload(tensor)
+        self._records.append((call, slot, io, _Entry(_DEAD, payload, None, None)))
+
+    def _entry(self, value: Tensor, fresh: bool, wrapper=None) -> "_Entry":
+        """The cache entry of value's numbers, by its key: found, or made now (see the
+        module docstring; add() looks the tensor object up first). wrapper: the DTensor value
+        is the local shard of (its in-place ops bump the wrapper's version only)."""
+        try:
+            version = _version_of(value)
+            if wrapper is not None:
+                version = (_version_of(wrapper), version)
+            address = value.data_ptr()
+            key = hash((address, value.dtype, value.shape, value.stride(), version))
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return self._describe(value, None)  # sparse, nested, inference: not cached
+        if fresh:
+            self._forget_storage(value)
+        entry = self._cache.get(key)
+        # a hit must be over the same storage, not only the same address: FSDP2 frees its
+        # unsharded parameters by resizing their storage to 0, and the address comes back
+        # for a gradient while that storage object lives on
+        if entry is None or fresh or entry.storage() is not _lifetime(value):
+            entry = self._describe(value, key)
+        if wrapper is None:
+            try:
+                self._by_id[id(value)] = (_ref(value), version, address, entry)
+            except TypeError:  # a tensor type without weak references
+                pass
+        return entry
+
+    def _add_shard(self, call: tuple, slot: str, io: str, value, fresh: bool) -> None:
+        """A DTensor: its local shard's numbers, with its placement; a row shard's sketch is
+        taken at its logical positions."""
+        try:
+            # DTensor's in-place ops bump the wrapper's version, not the local tensor's
+            self._watched = value
+            local, placed = local_and_placement(value)
+            entry = self._entry(local, fresh, value)
+        finally:
+            self._watched = None
+        if placed and "S(" in placed:
+            layout = shard_layout(placed, local.shape)
+            if not (layout == 0 and local.numel()):  # else its own sketch is the shard's
+                found = None if layout is None else shard_sketch(local, layout, self._sketch_size)
+                self._shard_sketches[len(self._records)] = found
+        self._records.append((call, slot, io, entry, placed))
 
     def _forget_storage(self, tensor: Tensor) -> None:
         """Drop the cache entries of every tensor over tensor's storage: it was written
@@ -221,9 +288,10 @@ class Recorder:
             storage = _lifetime(tensor)
         except Exception:
             return
-        stale = [key for key, entry in self._cache.items() if entry[0]() is storage]
+        stale = [key for key, entry in self._cache.items() if entry.storage() is storage]
         for key in stale:
             del self._cache[key]
+        self._by_id.clear()
 
     def add_tree(self, call: tuple, prefix: str, io: str, obj) -> None:
         """Records for every leaf of a nested structure under prefix (see values.flatten)."""
@@ -244,9 +312,9 @@ class Recorder:
 
     # ------------------------------------------------------------------ tensors
 
-    def _describe(self, tensor: Tensor, cache_key: int | None) -> tuple:
-        """A cache entry (weakref, payload columns dtype..tensor_id, pending device stats,
-        sketch)."""
+    def _describe(self, tensor: Tensor, cache_key: int | None) -> "_Entry":
+        """A new cache entry for tensor: its payload (columns dtype..tensor_id), and where
+        its numbers arrive when they are not known yet."""
         try:
             payload, pending, sketched = self._compute(tensor)
         except ProbeError:
@@ -254,14 +322,20 @@ class Recorder:
         except Exception:  # a tensor type the statistics cannot read: never break training
             payload, pending, sketched = _opaque_payload(tensor), None, None
         try:
-            entry = (_ref(_lifetime(tensor)), payload, pending, sketched)
+            storage = _ref(_lifetime(tensor))
         except TypeError:  # a tensor type without weak references
-            return (_DEAD, payload, pending, sketched)
+            storage = _DEAD
+        entry = _Entry(storage, payload, pending, sketched)
+        if pending is not None:
+            self._waiting.append(entry)
+            if len(self._waiting) >= PENDING_LIMIT:
+                self._resolve_pending()
         if cache_key is not None:
             self._cache[cache_key] = entry
         return entry
 
-    def _compute(self, tensor: Tensor) -> tuple[tuple, tuple | None, tuple | None]:
+    def _compute(self, tensor: Tensor) -> tuple[tuple, object, bytes | None]:
+        """(payload, pending, sketch) of a tensor: its numbers through numbers_of."""
         device = tensor.device
         # (dtype, shape, device, "") per layout: built once, not three lookups per tensor
         layout = (device, tensor.dtype, tensor.shape)
@@ -274,32 +348,16 @@ class Recorder:
         if self.device is None:
             self.device = head[2]
         if tensor.is_meta:  # (is_meta/is_cpu: device.type costs 0.25 us, these 0.05)
-            return head + (*_UNKNOWN_STATS, tensor.numel(), "", -1), None, None
-        values = tensor
-        if tensor.layout is not _STRIDED:
-            values = _stored_values(tensor)
-        numel = values.numel()
-        pending = sketched = None
-        if numel == 0:
-            numbers = stats.EMPTY_STATS
-        elif self._defer if self._defer is not None else not tensor.is_cpu:
-            numbers = _UNKNOWN_STATS
-            if values.dtype in _BUCKET_DTYPES and values.layout is _STRIDED:
-                pending = self._bucket.add(values, self._watched)
-            else:
-                values_t, counts_t = stats.device_stats(values, self._sketch_size)
-                pending = (values_t, counts_t, numel)
-        elif self._host_batch is not None:
-            numbers, sketched, pending = self._host_batch.take(values)
-            if numbers is None:  # batched: the slot will hold them
-                numbers = _UNKNOWN_STATS
-        else:
-            numbers, sketched = host_stats_and_sketch(values, self._sketch_size)
+            return head + (*UNKNOWN, tensor.numel(), "", -1), None, None
+        values = tensor if tensor.layout is _STRIDED else stored_values(tensor)
+        later = self._defer if self._defer is not None else not tensor.is_cpu
+        numbers, sketched, pending = numbers_of(values, self._sketch_size, later,
+                                                self._host_batch, self._bucket, self._watched)
         if self._plain:
-            return head + numbers + (numel, "", -1), pending, sketched
+            return head + numbers + (values.numel(), "", -1), pending, sketched
         digest = stats.checksum(tensor) if self._want_checksum else ""
         tensor_id = self._store(tensor) if self._want_tensor else -1
-        return head + numbers + (numel, digest, tensor_id), pending, sketched
+        return head + numbers + (values.numel(), digest, tensor_id), pending, sketched
 
     def copy_when_recorded(self, on: bool) -> None:
         """Device path: copy each tensor when it is recorded instead of reading it at the
@@ -307,8 +365,8 @@ class Recorder:
         self._bucket.copy_on_add = on
 
     def before_write(self, tensors) -> None:
-        """A call is about to write these tensors in place: what the device bucket holds of
-        them is kept as recorded (device_bucket.DeviceBucket.before_write)."""
+        """A call is about to write these tensors in place: if the device bucket holds their
+        memory, it is flushed first (device_bucket.DeviceBucket.before_write)."""
         self._bucket.before_write(tensors)
 
     def _store(self, tensor: Tensor) -> int:
@@ -331,61 +389,64 @@ class Recorder:
     # ------------------------------------------------------------------ step end
 
     def _resolve_pending(self) -> None:
+        """Fill in every entry whose numbers were still on their way (one host copy per
+        device for the device bucket's)."""
         bucket = self._bucket
         transfers = bucket.host_transfers
         bucket.resolve()
         self.host_transfers += bucket.host_transfers - transfers
         if self._host_batch is not None:
             self._host_batch.compute()
-        if not self._pending:
-            self._resolve_shard_sketches()
-            return
-        pending, self._pending = self._pending, []
-        # one entry per distinct device-stats tuple: a cached tensor shares its tuple
-        unique: dict[int, int] = {}
-        batch = []
-        for _, item in pending:
-            if type(item) is not HostSlot and type(item) is not DeviceSlot and id(item) not in unique:
-                unique[id(item)] = len(batch)
-                batch.append(item)
-        numbers = []
-        if batch:  # tensors the bucket does not read (complex, float8): one copy per device
-            numbers = stats.resolve_device_stats(batch)
-            self.host_transfers += 2 * len({item[0].device for item in batch})
-        results = {id(item): numbers[unique[id(item)]] if id(item) in unique else item.result
-                   for _, item in pending}
-        rows = self.rows
-        for position, item in pending:
-            row = rows[position]
-            resolved, sketched = results[id(item)]
-            if position in self._shard_sketches:
-                sketched = row[-1]  # taken at the shard's logical positions, not its own
-            rows[position] = row[:_STATS_AT] + resolved + row[_STATS_END:-1] + (sketched,)
-        # cache entries keep the resolved numbers so later hits need no more work
-        for key, (ref, payload, item, _) in list(self._cache.items()):
-            if item is not None and id(item) in results:
-                found, sketched = results[id(item)]
-                payload = payload[:4] + found + payload[10:]
-                self._cache[key] = (ref, payload, None, sketched)
-        self._resolve_shard_sketches()
+        waiting, self._waiting = self._waiting, []
+        self.host_transfers += resolve_device_stats([entry.pending for entry in waiting])
+        for entry in waiting:
+            numbers, sketched = entry.pending.result
+            payload = entry.payload
+            entry.payload = payload[:_STATS_AT] + numbers + payload[_STATS_END:]
+            if entry.sketch is None:
+                entry.sketch = sketched
+            entry.pending = None
 
-    def _resolve_shard_sketches(self) -> None:
-        """Copy the shard sketches still on a device to their rows (one copy per device)."""
+    def _resolve_shard_sketches(self) -> dict:
+        """Record position -> shard sketch (bytes or None), the ones still on a device copied
+        to the host (one copy per device)."""
         shards, self._shard_sketches = self._shard_sketches, {}
-        waiting = [(position, found) for position, found in shards.items() if isinstance(found, Tensor)]
         by_device: dict = {}
-        for position, found in waiting:
-            by_device.setdefault(found.device, []).append((position, found))
-        rows = self.rows
-        for items in by_device.values():
-            values = torch.stack([found for _, found in items]).cpu().numpy()
+        for position, found in shards.items():
+            if isinstance(found, Tensor):
+                by_device.setdefault(found.device, []).append(position)
+        for positions in by_device.values():
+            values = torch.stack([shards[position] for position in positions]).cpu().numpy()
             self.host_transfers += 1
-            for (position, _), numbers in zip(items, values):
-                rows[position] = rows[position][:-1] + (pack_sketch(numbers),)
+            for position, numbers in zip(positions, values):
+                shards[position] = pack_sketch(numbers)
+        return shards
 
     def resolve(self) -> None:
-        """Fill in the statistics still on a device (one host copy per device)."""
+        """Fill in the numbers still on their way (one host copy per device) and turn the
+        records made so far into rows (``rows``)."""
         self._resolve_pending()
+        shards = self._resolve_shard_sketches()
+        records, self._records = self._records, []
+        rows = self.rows
+        for position, record in enumerate(records):
+            call, slot, io, found = record[0], record[1], record[2], record[3]
+            kind, module, op, index, phase, seq, source, _, prefix = call
+            if type(found) is _Entry:
+                placed = record[4] if len(record) > 4 else ""
+                sketched = shards[position] if position in shards else found.sketch
+                rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io,
+                             *found.payload, source, "", placed,  # value_type "" for tensors
+                             sketched))
+            else:
+                rows.append((prefix + slot, seq, kind, module, op, index, phase, slot, io, "", "",
+                             "", found[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
+                             found[1], "", None))
+
+    def end_attrs(self) -> dict:
+        """Root attributes of the step file known only at its end: ``uninitialized``, the keys
+        of the records of memory nothing had written yet ([] when there is none)."""
+        return {UNINITIALIZED: list(self.uninitialized)}
 
     def cost(self) -> dict:
         """What capturing this step cost (the step file's ``cost`` attribute): device-to-host
@@ -400,6 +461,7 @@ class Recorder:
         self.generation += 1
         self.namer.reset()
         self._cache.clear()
+        self._by_id.clear()
         self.module_stack.clear()
 
 
@@ -432,17 +494,7 @@ def _opaque_payload(tensor: Tensor) -> tuple:
         dtype, shape = stats.dtype_name(tensor.dtype), stats.shape_text(tensor.shape)
     except Exception:
         dtype, shape = "unknown", "[]"
-    return (dtype, shape, "", "", *_UNKNOWN_STATS, 0, "", -1)
-
-
-def _stored_values(tensor: Tensor) -> Tensor:
-    """Sparse and other non-strided layouts: the stored values (docs/capture.md)."""
-    try:
-        if tensor.layout == torch.sparse_coo:
-            return compat.sparse_values(tensor)
-        return tensor.values()
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return tensor.new_empty(0)
+    return (dtype, shape, "", "", *UNKNOWN, 0, "", -1)
 
 
 def _storable(tensor: Tensor) -> bool:

@@ -109,7 +109,7 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     """Find where two dumps part: the first op beyond tolerance, introduced or inherited.
 
     A and B are dump folders (written by PrecisionDebugger) or single step files
-    (step<N>/rank<R>.h5). Calls are aligned by execution order, so extra or missing calls
+    (step<N>/rank<R>.h5); either may be an msprobe dump (docs/msprobe.md). Calls are aligned by execution order, so extra or missing calls
     on one side (autocast casts, a fused op) do not shift the pairing of the others.
     """
     from probe.fingerprint.command import is_fingerprints
@@ -213,7 +213,7 @@ def _compare_fingerprints(a, b, as_json, html_path, ranks):
     if html_path:
         output.write_atomic(destinations["--html"], fingerprint_report.render_html(primary), "--html")
         click.echo(f"probe: wrote the HTML report to {html_path}", err=True)
-    click.echo(command.render(primary, results, as_json), nl=False)
+    click.echo(command.render(primary, results, as_json, command.shared_note(a, b)), nl=False)
     return EXIT_DIVERGED if any(r.diverged for r in results) else EXIT_PASS
 
 

@@ -1,9 +1,12 @@
 """``probe determinism -- python train.py``: run a script twice, name its nondeterministic op.
 
-Each run is a fresh process started the way ``probe run`` starts one (PYTHONHASHSEED, and
-PROBE_CONFIG pointing at a copy of the config forced to task "checksum" with its own
-dump_path), so the script's ``PrecisionDebugger()`` seeds and dumps alike in every run. The
-dumps are then compared bit for bit (probe/analysis/determinism.py). This module does not import torch.
+Each run is a fresh process started the way ``probe run -c`` starts one: PYTHONHASHSEED,
+PROBE_CONFIG pointing at a config forced to task "checksum" with the run's own dump_path and
+fingerprints off (and the keys of the ``-c`` file), and zero-edit capture (probe/autoattach), so a script without
+probe code is captured as ``probe run`` captures it, and a script that builds its own
+debugger or trainer callback records with the command's keys laid over its own config
+(probe/command_config.py). The dumps are then compared bit for bit
+(probe/analysis/determinism.py). This module does not import torch.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import tempfile
 import click
 
 from probe.commands.run import check_executable, build_env, run_child
-from probe.config import Config, load
+from probe.config import Config, load, load_with_keys
 from probe.analysis.determinism import bit_compare, format_report, nothing_recorded
+from probe.command_config import ENV_NOTES, read_notes
 from probe.errors import DumpFormatError, NothingRecordedError, ProbeError
 
 USAGE = ("probe determinism [-c config.json] [--runs 2] [--dump DIR] [--hash-seed same|vary] "
-         "-- python train.py [args...]")
+         "[--model CLASS] [--no-attach] -- python train.py [args...]")
 #: PYTHONHASHSEED takes 0 to 4294967295
 _HASH_SEEDS = 1 << 32
 
@@ -45,17 +49,27 @@ _HASH_SEEDS = 1 << 32
               help="PYTHONHASHSEED of each run: 'same' (the config's seed in every run: str hash "
                    "order cannot differ) or 'vary' (run N gets seed + N - 1: shows nondeterminism "
                    "from hash order, a set of names iterated, hash(name) sharding).")
+@click.option("--model", "model_class", metavar="CLASS",
+              help="Capture the module of this class as the model, instead of the one found "
+                   "automatically (a script without probe code; docs/trainers.md).")
+@click.option("--no-attach", is_flag=True,
+              help="Do not capture a script without probe code (it must build its own "
+                   "PrecisionDebugger or trainer callback).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def determinism(config_path, runs, dump_dir, top, hash_seed, as_json, command) -> int:
+def determinism(config_path, runs, dump_dir, top, hash_seed, model_class, no_attach, as_json,
+                command) -> int:
     """Run COMMAND several times with the same seed and report whether it repeats bit for bit.
 
-    The script must create ``probe.PrecisionDebugger()`` (no argument: it reads the config
-    this command passes in $PROBE_CONFIG) and call start()/stop()/step() around its steps.
-    Every run dumps checksums of every recorded tensor; the first op whose output differs
-    while its inputs are bit-identical is the nondeterministic op. Also prints the
-    determinism settings in force and what to change. One report per rank under torchrun.
-    The script's own stdout goes to stderr, so stdout holds only the report.
+    The script needs no probe code: as under ``probe run -c``, the model is found at its
+    first training forward and every optimizer.step() ends a step (torchrun included). A
+    script that builds its own PrecisionDebugger or trainer callback records with this
+    command's config laid over its own (task checksum, each run's own dump folder, the keys
+    of -c), and the report says so. Every run dumps checksums of every recorded tensor; the
+    first op whose output differs while its inputs are bit-identical is the
+    nondeterministic op. Also prints the determinism settings in force and what to change.
+    One report per rank under torchrun. The script's own stdout goes to stderr, so stdout
+    holds only the report.
 
     Every run gets the same PYTHONHASHSEED unless --hash-seed vary: then nondeterminism from
     str hash order (iterating a set of names, hash(name) % n) can show too.
@@ -73,11 +87,16 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, as_json, command) -
     """
     if not command:
         raise ProbeError(f"determinism: no command given after --; usage: {USAGE}")
-    base = load(config_path) if config_path is not None else Config()
+    if model_class and no_attach:
+        raise ProbeError("determinism: --model names the model of the automatic capture, which "
+                         "--no-attach turns off")
+    base, keys = load_with_keys(config_path) if config_path is not None else (Config(), ())
     check_executable(command[0], dict(os.environ), "determinism")
     folder = os.path.abspath(dump_dir) if dump_dir else tempfile.mkdtemp(prefix="probe-determinism-")
+    launch = _Launch(command, base, keys, folder, runs, hash_seed, model_class, not no_attach)
     try:
-        dumps = [_run(command, base, folder, run, runs, hash_seed) for run in range(1, runs + 1)]
+        dumps = [launch.run(run) for run in range(1, runs + 1)]
+        notes = launch.notes(1)
         reports = [report for run in range(2, runs + 1)
                    for report in bit_compare(dumps[0], dumps[run - 1], 1, run)]
     finally:
@@ -96,10 +115,11 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, as_json, command) -
             "runs": runs,
             "hash_seed": hash_seed,
             "dumps": dumps if dump_dir else [],
+            "notes": [entry.get("text", "") for entry in notes],
             "reports": [report.to_dict() for report in reports],
         }, indent=2, default=str))
     else:
-        lines = []
+        lines = [f"note (run 1): {entry.get('text', '')}" for entry in notes]
         for report in reports:
             lines += format_report(report, top)
         verdict = ("the runs are bit-identical" if identical
@@ -111,34 +131,67 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, as_json, command) -
     return 0 if identical else 1
 
 
-def _run(command, base: Config, folder: str, run: int, runs: int, hash_seed: str = "same") -> str:
-    """One run of the command into folder/run<N>; returns that dump folder."""
-    dump = os.path.join(folder, f"run{run}")
-    if os.path.isdir(dump) and os.listdir(dump):
-        raise ProbeError(f"determinism: {dump} already holds files; give --dump an empty or new folder")
-    os.makedirs(folder, exist_ok=True)
-    forced = base.replace(task="checksum", dump_path=dump)
-    config_file = os.path.join(folder, f"run{run}.config.json")
-    with open(config_file, "w", encoding="utf-8") as handle:
-        json.dump(forced.to_dict(), handle, indent=2)
-    env = build_env(load(config_file), None, dict(os.environ))
-    if hash_seed == "vary":
-        env["PYTHONHASHSEED"] = str((forced.seed + run - 1) % _HASH_SEEDS)
-    check_executable(command[0], env, "determinism")
-    shown = " ".join(command)
-    click.echo(f"probe determinism: run {run} of {runs}: {shown}", err=True)
-    sys.stderr.flush()
-    code = run_child(list(command), env, stdout=sys.stderr)
-    if code != 0:
-        raise ProbeError(f"determinism: run {run} of `{shown}` failed on its own with exit code {code} "
-                         "(its output is above); make it run cleanly first")
-    from probe.dump.reader import discover
+class _Launch:
+    """Starts the runs: each a fresh process with its own config file, dump folder and notes."""
 
-    try:
-        discover(dump)
-    except DumpFormatError:
-        raise ProbeError(
-            f"determinism: run {run} of `{shown}` wrote no dump under {dump}: the script must create "
-            "probe.PrecisionDebugger() with no argument (it reads the config passed in $PROBE_CONFIG) "
-            "and call start()/stop()/step()") from None
-    return dump
+    def __init__(self, command, base: Config, keys: tuple, folder: str, runs: int, hash_seed: str,
+                 model_class: str | None, attach: bool) -> None:
+        self.command, self.base, self.keys, self.folder = command, base, keys, folder
+        self.runs, self.hash_seed = runs, hash_seed
+        self.model_class, self.attach = model_class, attach
+
+    def notes(self, run: int) -> list[dict]:
+        """What the program said about its capture in that run (command_config.note)."""
+        return read_notes(os.path.join(self.folder, f"run{run}.notes.jsonl"))
+
+    def run(self, run: int) -> str:
+        """One run of the command into folder/run<N>; returns that dump folder."""
+        folder, command = self.folder, self.command
+        dump = os.path.join(folder, f"run{run}")
+        if os.path.isdir(dump) and os.listdir(dump):
+            raise ProbeError(f"determinism: {dump} already holds files; give --dump an empty or "
+                             "new folder")
+        os.makedirs(folder, exist_ok=True)
+        # the keys the -c file writes, and those this command sets: what wins over a config
+        # the script gives its own debugger or callback. Fingerprints off: with them, step []
+        # would capture no step in full, and the runs are compared by their step files
+        given = self.base.to_dict()
+        forced = {key: given[key] for key in self.keys}
+        forced.update(task="checksum", dump_path=dump, fingerprint=False, reference="",
+                      stop_on_divergence=False)
+        config_file = os.path.join(folder, f"run{run}.config.json")
+        with open(config_file, "w", encoding="utf-8") as handle:
+            json.dump(forced, handle, indent=2)
+        config = load(config_file)
+        notes = os.path.join(folder, f"run{run}.notes.jsonl")
+        env = build_env(config, None, dict(os.environ), command="determinism")
+        env[ENV_NOTES] = notes  # what the program says about its capture, for the report
+        if self.attach:
+            from probe.autoattach import attach_env
+
+            env = attach_env(env, self.model_class)
+        if self.hash_seed == "vary":
+            env["PYTHONHASHSEED"] = str((config.seed + run - 1) % _HASH_SEEDS)
+        check_executable(command[0], env, "determinism")
+        shown = " ".join(command)
+        click.echo(f"probe determinism: run {run} of {self.runs}: {shown}", err=True)
+        sys.stderr.flush()
+        code = run_child(list(command), env, stdout=sys.stderr)
+        if code != 0:
+            raise ProbeError(f"determinism: run {run} of `{shown}` failed on its own with exit "
+                             f"code {code} (its output is above); make it run cleanly first")
+        from probe.dump.reader import discover
+
+        try:
+            discover(dump)
+        except DumpFormatError:
+            raise ProbeError(
+                f"determinism: run {run} of `{shown}` wrote no dump under {dump}: "
+                + ("no training step was seen (no module with trainable parameters ran a "
+                   "forward with gradients enabled and then an optimizer.step()), and the "
+                   "script built no probe.PrecisionDebugger() nor trainer callback that "
+                   "records; a Python started with -I, -E or -S is not captured either"
+                   if self.attach else
+                   "with --no-attach the script must build a probe.PrecisionDebugger() or a "
+                   "trainer callback and capture its steps")) from None
+        return dump

@@ -9,7 +9,7 @@ import re
 
 import click
 
-from probe.dump import reader
+from probe.dump import formats, reader
 
 _TABLE_COLUMNS = ("seq", "key", "dtype", "shape", "min", "max", "mean", "norm", "nan", "inf")
 _NUMERIC = {"seq", "min", "max", "mean", "norm", "nan", "inf"}
@@ -49,6 +49,10 @@ def _table_row(record: dict) -> dict:
     if not record["dtype"]:  # a non-tensor argument: show its value instead of statistics
         return {"seq": str(record["seq"]), "key": record["key"], "dtype": "-", "shape": "-",
                 "min": f"value={record['value']}", "max": "", "mean": "", "norm": "", "nan": "", "inf": ""}
+    if record.get("uninitialized"):  # memory nothing had written yet: no numbers
+        return {"seq": str(record["seq"]), "key": record["key"], "dtype": record["dtype"],
+                "shape": record["shape"], "min": "uninitialized", "max": "", "mean": "", "norm": "",
+                "nan": "", "inf": ""}
     return {
         "seq": str(record["seq"]), "key": record["key"], "dtype": record["dtype"], "shape": record["shape"],
         "min": _number(record["min"]), "max": _number(record["max"]), "mean": _number(record["mean"]),
@@ -77,8 +81,9 @@ def summary_line(step_file: reader.StepDump) -> str:
         seed = seed_report.get("seed")
     if seed is None and isinstance(config, dict):
         seed = config.get("seed")
+    made_by = f"  format {attrs['format']}" if attrs.get("format") else ""
     return (
-        f"  records {len(step_file.records)}  tensors {step_file.tensor_count}  task {attrs.get('task', '?')}"
+        f"  records {len(step_file.records)}  tensors {step_file.tensor_count}{made_by}  task {attrs.get('task', '?')}"
         f"  level {attrs.get('level', '?')}  torch {attrs.get('torch_version', '?')}"
         f"  device {attrs.get('device', '?')}  seed {seed if seed is not None else '-'}"
         f"  created {attrs.get('created', '?')}  run {attrs.get('run_id') or '-'}"
@@ -94,10 +99,20 @@ def step_cost(step_file: reader.StepDump) -> dict:
     if isinstance(recorded, dict):
         cost.update(recorded)
     try:
-        cost["bytes"] = os.path.getsize(step_file.path)
+        if os.path.isdir(step_file.path):  # an msprobe rank folder: its JSON and tensor files
+            cost["bytes"] = sum(os.path.getsize(os.path.join(folder, name))
+                                for folder, _, names in os.walk(step_file.path) for name in names)
+        else:
+            cost["bytes"] = os.path.getsize(step_file.path)
     except OSError:
         cost["bytes"] = None
     return cost
+
+
+def uninitialized_count(step_file: reader.StepDump) -> int:
+    """Records of memory nothing had written yet (an empty-family allocation read before its
+    first write): listed in the root attribute ``uninitialized``, 0 in older files."""
+    return len(step_file.attrs.get("uninitialized") or ())
 
 
 def cost_line(cost: dict) -> str:
@@ -122,9 +137,13 @@ def cost_line(cost: dict) -> str:
 def inspect(dump, step, rank, key, limit, as_json):
     """List the steps, ranks and records of a dump.
 
-    DUMP is a dump folder, one step folder (step3/) or one step file (step3/rank0.h5).
+    DUMP is a dump folder, one step folder (step3/) or one step file (step3/rank0.h5); or
+    an msprobe dump (its dump path, a step folder, a rank or proc folder), read as probe reads
+    its own.
     Prints a summary per step file (records, tensors, task, level, torch, device, seed),
-    what capturing it cost (device-to-host copies, milliseconds in probe, bytes) and a table of records with their statistics. Incomplete step files (*.h5.partial,
+    what capturing it cost (device-to-host copies, milliseconds in probe, bytes), how many
+    records hold memory nothing had written yet (uninitialized, not compared) and a table of
+    records with their statistics. Incomplete step files (*.h5.partial,
     left by a process killed mid-step) are reported on stderr and skipped.
 
     \b
@@ -133,8 +152,9 @@ def inspect(dump, step, rank, key, limit, as_json):
       probe inspect dump/ --step 0 --rank 0 --key fc1
       probe inspect dump/ --key 're:/backward/.*grad' --limit 20
       probe inspect dump/step0/rank0.h5 --json | python -m json.tool
+      probe inspect msprobe_dump/ --step 0 --key fc1
     """
-    loaded = reader.load(dump)
+    loaded = formats.load(dump)
     for message in loaded.incomplete_messages():
         click.echo(f"probe: warning: {message}", err=True)
     from probe.comparison.load import mixed_runs
@@ -165,6 +185,7 @@ def inspect(dump, step, rank, key, limit, as_json):
                 "step": file_step, "rank": file_rank, "path": step_file.path,
                 "record_count": len(step_file.records), "tensor_count": step_file.tensor_count,
                 "attrs": step_file.attrs, "cost": step_cost(step_file),
+                "uninitialized": uninitialized_count(step_file),
                 "summary": summary_line(step_file), "records": keep,
             })
             shown.extend(keep)
@@ -188,6 +209,9 @@ def inspect(dump, step, rank, key, limit, as_json):
         click.echo(f"\nstep {entry['step']} rank {entry['rank']}  {entry['path']}")
         click.echo(entry["summary"])
         click.echo(cost_line(entry["cost"]))
+        if entry["uninitialized"]:
+            click.echo(f"  uninitialized: {entry['uninitialized']} record(s) of memory nothing had written yet "
+                       "(an empty-family allocation read before its first write; not compared)")
         if entry["records"]:
             click.echo("")
             for text in format_table(entry["records"]):

@@ -26,9 +26,14 @@ from probe.errors import ProbeError
 USAGE = "probe run [-c config.json] [--seed N] -- python train.py [args...]"
 
 
-def build_env(config: Config | None, seed: int | None, base: dict[str, str]) -> dict[str, str]:
-    """The child's environment: ``base`` plus the start-up-only variables."""
-    env = dict(base)
+def build_env(config: Config | None, seed: int | None, base: dict[str, str],
+              command: str = "run") -> dict[str, str]:
+    """The child's environment: ``base`` plus the start-up-only variables, and the mark of
+    the probe ``command`` launching it (its config's keys then win over a script's own:
+    probe/command_config.py)."""
+    from probe.command_config import command_env
+
+    env = command_env(base, command)
     chosen = seed if seed is not None else (config or Config()).seed
     env["PYTHONHASHSEED"] = str(chosen)
     if seed is not None:
@@ -164,13 +169,16 @@ class _RunCommand(click.Command):
 @click.option("--no-attach", is_flag=True,
               help="With -c: do not capture a script that builds no PrecisionDebugger "
                    "(also: PROBE_ATTACH=0 in the environment).")
+@click.option("--model", "model_class", metavar="CLASS",
+              help="With -c: capture the module of this class (its class name) as the model, "
+                   "instead of the one found automatically (docs/trainers.md).")
 @click.option("--perturb", is_flag=True,
               help="Compute with another device's rounding: matmul, linear, conv, sum and mean "
                    "summed in another order (probe.perturb); a trusted second run for "
                    "probe compare --baseline.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool, perturb: bool,
-        command: tuple[str, ...]) -> int:
+def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
+        model_class: str | None, perturb: bool, command: tuple[str, ...]) -> int:
     """Run COMMAND with the env vars that must be set before Python and CUDA start.
 
     \b
@@ -178,13 +186,17 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
       PYTHONHASHSEED=<seed>                  str/bytes hashes (set order, dict of str) repeat
       CUBLAS_WORKSPACE_CONFIG=:4096:8        when the config's mode is true/"warn" and unset
       HCCL_DETERMINISTIC=true                when the config's mode is true/"warn"
-      PROBE_CONFIG=<absolute config path>    PrecisionDebugger() with no argument reads it
+      PROBE_CONFIG=<absolute config path>    PrecisionDebugger() with no argument reads it;
+                                             a debugger or callback given its own config
+                                             takes every key this file writes from it
       PROBE_SEED=<seed>                      only with --seed
+      PROBE_COMMAND=run                      marks a program probe launched
+      PROBE_MODEL=<class>                    only with --model
       PROBE_ATTACH=1, PYTHONPATH=<probe's start-up hook>:...
                                              with -c: a script with no probe code is
                                              captured (each optimizer.step() ends a step);
-                                             one that builds a PrecisionDebugger is not
-                                             changed (docs/trainers.md)
+                                             one that builds a PrecisionDebugger
+                                             captures by itself (docs/trainers.md)
       PROBE_PERTURB=1                        with --perturb: the same math with another
                                              device's rounding (reductions summed in
                                              another order; probe.perturb), entered when
@@ -197,10 +209,14 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
       probe run -c config.json -- python train.py --epochs 1
       probe run --seed 42 -- python train.py
       probe run -c config.yaml -- torchrun --nproc-per-node 2 train.py
+      probe run -c config.json --model ActorCriticPolicy -- python train_ppo.py
       probe run --perturb -c baseline.json -- python train.py
     """
     if not command:
         raise ProbeError(f"run: no command given; usage: {USAGE}")
+    if model_class and (config_path is None or no_attach):
+        raise ProbeError("run: --model names the model of the automatic capture, which runs "
+                         "with -c and without --no-attach")
     config = load(config_path) if config_path is not None else None
     if config is not None:
         check_dump_path(config)  # now, not at the first dumped step hours into training
@@ -210,7 +226,7 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
     if config is not None and not no_attach:
         from probe.autoattach import attach_env
 
-        env = attach_env(env)
+        env = attach_env(env, model_class)
     if perturb:
         from probe.autoattach import perturb_env
 
@@ -218,7 +234,7 @@ def run(config_path: str | None, seed: int | None, quiet: bool, no_attach: bool,
     check_executable(command[0], env)
     if not quiet:
         shown = ("PYTHONHASHSEED", ENV_SEED, ENV_CONFIG, "CUBLAS_WORKSPACE_CONFIG",
-                 "HCCL_DETERMINISTIC", "PROBE_ATTACH", "PROBE_PERTURB")
+                 "HCCL_DETERMINISTIC", "PROBE_ATTACH", "PROBE_MODEL", "PROBE_PERTURB")
         changed = [f"{name}={env[name]}" for name in shown
                    if name in env and os.environ.get(name) != env[name]]
         click.echo(f"probe run: {' '.join(changed) or 'no variables changed'}", err=True)

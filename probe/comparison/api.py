@@ -47,7 +47,7 @@ from probe.comparison.rounding import measured_envelopes
 from probe.comparison.story import (
     differs_at_rounding, drift_facts, entering_reason, shard_entries, update_sizes, within_envelopes,
 )
-from probe.comparison.structs import Carry, StepInput, StepOutcome
+from probe.comparison.structs import UNINITIALIZED_NOTE, Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError
 
@@ -278,6 +278,8 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     partial.evidence |= set(outcome.evidence)
     partial.figures["placement"] += sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE)
                                                                    for note in row.notes))
+    partial.figures["unwritten"] += sum(1 for row in rows if any(note.startswith(UNINITIALIZED_NOTE)
+                                                                   for note in row.notes))
     partial.figures["moves"] += len({row.key for row in lonely if row.op in MOVE_OPS and row.io == "out"})
     for row in R.sharded_only_rows(lonely):
         if row.slot.startswith("param_grad."):
@@ -320,7 +322,8 @@ class Partial:
     head: dict | None = None  # the first pair's notes, run differences, devices, same model
     plan_notes: list = field(default_factory=list)
     evidence: set = field(default_factory=set)
-    figures: dict = field(default_factory=lambda: dict.fromkeys(("placement", "moves", "reduced_a", "reduced_b"), 0))
+    figures: dict = field(default_factory=lambda: dict.fromkeys(("placement", "moves", "reduced_a", "reduced_b",
+                                                                  "unwritten"), 0))
     has_out: dict = field(default_factory=dict)  # backward API call -> an output of it recorded
     module_rows: bool = False
 

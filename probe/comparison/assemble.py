@@ -401,6 +401,9 @@ def finish(partial, table, path_a, path_b, missing, notes, top, strict, baseline
                    "gradient shards)") if counts["sharded_only"] else ""
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']})"
                      f"{sharded}; they are not compared")
+    if partial.figures["unwritten"]:
+        notes.append(f"{partial.figures['unwritten']} records hold memory nothing had written yet (an empty-family "
+                     "allocation, or a view of one, read before its first write); they are not compared")
     reduced = reduced_gradients_note(partial.figures["reduced_a"], partial.figures["reduced_b"])
     if reduced:
         notes.append(reduced)

@@ -78,9 +78,10 @@ class StepFiles:
 
 
 def load_dumps(path_a: str, path_b: str):
-    from probe.dump.reader import load
+    """Either dump may be probe's or msprobe's (found by its layout), each seen as the other records."""
+    from probe.dump.formats import load_pair
 
-    return load(path_a), load(path_b)
+    return load_pair(path_a, path_b)
 
 
 def open_step_files(dump_a, dump_b, pairs) -> Iterator[StepFiles]:
@@ -102,12 +103,16 @@ def dump_notes(dump_a, dump_b) -> list[str]:
     notes = [f"A: {message}" for message in dump_a.incomplete_messages()]
     notes += [f"B: {message}" for message in dump_b.incomplete_messages()]
     notes += [note for note in (mixed_runs(dump_a, "A"), mixed_runs(dump_b, "B")) if note]
-    return notes
+    from probe.dump.formats import notes as format_notes
+
+    return notes + format_notes(dump_a, dump_b)
 
 
 def pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks):
+    from probe.dump.formats import names_one_step as one_file  # a step file, or an msprobe rank folder
+
     files_a, files_b = dict(dump_a.files), dict(dump_b.files)
-    if os.path.isfile(path_a) and os.path.isfile(path_b):
+    if one_file(path_a) and one_file(path_b):
         return [(next(iter(files_a)), next(iter(files_b)))], []
     keep_steps = None if steps is None else set(steps)
     keep_ranks = None if ranks is None else set(ranks)
@@ -117,9 +122,9 @@ def pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
 
     keys_a = {key for key in files_a if wanted(key)}
     keys_b = {key for key in files_b if wanted(key)}
-    if os.path.isfile(path_a) or os.path.isfile(path_b):
+    if one_file(path_a) or one_file(path_b):
         # one file against a folder: the folder's file for the same step and rank
-        single, side = (keys_a, "B") if os.path.isfile(path_a) else (keys_b, "A")
+        single, side = (keys_a, "B") if one_file(path_a) else (keys_b, "A")
         other = keys_b if side == "B" else keys_a
         key = next(iter(single))
         if key not in other:

@@ -43,6 +43,7 @@ from probe.comparison.structs import (
     ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, MeasuredStep, Measurement, RecordRow,
 )
 from probe.comparison.tolerances import Tolerances, tolerance_dtype
+from probe.dump import schema
 
 Fetch = Callable[[int], np.ndarray]
 
@@ -104,6 +105,7 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
             if row.io == "out" and number in call_floor:
                 upstream = lower_precision(upstream, call_floor[number])
             what, metrics, tol = measurer.measure(row, row_a, row_b, upstream)
+            row.stale = _unwritten_in(cols_a, row_a, cols_b, row_b)
             if number not in inputs:
                 first = firsts[number]
                 inputs[number] = None if None in first else (_in_place_stats(cols_a, first[0]),
@@ -177,6 +179,14 @@ def content_keys(records: Records) -> set:
 #: the statistics of a record a Measurement holds (stats): what an in-place write check compares
 #: (record_rules.StaleRecords)
 STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
+
+
+def _unwritten_in(cols_a: dict, row_a: int, cols_b: dict, row_b: int) -> str:
+    """"A", "B", "AB" or "": the runs whose record holds memory nothing had written yet (the
+    reader's column uninitialized; judged by record_rules.judge_uninitialized)."""
+    name = schema.UNINITIALIZED
+    return ("A" if name in cols_a and cols_a[name][row_a] else "") + \
+        ("B" if name in cols_b and cols_b[name][row_b] else "")
 
 
 def _in_place_stats(cols: dict, row: int | None):

@@ -62,7 +62,7 @@ from probe.comparison import result as R
 from probe.comparison.metrics import Metrics
 from probe.comparison.records import is_param_slot
 from probe.comparison.structs import (
-    ABSENT, MIXED, SCALAR, SHAPE, VALUE, MeasuredStep, Measurement, rel_error, sci,
+    ABSENT, MIXED, SCALAR, SHAPE, UNINITIALIZED_NOTE, VALUE, MeasuredStep, Measurement, rel_error, sci,
 )
 from probe.comparison.tolerances import MANTISSA_BITS, Tolerance
 
@@ -266,6 +266,9 @@ def judge_records(measured: MeasuredStep, previous_explained: dict | None) -> tu
     for item in measured.measurements:
         row = item.row
         judge_record(item)
+        if row.stale:  # measure found memory nothing had written yet
+            judge_uninitialized(row)
+            continue
         stale.check(row, item.stats, item.input_stats, item.slot.number)
         _carry_accepted(item, previous_explained)
         untouched = _untouched(row, item.kind, item.order, measured.aligned.step, measured.backward_from, differed)
@@ -274,6 +277,16 @@ def judge_records(measured: MeasuredStep, previous_explained: dict | None) -> tu
             unmade.append((row, item.kind))
         differed = differed or _differs(row)
     return stale, unmade
+
+
+def judge_uninitialized(row: R.RecordRow) -> None:
+    """A record of memory nothing had written yet in run(s) row.stale (set by measure): an
+    empty-family allocation, or a view of it, read before its first write. Its bytes are
+    whatever the memory held: not a value of either run, never compared."""
+    row.status = R.MATCH
+    row.reasons.clear()
+    row.notes.append(f"{UNINITIALIZED_NOTE} in {' and '.join(row.stale)} (an empty-family allocation, "
+                     "or a view of one, read before anything wrote it)")
 
 
 def judge_record(item: Measurement) -> None:

@@ -95,6 +95,8 @@ _NUMERIC = {name for name, kind in schema.RECORD_COLUMNS if kind != "str"}
 LOCAL_GRAD = "local_grad."
 _IN_PREFIXES = ("input", "kwarg", "param.", "grad_output", LOCAL_GRAD)
 _PLACEMENT = "placement"  # optional column (schema.OPTIONAL_COLUMNS)
+#: the reader's column of the records of memory nothing had written yet (files that list some)
+_UNINITIALIZED = schema.UNINITIALIZED
 
 
 def slot_io(slot: str) -> str:
@@ -164,8 +166,9 @@ class Records:
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
         columns = {name: table.column(name).tolist() for name in schema.COLUMN_NAMES}
-        if _PLACEMENT in getattr(table, "columns", ()):  # a DTensor's place (shards.py)
-            columns[_PLACEMENT] = table.column(_PLACEMENT).tolist()
+        for name in (_PLACEMENT, _UNINITIALIZED):  # a DTensor's place (shards.py); unwritten memory
+            if name in getattr(table, "columns", ()):
+                columns[name] = table.column(name).tolist()
         sketches = table.sketches() if hasattr(table, "sketches") else None  # schema 2
         if sketches is not None:
             columns[schema.SKETCH] = list(sketches)
@@ -178,6 +181,8 @@ class Records:
         columns = {name: [row[name] for row in filled] for name in schema.COLUMN_NAMES}
         if any(_PLACEMENT in row for row in rows):
             columns[_PLACEMENT] = [row.get(_PLACEMENT, "") for row in rows]
+        if any(_UNINITIALIZED in row for row in rows):
+            columns[_UNINITIALIZED] = [bool(row.get(_UNINITIALIZED)) for row in rows]
         if any(schema.SKETCH in row for row in rows):  # optional sketches
             columns[schema.SKETCH] = [row.get(schema.SKETCH) for row in rows]
         return cls(columns, source)

@@ -54,6 +54,8 @@ PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
 SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
 #: the note of a device/placement argument that differs (record_rules.py): counted once per report
 PLACEMENT_NOTE = "placement argument"
+#: the note of a record of memory nothing had written yet (record_rules.judge_uninitialized)
+UNINITIALIZED_NOTE = "not compared: memory nothing had written yet"
 # origin of a divergent record
 INTRODUCED, INHERITED, AMPLIFIED = "introduced", "inherited", "amplified"
 # what kind of divergence a row is

@@ -8,23 +8,27 @@ warning that says so, in version_gaps.py). Nothing here imports h5py.
 Private torch API used (present, with the same meaning, in every supported version); no
 other module of probe names a private torch attribute:
   * torch._C.DisableTorchFunction: run torch calls inside a hook without re-entering the mode;
-  * torch._C._current_graph_task_id (2.1+): one id per backward pass;
+  * torch._C._current_graph_task_id (2.1+): one id per backward pass; the autograd engine's
+    queue_callback (run a function when the backward pass ends);
   * Node._sequence_nr(): autograd numbers nodes in creation order;
+    torch.autograd._get_sequence_nr: the number the next node gets;
   * torch.overrides._get_current_function_mode_stack, torch._C._pop_torch_function_stack,
     torch._C._push_on_torch_function_stack: take one mode out of the middle of the stack;
   * torch.utils._device.DeviceContext and torch._GLOBAL_DEVICE_CONTEXT: where a factory call
     without ``device=`` allocates;
   * torch._C._is_any_autocast_enabled, torch._C._are_functorch_transforms_active: cheap
     checks on the hot path (absent: the slower public check, or "no transform");
-  * Tensor._version (in-place writes bump it), torch._foreach_norm, torch._C._to_dlpack,
-    the sparse ``_values()``;
+  * Tensor._version (in-place writes bump it), torch._foreach_norm, torch._foreach_copy_,
+    torch._C._to_dlpack, the sparse ``_values()``;
   * nn.Module._modules (children without the generator of named_children) and
     ``_compiled_call_impl`` (what ``module.compile()`` calls);
   * DTensor._local_tensor and ._spec, compute_local_shape_and_global_offset (the shard a
     rank holds and where it sits);
   * torch.autograd._make_grads, ._tensor_or_tensors_to_tuple, graph._engine_run_backward:
     a backward pass started the way torch.autograd.backward starts it;
-  * a module's forward hook dicts (``_forward_hooks``, ...), to give a hook a shared key;
+  * a module's forward hook dicts (``_forward_hooks``, ...), to give a hook a shared key, and
+    the global forward pre-hooks (``_global_forward_pre_hooks``), to run the hooks start()
+    adds to a call already under way (zero-edit capture);
   * dynamo: ``_torchdynamo_orig_callable``, OptimizeContext, config, lookup_backend, torch._TorchCompileInductorWrapper
     and a graph input's ``_dynamo_source``; the ``callback`` cell of a torch.compile'd
     callable's closure and the ``_torchdynamo_orig_backend`` chain down to its backend
@@ -64,9 +68,24 @@ DisableTorchFunction = torch._C.DisableTorchFunction
 graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+def queue_backward_callback(callback) -> None:
+    """Run callback() when the backward pass running now ends (after every node and hook of
+    it; callbacks run in the order they were queued). Call it from inside a backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def sequence_nr(node) -> int:
     """Creation number of an autograd node: a node made later has a larger one."""
     return node._sequence_nr()
+
+
+_peek_sequence_nr = getattr(torch.autograd, "_get_sequence_nr", None)
+
+
+def next_sequence_nr() -> int:
+    """The creation number the next autograd node made on this thread gets (every node made
+    from now on has at least this one); -1 where torch cannot tell."""
+    return -1 if _peek_sequence_nr is None else _peek_sequence_nr()
 
 
 def function_mode_stack() -> list:
@@ -324,6 +343,20 @@ def forward_hook_dicts(module, kind: str) -> list:
             if hooks is not None]
 
 
+def forward_pre_hooks(module) -> list[tuple]:
+    """The forward pre-hooks torch calls for ``module``'s next call, in its order: the global
+    ones (``register_module_forward_pre_hook``), then the module's own; each as (hook, whether
+    it takes the call's keyword arguments)."""
+    import torch.nn.modules.module as module_file
+
+    found = [(hook, False) for hook in module_file._global_forward_pre_hooks.values()]
+    dicts = forward_hook_dicts(module, "pre")
+    own = dicts[0] if dicts else {}
+    with_kwargs = dicts[1] if len(dicts) > 1 else {}
+    found += [(hook, key in with_kwargs) for key, hook in own.items()]
+    return found
+
+
 def has_input_source(node) -> bool:
     return hasattr(node, "_dynamo_source")
 
@@ -478,10 +511,6 @@ def local_tensor(tensor):
     return tensor if local is None else local
 
 
-def copy_tensors(tensors: list) -> list:
-    """Copies of the tensors; floating ones of one device in one multi-tensor call
-    (``torch._foreach_mul(..., 1)``: x * 1 is x exactly, NaN, Inf and -0.0 included)."""
-    if len(tensors) > 1 and all(t.is_floating_point() for t in tensors) \
-            and len({t.device for t in tensors}) == 1:
-        return list(torch._foreach_mul(tensors, 1))
-    return [t.clone() for t in tensors]
+def foreach_copy(targets: list, sources: list) -> None:
+    """targets[i].copy_(sources[i]) for every i, in one multi-tensor call."""
+    torch._foreach_copy_(targets, sources)

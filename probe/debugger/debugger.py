@@ -48,7 +48,7 @@ import weakref
 
 import torch
 
-from probe import compat
+from probe import command_config, compat
 from probe.compat import version_gaps
 from probe import config as config_module
 from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, RegionTaps,
@@ -68,8 +68,10 @@ _EXIT_HOOKED = False
 class PrecisionDebugger:
     """Capture module and/or torch API calls of a training step into dump files.
 
-    ``config``: a path to a .json/.yaml config, a probe.config.Config, or None (then the
-    config ``probe run`` handed down in $PROBE_CONFIG, else the defaults).
+    ``config``: a path to a .json/.yaml config, a dict of config keys, a probe.config.Config,
+    or None (then the config ``probe run -c`` or ``probe determinism`` handed down in
+    $PROBE_CONFIG, else the defaults). In a program such a command launched, the keys its
+    config sets win over a config given here (probe/command_config.py).
     """
 
     def __init__(self, config=None) -> None:
@@ -439,10 +441,17 @@ def _statistics_read_later(model) -> bool:
 
 
 def _resolve_config(config) -> config_module.Config:
-    if isinstance(config, config_module.Config):
-        return config
+    """The config to use: the one given, with the keys of the config a probe command
+    (``probe run -c``, ``probe determinism``) handed down laid over it when one launched
+    this program (probe/command_config.py); with none given, the handed-down one."""
     if config is None:
         return config_module.from_env() or config_module.Config()
+    return command_config.resolve(_given_config(config))
+
+
+def _given_config(config) -> config_module.Config:
+    if isinstance(config, config_module.Config):
+        return config
     if isinstance(config, (str, os.PathLike)):
         return config_module.load(config)
     if isinstance(config, dict):

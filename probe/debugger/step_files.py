@@ -87,7 +87,7 @@ class StepFiles:
         writer = recorder.writer
         attrs = recorder.step_attrs
         device = recorder.device or "cpu"
-        extra = {"device": device, "cost": recorder.cost()}
+        extra = {"device": device, "cost": recorder.cost(), **recorder.end_attrs()}
         if recorder.write_error is not None:
             if writer is not None:
                 writer.abort()

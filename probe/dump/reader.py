@@ -68,7 +68,8 @@ class RecordTable:
     dumped with sketch_size 0); the 2-D sketch dataset is not one of the columns.
     """
 
-    def __init__(self, group: h5py.Group, path: str, count: int, handle: h5py.File | None = None):
+    def __init__(self, group: h5py.Group, path: str, count: int, handle: h5py.File | None = None,
+                 uninitialized=None):
         self._group = group
         self._handle = handle
         self._strings: np.ndarray | None = None
@@ -80,6 +81,11 @@ class RecordTable:
         self.columns: tuple[str, ...] = known + tuple(
             sorted(name for name in group if name not in known and name != schema.SKETCH))
         self._sketches: np.ndarray | None = None
+        #: keys of the records of memory nothing had written yet (root attribute
+        #: uninitialized): a bool column "uninitialized", in files that have the attribute
+        self._uninitialized = None if uninitialized is None else frozenset(uninitialized)
+        if self._uninitialized is not None:
+            self.columns += (schema.UNINITIALIZED,)
 
     def sketches(self) -> np.ndarray | None:
         """The /records/sketch dataset as a (records, k) float64 array; None when absent."""
@@ -112,6 +118,13 @@ class RecordTable:
             raise KeyError(f"no record column {name!r}; columns are {', '.join(self.columns)}")
         if not self._group.id.valid:
             raise ValueError(f"{self._path} was closed; reopen it to read records")
+        if name == schema.UNINITIALIZED and self._uninitialized is not None:
+            keys = self._uninitialized
+            values = np.fromiter((key in keys for key in self.column("key")), dtype=bool,
+                                 count=self._count)
+            values.setflags(write=False)
+            self._cache[name] = values
+            return values
         if name in _ABSENT and name not in self._group:  # an older file: the column's default
             values = np.empty(self._count, dtype=object if isinstance(_ABSENT[name], str) else None)
             values[:] = _ABSENT[name]
@@ -340,7 +353,12 @@ def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable
         raise DumpFormatError(
             f"{path} declares record_count {declared} but its record columns hold {count} (truncated or corrupt file)"
         )
-    return RecordTable(group, path, count, handle)
+    uninitialized = attrs.get(schema.UNINITIALIZED)
+    if uninitialized is not None and not (isinstance(uninitialized, list)
+                                          and all(isinstance(key, str) for key in uninitialized)):
+        raise DumpFormatError(f"{path} root attribute {schema.UNINITIALIZED!r} is not a list of "
+                              "record keys")
+    return RecordTable(group, path, count, handle, uninitialized)
 
 
 def _wait_for_writes(path: str) -> None:

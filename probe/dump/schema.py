@@ -206,10 +206,16 @@ ROOT_ATTRS = {
     "copies made for its numbers, capture_ms: milliseconds in probe's code on the training thread, "
     "stale_records: records whose tensor changed unseen before its statistics were read (their "
     "statistics are unknown)}; absent in older files",
+    "uninitialized": "JSON (optional on read): [key, ...], the records of memory nothing had written "
+    "yet (an empty-family allocation, or a view of one, read before its first write): dtype, shape and "
+    "device only, statistics NaN and counts -1, no sketch, checksum or tensor; never compared. "
+    "[] when there is none; absent in older files",
 }
+#: the root attribute listing the records of memory nothing had written yet
+UNINITIALIZED = "uninitialized"
 #: root attributes a reader must not require: absent in files of older schema versions.
-OPTIONAL_ATTRS = ("run_id", "autocast", "cost")
-JSON_ATTRS = ("config", "seed_report", "determinism", "autocast", "cost")
+OPTIONAL_ATTRS = ("run_id", "autocast", "cost", UNINITIALIZED)
+JSON_ATTRS = ("config", "seed_report", "determinism", "autocast", "cost", UNINITIALIZED)
 
 #: How tensor dtypes without a numpy equivalent are stored bit-exact: same-width unsigned
 #: integers holding the raw bits; the "dtype" attribute says how to read them.

@@ -79,6 +79,9 @@ class FingerprintResult:
     series: list = field(default_factory=list)  # Series
     config_a: dict = field(default_factory=dict)
     config_b: dict = field(default_factory=dict)
+    #: the dtypes autocast computed each run's steps in ({"a": [...], "b": [...]}: "" off),
+    #: what the rounding allowed was sized from; empty lists where the files do not say
+    compute: dict = field(default_factory=dict)
 
     @property
     def diverged(self) -> bool:
@@ -126,7 +129,8 @@ class FingerprintResult:
                        "matched": len(self.series), "diverged": len(self.jumped)},
             "dump_configs": None if configs is None else {"a": configs[0], "b": configs[1]},
             "envelope": {"growth": envelope.GROWTH, "window": envelope.WINDOW,
-                         "fresh_ulps": envelope.FRESH_ULPS},
+                         "fresh_ulps": envelope.FRESH_ULPS, "compute_ulps": envelope.COMPUTE_ULPS},
+            "compute_dtypes": self.compute,
         }
 
 
@@ -172,6 +176,7 @@ def compare(a: Fingerprints, b: Fingerprints, rank: int = 0) -> FingerprintResul
                            f"{_span(steps_b)}); expected two fingerprints of the same training")
     rows_a = np.array([steps_a[s] for s in common])
     rows_b = np.array([steps_b[s] for s in common])
+    computed = envelope.compute_units(_compute(a)[rows_a], _compute(b)[rows_b])
     names = [entry["name"] for entry in a.tensors if entry["name"] in b.index]
     series, outside_at, jumped_at = [], [], []
     for name in names:
@@ -180,7 +185,8 @@ def compare(a: Fingerprints, b: Fingerprints, rank: int = 0) -> FingerprintResul
         numbers_a, numbers_b = a.numbers[rows_a, ta], b.numbers[rows_b, tb]
         present = ~np.isnan(numbers_a[:, 4]) & ~np.isnan(numbers_b[:, 4])  # a row on both sides
         gaps = envelope.measure(numbers_a, a.sketch[rows_a, ta], numbers_b, b.sketch[rows_b, tb],
-                                entry["dtype"], int(entry["numel"]), envelope.recent_norms(numbers_a[:, 3]))
+                                entry["dtype"], int(entry["numel"]), envelope.recent_norms(numbers_a[:, 3]),
+                                computed)
         limit = envelope.allowed(gaps.fresh, envelope.recent_max(gaps.high))
         jumped = gaps.nonfinite | (gaps.low > limit)
         outside = gaps.outside
@@ -194,7 +200,8 @@ def compare(a: Fingerprints, b: Fingerprints, rank: int = 0) -> FingerprintResul
         only_a_tensors=[e["name"] for e in a.tensors if e["name"] not in b.index],
         only_b_tensors=[e["name"] for e in b.tensors if e["name"] not in a.index],
         loss_a=_floats(a.loss[rows_a]), loss_b=_floats(b.loss[rows_b]),
-        config_a=a.config, config_b=b.config)
+        config_a=a.config, config_b=b.config,
+        compute={"a": _dtypes(_compute(a)[rows_a]), "b": _dtypes(_compute(b)[rows_b])})
     first_out = _first(series, 4)
     first_jump = _first(series, 5)
     if first_out is not None:
@@ -207,6 +214,20 @@ def compare(a: Fingerprints, b: Fingerprints, rank: int = 0) -> FingerprintResul
     result.series = [Series(name, kind, _floats(gaps.estimate), _floats(limit), _floats(gaps.fresh))
                      for name, kind, gaps, limit, _, _ in series]
     return result
+
+
+def _compute(prints: Fingerprints) -> np.ndarray:
+    """Per step of a file, the unit autocast computed it in (NaN: the file does not say)."""
+    if len(prints.compute_unit) == len(prints.steps):
+        return prints.compute_unit
+    return np.full(len(prints.steps), np.nan)
+
+
+def _dtypes(units: np.ndarray) -> list:
+    """The distinct compute dtypes of some steps, in order ("" for autocast off); [] when
+    no step says (a file written before they were recorded)."""
+    known = [envelope.dtype_of_unit(unit) for unit in units if unit == unit]
+    return list(dict.fromkeys(known))
 
 
 def _first(series, column: int) -> int | None:

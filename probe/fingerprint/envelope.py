@@ -12,7 +12,9 @@ Two questions, two rules:
 * **Has t left its rounding envelope?** Yes when the gap's low end (the estimate times the
   band's lower factor) is above what one step of rounding can make on its own, the *fresh
   floor*: the sketch's own rounding floor, and never less than FRESH_ULPS units of the
-  dtype's rounding (u * sqrt(n), n the tensor's size: a sum of n rounded terms). Two runs
+  dtype's rounding (u * sqrt(n), n the tensor's size: a sum of n rounded terms), nor less
+  than COMPUTE_ULPS units of the dtype the step *computed* in when that one is coarser (a
+  float32 weight whose gradient bf16 autocast computed carries bf16's rounding). Two runs
   that only order their sums differently part this way sooner or later: training amplifies
   the last bits step after step.
 * **Did t jump?** Yes when the gap's low end is above GROWTH times the largest high end
@@ -22,7 +24,7 @@ Two questions, two rules:
   changed value makes the gap appear or grow many times over in a single step. The sketch's
   uncertainty is counted against the claim: the low end now against the high end before.
 
-GROWTH and WINDOW were measured (docs/fingerprints.md): pairs that differ only in summation
+GROWTH, WINDOW and COMPUTE_ULPS were measured (docs/fingerprints.md): pairs that differ only in summation
 order (another thread count, emulated other-device rounding) never grew a tensor's gap by
 more than a few times its recent maximum in one step; an injected change of one parameter
 grows it from nothing (within the floor) to 1e-4 and more.
@@ -45,6 +47,10 @@ GROWTH = 10.0
 WINDOW = 8
 #: the fresh floor, in units of u * sqrt(numel)
 FRESH_ULPS = 4.0
+#: the fresh floor of a step computed in a coarser dtype (autocast), in units of that dtype's u:
+#: rounding alone (sdpa vs eager attention, another device's summation order) stayed under 4 in
+#: bf16 Llama training, an RMSNorm eps 10x larger reached 16 and more (docs/fingerprints.md)
+COMPUTE_ULPS = 8.0
 
 _UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
@@ -70,10 +76,13 @@ class Gaps:
 
 
 def measure(numbers_a: np.ndarray, sketch_a: np.ndarray, numbers_b: np.ndarray, sketch_b: np.ndarray,
-            dtype: str, numel: int, recent: np.ndarray | None = None) -> Gaps:
+            dtype: str, numel: int, recent: np.ndarray | None = None,
+            compute_unit: np.ndarray | float | None = None) -> Gaps:
     """The gaps between two runs' fingerprints of one tensor over S steps: numbers (S, 6) as
     min, max, mean, norm, NaN count, Inf count; sketches (S, k), NaN where none. ``recent``:
-    the norm the gap is relative to where it is larger than the step's own (recent_norms)."""
+    the norm the gap is relative to where it is larger than the step's own (recent_norms).
+    ``compute_unit``: per step (or for all), the unit roundoff of the dtype the step computed
+    in (compute_units; 0 or NaN: the tensor's own dtype)."""
     numbers_a, numbers_b = np.atleast_2d(numbers_a), np.atleast_2d(numbers_b)
     sketch_a, sketch_b = np.atleast_2d(sketch_a), np.atleast_2d(sketch_b)
     norm_a, norm_b = numbers_a[:, 3], numbers_b[:, 3]
@@ -94,6 +103,10 @@ def measure(numbers_a: np.ndarray, sketch_a: np.ndarray, numbers_b: np.ndarray, 
         bound = np.abs(norm_a - norm_b) / scale
         estimate = np.where(sketched, raw / scale, bound)
         fresh = np.maximum(np.where(sketched, floor / scale, 0.0), fresh_ulps)
+        if compute_unit is not None:
+            computed = np.nan_to_num(np.asarray(compute_unit, dtype=np.float64))
+            coarser = computed > unit_roundoff(dtype)
+            fresh = np.maximum(fresh, np.where(coarser, COMPUTE_ULPS * computed, 0.0))
         lower, upper = sketch_estimate.band(k) if k else (1.0, 1.0)
         low = np.where(sketched, estimate * lower, estimate)
         high = np.where(sketched, estimate * upper, estimate)
@@ -102,6 +115,20 @@ def measure(numbers_a: np.ndarray, sketch_a: np.ndarray, numbers_b: np.ndarray, 
         values[zero] = 0.0
         values[nonfinite] = math.inf
     return Gaps(estimate, low, high, fresh, nonfinite)
+
+
+def compute_units(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per step, the coarser of the two runs' compute units (NaN where neither knows it)."""
+    with np.errstate(invalid="ignore"):
+        return np.fmax(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+
+
+def dtype_of_unit(unit: float) -> str:
+    """The dtype name of a unit roundoff ("bfloat16"); "" for 0 (none) or NaN (not known)."""
+    for name, value in _UNIT.items():
+        if unit == value:
+            return name
+    return "" if not unit or unit != unit else f"a dtype of unit roundoff {unit:.1e}"
 
 
 def recent_norms(norms: np.ndarray, window: int = WINDOW) -> np.ndarray:
@@ -158,4 +185,4 @@ class Tracker:
 
 
 __all__ = ["Gaps", "Tracker", "measure", "allowed", "recent_max", "recent_norms", "GROWTH", "WINDOW", "FRESH_ULPS",
-           "unit_roundoff"]
+           "COMPUTE_ULPS", "unit_roundoff", "compute_units", "dtype_of_unit"]

@@ -60,11 +60,13 @@ class FingerprintWriter:
         self._text_out, self._ends_out, self._rows_out = (
             _Appender(self._names_text), _Appender(self._names_ends), _Appender(self._rows))
 
-    def append(self, step: int, loss: float, described: list[dict], rows: np.ndarray) -> None:
+    def append(self, step: int, loss: float, described: list[dict], rows: np.ndarray,
+               compute_unit: float = np.nan) -> None:
         """One finished step: ``described`` the tensors seen for the first time (their
         descriptions, in index order), then ``rows`` (tensors + 1, ROW_FIXED + k): the
         tensors' rows with their indices in column 1, and a last row left for the step row
-        (filled here, as is column 0, the step)."""
+        (filled here, as is column 0, the step). ``compute_unit``: the unit roundoff of the
+        dtype autocast computed the step in (0: none; NaN: not known)."""
         if described:
             blobs = [json.dumps(entry, separators=(",", ":")).encode() for entry in described]
             ends = self._text_size + np.cumsum([len(b) for b in blobs])
@@ -74,7 +76,8 @@ class FingerprintWriter:
             self._names += len(blobs)
         rows[:, 0] = step
         rows[-1, 1:] = np.nan
-        rows[-1, 1:1 + len(schema.STEP_ROW) - 1] = (schema.STEP_MARK, loss, len(rows) - 1, self._names)
+        rows[-1, 1:1 + len(schema.STEP_ROW) - 1] = (schema.STEP_MARK, loss, len(rows) - 1, self._names,
+                                                    compute_unit)
         self._rows_out.extend(self._row_count, rows)
         self._row_count += len(rows)
 
@@ -133,6 +136,8 @@ class Fingerprints:
     numbers: np.ndarray  # (steps, tensors, 6)
     sketch: np.ndarray  # (steps, tensors, k)
     index: dict = field(default_factory=dict)  # tensor name -> t
+    #: per step, the unit roundoff autocast computed it in (0: none; NaN: not known)
+    compute_unit: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def k(self) -> int:
@@ -179,7 +184,7 @@ def _descriptions(handle, count: int) -> list[dict]:
 
 
 def finished_steps(rows: np.ndarray, offset: int = 0) -> list[tuple]:
-    """(step, loss, first row, end row, descriptions) of every finished step in ``rows``
+    """(step, loss, first row, end row, descriptions, compute unit) of every finished step in ``rows``
     (which start at row ``offset`` of the file), in file order. A step is finished when its
     step row is there and every tensor row before it carries its step number; the scan stops
     at the first step that is not (a write the process did not live to finish)."""
@@ -187,11 +192,12 @@ def finished_steps(rows: np.ndarray, offset: int = 0) -> list[tuple]:
     marks = np.flatnonzero(rows[:, 1] == schema.STEP_MARK)
     start = 0
     for mark in marks:
-        step, _, loss, count, names = rows[mark, :5]
+        step, _, loss, count, names, compute = rows[mark, :6]
         count = int(count)
         if mark - count != start or not np.all(rows[start:mark, 0] == step) or not np.all(rows[start:mark, 1] >= 0):
             break
-        found.append((int(step), float(loss), offset + start, offset + int(mark), int(names)))
+        found.append((int(step), float(loss), offset + start, offset + int(mark), int(names),
+                      float(compute)))
         start = int(mark) + 1
     return found
 
@@ -208,7 +214,7 @@ def read(path: str) -> Fingerprints:
     k = rows.shape[1] - schema.ROW_FIXED
     grid_numbers = np.full((count, len(tensors), len(schema.NUMBERS)), np.nan)
     grid_sketch = np.full((count, len(tensors), k), np.nan)
-    for position, (_, _, start, end, _) in enumerate(steps_found):
+    for position, (_, _, start, end, _, _) in enumerate(steps_found):
         which = rows[start:end, 1].astype(np.int64)
         grid_numbers[position, which] = rows[start:end, 2:schema.ROW_FIXED]
         grid_sketch[position, which] = rows[start:end, schema.ROW_FIXED:]
@@ -216,7 +222,8 @@ def read(path: str) -> Fingerprints:
                         steps=np.array([s[0] for s in steps_found], dtype=np.int64),
                         loss=np.array([s[1] for s in steps_found]),
                         numbers=grid_numbers, sketch=grid_sketch,
-                        index={entry["name"]: t for t, entry in enumerate(tensors)})
+                        index={entry["name"]: t for t, entry in enumerate(tensors)},
+                        compute_unit=np.array([s[5] for s in steps_found]))
 
 
 @dataclass
@@ -226,6 +233,7 @@ class StepPrint:
     step: int
     loss: float
     tensors: dict  # name -> (numbers, sketch)
+    compute_unit: float = np.nan  # the unit roundoff autocast computed it in (0: none)
 
 
 class Follower:
@@ -271,12 +279,12 @@ class Follower:
         position = self._positions.get(step)
         if position is None:
             return None
-        _, loss, start, end, _ = self._found[position]
+        _, loss, start, end, _, compute = self._found[position]
         rows = self._handle[schema.ROWS][start:end]
         found = {}
         for row in rows:
             found[self._tensors[int(row[1])]["name"]] = (row[2:schema.ROW_FIXED], row[schema.ROW_FIXED:])
-        return StepPrint(step=step, loss=loss, tensors=found)
+        return StepPrint(step=step, loss=loss, tensors=found, compute_unit=compute)
 
     def description(self, name: str) -> dict | None:
         for entry in self._tensors:
@@ -320,9 +328,8 @@ def ranks_in(path: str) -> list[int]:
     return sorted(found)
 
 
-def is_fingerprint_run(path: str) -> bool:
-    """True when ``path`` is a fingerprint file or a folder holding fingerprint files (and
-    no step files: a dump folder with both compares as a dump)."""
+def has_fingerprints(path: str) -> bool:
+    """True when ``path`` is a fingerprint file or a folder holding fingerprint files."""
     if os.path.isfile(path):
         try:
             import h5py
@@ -331,7 +338,10 @@ def is_fingerprint_run(path: str) -> bool:
                 return schema.ROWS in handle and schema.NAMES_ENDS in handle
         except OSError:
             return False
-    if not os.path.isdir(path) or not ranks_in(path):
-        return False
-    return not any(name.startswith("step") and os.path.isdir(os.path.join(path, name))
-                   for name in os.listdir(path))
+    return os.path.isdir(path) and bool(ranks_in(path))
+
+
+def has_step_files(path: str) -> bool:
+    """True when ``path`` is a dump folder holding step folders (``step<N>/``)."""
+    return os.path.isdir(path) and any(name.startswith("step") and os.path.isdir(os.path.join(path, name))
+                                       for name in os.listdir(path))

@@ -49,9 +49,10 @@ class LiveReference:
             self._follower = Follower(self.path)
         return self._follower
 
-    def check(self, step: int, rows: list, described: dict) -> LiveStep | None:
+    def check(self, step: int, rows: list, described: dict, compute_unit: float = np.nan) -> LiveStep | None:
         """The verdict of one step, or None when the reference has no such step.
-        ``rows``: [(name, numbers (6,), sketch (k,))]; ``described``: name -> description."""
+        ``rows``: [(name, numbers (6,), sketch (k,))]; ``described``: name -> description;
+        ``compute_unit``: the unit roundoff autocast computed the candidate's step in."""
         reference = self._reference()
         found = reference.get(step)
         if found is None:
@@ -60,6 +61,7 @@ class LiveReference:
         self._close_missing_run()
         self.compared += 1
         result = LiveStep(step)
+        computed = envelope.compute_units(found.compute_unit, compute_unit)
         for name, numbers, sketch in rows:
             theirs = found.tensors.get(name)
             if theirs is None:
@@ -70,7 +72,7 @@ class LiveReference:
             entry = described[name]
             recent = self._tracker.recent_norm(name, float(theirs[0][3]))
             gaps = envelope.measure(theirs[0], theirs[1], np.asarray(numbers), np.asarray(sketch),
-                                    entry["dtype"], int(entry["numel"]), np.asarray([recent]))
+                                    entry["dtype"], int(entry["numel"]), np.asarray([recent]), computed)
             outside, jumped, allowed = self._tracker.judge(name, gaps)
             if outside:
                 result.outside.append((name, float(gaps.estimate[0]), allowed))

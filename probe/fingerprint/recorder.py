@@ -14,6 +14,10 @@ micro-batches): the debugger passes the model's output when it is a loss (a scal
 output with a ``loss`` attribute or key, as transformers models return), and
 ``PrecisionDebugger.note_loss(value)`` takes one from the user or a trainer callback.
 
+The dtype a step computed in is what autocast was set to during its training forwards
+(``note_forward``, from the session's hooks on the model): its unit roundoff goes into the
+step row, so a compare sizes the rounding allowed from it (envelope.py).
+
 A step is written when its owner ends it (``end_step``, the debugger's step()): a CPU step
 at once; a step with device tensors at the next end_step() (or close()), so its copy to the
 host never makes training wait; ``immediate`` writes every step at once (the live
@@ -29,8 +33,8 @@ import numpy as np
 import torch
 import torch.optim.optimizer as _optimizer_hooks
 
-from probe.capture.numbers.host_batch import HostBatch
-from probe.fingerprint import schema, take as take_module
+from probe.capture import HostBatch
+from probe.fingerprint import envelope, schema, take as take_module
 from probe.fingerprint.file import FingerprintWriter
 
 
@@ -39,8 +43,9 @@ class FingerprintRecorder:
 
     ``path_of()`` gives the file's path (asked at the first write: a trainer sets the rank
     after construction); ``step_of()`` the current step number; ``names_of()`` the model's
-    {id(parameter): name} (empty when no model is known); ``on_step(step, loss, rows)`` is
-    called with each resolved step (the live comparison), after it is written."""
+    {id(parameter): name} (empty when no model is known); ``on_step(step, loss, rows,
+    described, compute_unit)`` is called with each resolved step (the live comparison),
+    after it is written."""
 
     def __init__(self, path_of, attrs: dict, k: int, step_of, names_of, on_step=None,
                  immediate: bool = False) -> None:
@@ -64,7 +69,11 @@ class FingerprintRecorder:
         self._optimizer_count = 0
         self._open: dict = {}  # id(optimizer) -> PendingPrint taken in the step not ended yet
         self._open_step: int | None = None
-        self._pending: take_module.PendingPrint | None = None  # ended, waiting for its device copy
+        #: ended, waiting for its device copy: (the step's fingerprint, its compute unit)
+        self._pending: tuple[take_module.PendingPrint, float] | None = None
+        #: the unit roundoff autocast computed this step's forwards in (0: off; None: no
+        #: forward seen, the step row says NaN: not known)
+        self._compute: float | None = None
         self._loss_sum = None
         self._loss_count = 0
         self.steps_written = 0
@@ -85,6 +94,11 @@ class FingerprintRecorder:
                 return
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
+
+    def note_forward(self, autocast_dtype: str) -> None:
+        """A training forward of the model ran with autocast computing in this dtype ("": off)."""
+        unit = envelope.unit_roundoff(autocast_dtype) if autocast_dtype else 0.0
+        self._compute = unit if self._compute is None else max(self._compute, unit)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         names = self._names_of()
@@ -118,11 +132,12 @@ class FingerprintRecorder:
         if self._loss_count:
             taken.loss = self._loss_sum / self._loss_count
         self._loss_sum, self._loss_count = None, 0
+        compute, self._compute = (math.nan if self._compute is None else self._compute), None
         self.flush()
         if self._immediate or not taken.on_device:
-            self._write(taken)
+            self._write(taken, compute)
         else:
-            self._pending = taken
+            self._pending = (taken, compute)
 
     # ------------------------------------------------------------------ output
 
@@ -138,9 +153,9 @@ class FingerprintRecorder:
         """Write the step still waiting for its device copy, if any."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._write(pending)
+            self._write(*pending)
 
-    def _write(self, pending: take_module.PendingPrint) -> None:
+    def _write(self, pending: take_module.PendingPrint, compute: float) -> None:
         loss, names, numbers, sketches = pending.resolve()
         if self._writer is None:
             self.path = self._path_of()
@@ -152,10 +167,10 @@ class FingerprintRecorder:
         table[:count, 2:schema.ROW_FIXED] = numbers
         table[:count, schema.ROW_FIXED:] = sketches
         loss = float(loss) if loss is not None else math.nan
-        self._writer.append(pending.step, loss, described, table)
+        self._writer.append(pending.step, loss, described, table, compute)
         self.steps_written += 1
         if self._on_step is not None:
-            self._on_step(pending.step, loss, list(zip(names, numbers, sketches)), self.described)
+            self._on_step(pending.step, loss, list(zip(names, numbers, sketches)), self.described, compute)
 
     def close(self) -> None:
         """Write what waits, close the file and remove the hook (idempotent)."""

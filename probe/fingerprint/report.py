@@ -11,6 +11,7 @@ import html
 import json
 import math
 
+from probe.fingerprint import envelope
 from probe.fingerprint.compare import FingerprintResult, config_text
 
 _SHOWN = 8
@@ -24,10 +25,26 @@ def _g(value) -> str:
     return f"{value:.2e}" if value else "0"
 
 
+def _compute_line(result: FingerprintResult) -> list[str]:
+    """How the steps computed, when autocast made some coarser than their tensors' dtype."""
+    sides = [result.compute.get(side, []) for side in ("a", "b")]
+    coarse = [name for name in dict.fromkeys(sides[0] + sides[1]) if name]
+    if not coarse:
+        return []
+
+    def said(names: list) -> str:
+        return ", ".join(name or "off" for name in names) or "not recorded"
+
+    unit = max(envelope.unit_roundoff(name) for name in coarse)
+    return [f"autocast: A {said(sides[0])}, B {said(sides[1])}; a tensor of a finer dtype is "
+            f"allowed the rounding of {envelope.dtype_of_unit(unit)} "
+            f"({envelope.COMPUTE_ULPS:g} x {unit:.1e})"]
+
+
 def terminal(result: FingerprintResult) -> str:
     lines = [f"fingerprints of rank {result.rank}: A {result.a}", f"{' ' * (16 + len(str(result.rank)))}B {result.b}",
              f"{len(result.steps)} common steps ({result.steps[0]}-{result.steps[-1]}), "
-             f"{len(result.series)} tensors compared", ""]
+             f"{len(result.series)} tensors compared", *_compute_line(result), ""]
     if result.parting_step is None:
         lines.append("PASS: every parameter, gradient and optimizer-state tensor stays within rounding "
                      "at every common step")

@@ -26,7 +26,10 @@ written read as the fill value, NaN)::
                           random-projection sketch (probe/capture/numbers/sketch.py; NaN where it
                           has none). After a step's tensor rows, its step row (STEP_ROW):
                           the step, STEP_MARK, the loss (NaN where none was seen), how many
-                          tensor rows the step has, how many descriptions exist after it
+                          tensor rows the step has, how many descriptions exist after it,
+                          and the unit roundoff of the dtype autocast computed the step's
+                          forwards in (2**-8 for bfloat16; 0: autocast was off; NaN: not
+                          known, as in every version 1 file)
 
 Bytes per step: ``row_bytes(k)`` per tensor and one more row for the step (192 bytes each
 with k = 16), plus the one-time description of each tensor. Integers in the float64 tables are exact (below 2**53).
@@ -34,8 +37,8 @@ with k = 16), plus the one-time description of each tensor. Integers in the floa
 
 from __future__ import annotations
 
-#: 1: the first layout
-FINGERPRINT_VERSION = 1
+#: 1: the first layout; 2: the step row's compute_unit (version 1 files read it as NaN, unknown)
+FINGERPRINT_VERSION = 2
 FOLDER = "fingerprints"
 SUFFIX = ".h5"
 
@@ -49,7 +52,7 @@ ROW_FIXED = 2 + len(NUMBERS)
 #: column 1 of a step row (tensor rows hold the tensor's index there, >= 0)
 STEP_MARK = -1.0
 #: the columns of a step row
-STEP_ROW = ("step", "mark", "loss", "tensor_rows", "names_end")
+STEP_ROW = ("step", "mark", "loss", "tensor_rows", "names_end", "compute_unit")
 #: the keys of a tensor's description: its name ("grad/fc1.weight"), what it is ("param",
 #: "grad" or "state"), the parameter it belongs to, the optimizer state's key ("exp_avg";
 #: "" otherwise), dtype, shape and numel

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from probe._version import __version__
-from probe.capture.numbers import sketch as sketch_module
+from probe.capture import SKETCH_SIZE, autocast_dtype
 from probe.errors import ConfigError, DivergenceError, DumpError, DumpFormatError, RunExistsError
 from probe.fingerprint import schema
 from probe.fingerprint.live import LiveReference, LiveStep
@@ -55,7 +55,7 @@ class FingerprintSession:
         attrs = {"probe_version": __version__, "torch_version": str(torch.__version__), "run_id": run_id,
                  "rank": rank, "config": json.dumps(config.to_dict())}
         self.recorder = FingerprintRecorder(
-            lambda: fingerprint_path(config, rank_of()), attrs, sketch_module.DEFAULT_SIZE, step_of, lambda: self._names,
+            lambda: fingerprint_path(config, rank_of()), attrs, SKETCH_SIZE, step_of, lambda: self._names,
             on_step=self._judge if self.live is not None else None, immediate=self.live is not None)
 
     # ------------------------------------------------------------------ the debugger's calls
@@ -66,13 +66,18 @@ class FingerprintSession:
         return self.live is not None and self.diverged_at is None
 
     def watch(self, model: torch.nn.Module | None) -> None:
-        """Name the parameters after the model and take its outputs that are losses."""
+        """Name the parameters after the model, take its outputs that are losses, and note
+        the dtype autocast computes its training forwards in: seen from the model and its
+        children, as a wrapper of the model's forward (accelerate's) may hold the autocast
+        inside the model's own call, or a training loop may call the model's parts."""
         if model is None or id(model) in self._watched:
             return
         self._watched.add(id(model))
         for name, param in model.named_parameters():
             self._names.setdefault(id(param), name)
         self._hooks.append(model.register_forward_hook(self._model_output))
+        for module in (model, *model.children()):
+            self._hooks.append(module.register_forward_pre_hook(self._forward_begins))
 
     def note_loss(self, loss) -> None:
         self.recorder.note_loss(loss)
@@ -113,6 +118,10 @@ class FingerprintSession:
 
     # ------------------------------------------------------------------ internals
 
+    def _forward_begins(self, module, args) -> None:
+        if torch.is_grad_enabled():  # an evaluation does not say how the step trained
+            self.recorder.note_forward(autocast_dtype())
+
     def _model_output(self, module, args, output) -> None:
         if not torch.is_grad_enabled():
             return  # an evaluation: not the training loss
@@ -120,8 +129,8 @@ class FingerprintSession:
         if loss is not None:
             self.recorder.note_loss(loss)
 
-    def _judge(self, step: int, loss: float, rows: list, described: dict) -> None:
-        self._verdict = self.live.check(step, rows, described)
+    def _judge(self, step: int, loss: float, rows: list, described: dict, compute: float) -> None:
+        self._verdict = self.live.check(step, rows, described, compute)
 
 
 def _loss_of(output):

@@ -1,24 +1,24 @@
 """Taking one step's fingerprint: statistics and the sketch of every parameter, gradient
 and optimizer-state tensor (torch; never h5py).
 
-The numbers are capture's own (capture/numbers/: stats.py, sketch.py, device_bucket.py),
-so a fingerprint's sketch and a step file's sketch of the same tensor are the same numbers.
+The numbers are capture's own, routed as capture routes a recorded tensor
+(``probe.capture.numbers_of``), so a fingerprint's sketch and a step file's sketch of the same
+tensor are the same numbers:
 
-* CPU float32/float64 tensors: capture's ``host_batch.HostBatch``, as capture records them.
-  A tensor of at most SMALL_MAX values is copied into the batch's arena (one numpy copy) and
-  computed with all the others when the step is written: a fixed number of numpy and torch
-  calls per step instead of about ten per tensor, which on a small model's tensors (biases,
-  norms) cost several times their arithmetic. A larger tensor's statistics are computed at
-  once (``stats.host_stats_and_later_sketch``: each pass over values still in the cache) and
-  only its sketch's fold goes to the arena. Other dtypes: ``stats.host_stats_and_sketch``
-  per tensor. A batched small tensor's mean and norm are summed per row of BLOCK values,
-  then in float64: the same numbers up to rounding (host_batch.py).
+* CPU float32/float64 tensors: capture's ``HostBatch``. A tensor of at most SMALL_MAX values
+  is copied into the batch's arena (one numpy copy) and computed with all the others when the
+  step is written: a fixed number of numpy and torch calls per step instead of about ten per
+  tensor, which on a small model's tensors (biases, norms) cost several times their
+  arithmetic. A larger tensor's statistics are computed at once (each pass over values still
+  in the cache) and only its sketch's fold goes to the arena. Other dtypes: per tensor. A
+  batched small tensor's mean and norm are summed per row of BLOCK values, then in float64:
+  the same numbers up to rounding.
 * Accelerator tensors (and CPU tensors with PROBE_DEVICE_PATH=1, for the tests): one
-  ``device_bucket.DeviceBucket`` for the step, flushed at once (a fixed number of launches
-  per device and dtype, however many tensors, computed before the next step writes them);
-  its one copy to the host is made when the step is written, which the recorder does at the
-  next step's end (or at close()), by when the device has long finished: nothing waits for
-  the device inside the step.
+  ``DeviceBucket`` for the step, flushed at once (a fixed number of launches per device,
+  however many tensors, computed before the next step writes them); its one copy to the host
+  is made when the step is written, which the recorder does at the next step's end (or at
+  close()), by when the device has long finished: nothing waits for the device inside the
+  step.
 
 Which tensors: every parameter of every param group of the optimizer that stepped, its
 gradient when it has one, and each floating-point state tensor of more than one element
@@ -34,8 +34,8 @@ import math
 import numpy as np
 import torch
 
-from probe.capture.numbers import device_bucket, stats
-from probe.capture.numbers.host_batch import HostBatch
+from probe.capture import DeviceBucket, HostBatch, device_path_on_cpu, dtype_name, numbers_of
+from probe.capture import resolve_device_stats
 from probe.fingerprint import schema
 
 _NAN_SKETCH: dict = {}
@@ -50,7 +50,7 @@ def _nan_sketch(k: int) -> np.ndarray:
 
 def describe(name: str, kind: str, param: str, state: str, tensor: torch.Tensor) -> dict:
     return {"name": name, "kind": kind, "param": param, "state": state,
-            "dtype": stats.dtype_name(tensor.dtype), "shape": list(tensor.shape),
+            "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
             "numel": int(tensor.numel())}
 
 
@@ -87,30 +87,29 @@ class PendingPrint:
         self.k = k
         self.loss: float | torch.Tensor = math.nan
         self._host: list = []  # (name, numbers tuple, packed sketch or None), known now
-        self._batched: list = []  # (name, HostSlot): CPU tensors, filled by their HostBatch
+        self._waiting: list = []  # (name, where its numbers arrive: numbers_of's pending)
         self._batch: HostBatch | None = None
-        self._buckets: list = []  # (DeviceBucket, [(name, slot)], holds accelerator tensors?)
-
-    @property
-    def on_device(self) -> bool:
-        """Does the step wait for a copy from an accelerator?"""
-        return any(accelerator for _, _, accelerator in self._buckets)
+        self._buckets: list = []  # DeviceBuckets holding this step's numbers
+        #: does the step wait for a copy from an accelerator?
+        self.on_device = False
 
     def extend(self, other: "PendingPrint") -> None:
         """Add another optimizer's tensors of the same step."""
         self._host.extend(other._host)
-        self._batched.extend(other._batched)
+        self._waiting.extend(other._waiting)
         self._batch = self._batch or other._batch
         self._buckets.extend(other._buckets)
+        self.on_device = self.on_device or other.on_device
 
     def resolve(self) -> tuple[float, list, np.ndarray, np.ndarray]:
         entries = list(self._host)
-        if self._batched:
-            self._batch.compute()  # every slot of the batch, other optimizers' too
-            entries += [(name, *slot.result) for name, slot in self._batched]
-        for bucket, slots, _ in self._buckets:
-            bucket.resolve()  # one copy per device; the numbers were computed at take()
-            entries += [(name, *slot.result) for name, slot in slots]
+        if self._waiting:
+            if self._batch is not None:
+                self._batch.compute()  # every slot of the batch, other optimizers' too
+            for bucket in self._buckets:
+                bucket.resolve()  # one copy per device; the numbers were computed at take()
+            resolve_device_stats([slot for _, slot in self._waiting])
+            entries += [(name, *slot.result) for name, slot in self._waiting]
         k = self.k
         names = [name for name, _, _ in entries]
         numbers = np.array([entry[1] for entry in entries], dtype=np.float64).reshape(-1, 6)
@@ -129,43 +128,22 @@ def take(step: int, tensors: list[tuple[str, torch.Tensor]], k: int,
     ``batch``: the HostBatch CPU tensors go through (kept by the caller from step to step: its
     arenas and layouts are reused); None computes each CPU tensor at once."""
     pending = PendingPrint(step, k)
-    on_cpu_too = device_bucket.device_path_on_cpu()
-    bucket, slots, accelerator = None, [], False
+    on_cpu_too = device_path_on_cpu()
     if k <= 0:
         batch = None  # the batch computes sketches; without one, per tensor is as cheap
+    bucket = DeviceBucket(k)
     for name, tensor in tensors:
-        if tensor.numel() == 0:
-            pending._host.append((name, stats.EMPTY_STATS, None))
-        elif tensor.device.type == "cpu" and not on_cpu_too:
-            _take_on_host(pending, name, tensor, k, batch)
-        elif tensor.dtype not in device_bucket.DTYPES:
-            values, counts = stats.device_stats(tensor, k)  # complex, float8: one by one
-            numbers, packed = stats.resolve_device_stats([(values, counts, tensor.numel())])[0]
-            pending._host.append((name, numbers, packed))
+        on_cpu = tensor.device.type == "cpu"
+        numbers, sketched, slot = numbers_of(tensor, k, on_cpu_too or not on_cpu, batch, bucket)
+        if slot is None:
+            pending._host.append((name, numbers, sketched))
         else:
-            if bucket is None:
-                bucket = device_bucket.DeviceBucket(k)
-            slots.append((name, bucket.add(tensor.detach())))
-            accelerator = accelerator or tensor.device.type != "cpu"
-    if bucket is not None:
-        bucket.flush()  # the numbers are computed now, before the next step writes the tensors
-        pending._buckets.append((bucket, slots, accelerator))
-    return pending
-
-
-def _take_on_host(pending: PendingPrint, name: str, tensor: torch.Tensor, k: int,
-                  batch: HostBatch | None) -> None:
-    """A CPU tensor's numbers: through the batch (a HostSlot, filled at resolve) where it
-    takes the tensor, else computed now."""
-    if batch is None:
-        pending._host.append((name, *stats.host_stats_and_sketch(tensor, k)))
-        return
-    numbers, sketched, slot = batch.take(tensor.detach() if tensor.requires_grad else tensor)
-    if slot is None:
-        pending._host.append((name, numbers, sketched))
-        return
-    pending._batched.append((name, slot))
+            pending._waiting.append((name, slot))
+            pending.on_device = pending.on_device or not on_cpu
+    if bucket.flush():  # computed now, before the next step writes the tensors
+        pending._buckets.append(bucket)
     pending._batch = batch
+    return pending
 
 
 __all__ = ["take", "optimizer_tensors", "describe", "PendingPrint"]

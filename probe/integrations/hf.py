@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import weakref
 
-from probe.capture.eager.wrappers import unwrap
+from probe.capture import unwrap
 from probe.integrations.core import CapturingCallback, missing
 
 try:

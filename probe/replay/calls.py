@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from probe.dump.reader import open_step_file
+from probe.dump.formats import open_step_file
 from probe.replay.ops import NotReplayable
 
 _FLOAT_NAMES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",

@@ -33,14 +33,28 @@ def determinism(*args, timeout=240):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_an_unseeded_draw_is_named_as_the_nondeterministic_op_with_its_source_line(tmp_path):
+def test_an_unedited_loop_that_repeats_is_bit_identical_as_probe_run_captures_it(tmp_path):
+    """No probe code in the script: the model and the steps are found as under probe run -c."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"writer": "inline"}))  # no writer process to start
+    done = determinism("-c", config, "--", sys.executable, SCRIPT, "--unedited", timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == ("note (run 1): automatic capture: the model is Sequential (6 parameter "
+                        "tensors): the first module trained")
+    assert lines[1].startswith("rank 0, run 1 vs run 2: bit-identical (")
+    assert "over steps 0, 1)" in lines[1]
+
+
+def test_an_unseeded_draw_in_an_unedited_script_is_named_with_its_source_line(tmp_path):
     """Level "mix" from the config, task forced to checksum; the modules around the draw
     (Block "1", the root Sequential) also change outputs from identical inputs, but the op
-    named and listed is the draw inside them."""
+    named and listed is the draw inside them. The script has no probe code."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"task": "statistics", "level": "mix", "seed": 7}))
+    config.write_text(json.dumps({"task": "statistics", "level": "mix", "seed": 7, "writer": "inline"}))
     dumps = tmp_path / "dumps"
-    done = determinism("-c", config, "--dump", dumps, "--", sys.executable, SCRIPT, "--unseeded-noise")
+    done = determinism("-c", config, "--dump", dumps, "--", sys.executable, SCRIPT, "--unseeded-noise",
+                       "--unedited")
     assert done.returncode == 1, done.stderr
     out = done.stdout
     assert "rank 0, run 1 vs run 2: NOT bit-identical" in out
@@ -81,10 +95,10 @@ def test_a_script_failing_on_its_own_reports_its_exit_code_and_exit_2():
     assert "Traceback" not in done.stderr
 
 
-def test_a_script_without_the_debugger_is_told_how_to_add_it():
+def test_a_script_that_never_trains_is_told_what_no_capture_saw():
     done = determinism("--", sys.executable, SCRIPT, "--no-debugger", timeout=120)
     assert done.returncode == 2
-    assert "wrote no dump" in done.stderr and "PrecisionDebugger()" in done.stderr
+    assert "wrote no dump" in done.stderr and "no training step was seen" in done.stderr
 
 
 def test_a_dump_folder_holding_runs_is_not_written_over(tmp_path, capsys):

@@ -7,13 +7,14 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from torch.profiler import ProfilerActivity, profile
 
+from bench import launch_count
 from examples import models
 from probe.capture.numbers import stats
 from probe.capture.numbers import device_bucket
@@ -92,12 +93,12 @@ def test_a_tensor_written_in_place_after_before_write_keeps_its_recorded_values(
     assert bucket.stale == 0
 
 
-def test_a_foreach_write_of_held_tensors_keeps_each_ones_recorded_values_without_a_flush():
+def test_a_foreach_write_of_held_tensors_flushes_the_bucket_once_and_keeps_the_recorded_values():
     params = [torch.arange(4.0), torch.full((3,), -2.0), torch.ones(2, 2)]
     bucket = DeviceBucket(0)
     slots = [bucket.add(p) for p in params]
     bucket.before_write(params)  # what the API mode does before torch._foreach_mul_(params, 3)
-    assert len(bucket) == 3  # copied in place, not flushed
+    assert len(bucket) == 0 and bucket.flushes == 1  # one batch, nothing copied
     torch._foreach_mul_(params, 3.0)
     bucket.resolve()
     assert [slot.result[0][:2] for slot in slots] == [(0.0, 3.0), (-2.0, -2.0), (1.0, 1.0)]
@@ -123,6 +124,55 @@ def test_a_write_nobody_announced_is_reported_unknown_not_wrong():
     bucket.resolve()
     assert math.isnan(slot.result[0][0]) and slot.result[0][4] == -1
     assert bucket.stale == 1
+
+
+def test_a_write_through_a_view_nobody_announced_is_caught_by_the_shared_version():
+    base = torch.arange(6.0)
+    bucket = DeviceBucket(0)
+    slot = bucket.add(base)
+    base[2:4].add_(1.0)  # a view shares its base's version counter
+    bucket.resolve()
+    assert slot.result[0][4] == -1 and bucket.stale == 1
+
+
+def test_a_write_through_data_under_the_capture_is_read_after_the_recorded_values(
+        tmp_path, device_path):
+    model = nn.Linear(4, 3)
+    before = model.weight.detach().clone()
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), level="api"))
+    with debugger.capture(model):
+        model(torch.randn(2, 4))
+        model.weight.data.mul_(10)  # .data has its own version counter: seen by its memory
+    debugger.close()
+    rows = {row["key"]: row for row in load(tmp_path).records(step=0)}
+    weight = rows["/functional.linear#0/forward/input.1"]
+    assert (weight["min"], weight["max"]) == (before.min().item(), before.max().item())
+    assert weight["nan_count"] == 0
+
+
+def test_the_bucket_is_flushed_when_backward_starts_when_it_ends_and_after_the_optimizer_step():
+    from probe.capture import ApiCaptureMode, Recorder
+
+    bucket = DeviceBucket(16)
+    recorder = Recorder(Config(level="api"), defer_stats=True, device_bucket=bucket)
+    recorder.active = True
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {}
+    with ApiCaptureMode(recorder):
+        hidden = model[1](model[0](torch.randn(4, 8)))
+        hidden.register_hook(lambda grad: seen.setdefault("mid-backward", len(bucket)) and None)
+        loss = model[2](hidden).square().mean()
+        seen["forward"] = len(bucket)
+        loss.backward()
+        seen["after backward"] = len(bucket)
+        optimizer.step()
+        seen["after step"] = len(bucket)
+    # mid-backward the bucket holds only the gradients recorded so far (the forward's
+    # tensors went in one flush when backward started)
+    assert seen["forward"] > 8 and 0 < seen["mid-backward"] < 8
+    assert seen["after backward"] == 0 and seen["after step"] == 0
+    assert bucket.flushes == 3 and bucket.stale == 0
 
 
 def _step_rows(tmp_path, level, model, batch, optimizer_factory):
@@ -160,49 +210,56 @@ def test_device_path_rows_equal_host_path_rows_through_in_place_optimizer_steps(
                                                            rel=1e-5, abs=1e-6, nan_ok=True), key
 
 
-def _top_level_aten_ops(fn) -> int:
-    fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::")
-               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+@pytest.fixture(scope="module")
+def gpt_launches():
+    """Kernel-launching ops of a plain and of a captured step of the project's GPT's structure
+    (4 blocks; narrow, so the CPU runs it fast: the op count does not depend on the width),
+    on the device path, at levels api and mix."""
+    os.environ["PROBE_DEVICE_PATH"] = "1"
+    try:
+        torch.manual_seed(0)
+        model = models.TinyGPT(d_model=64, n_layers=4, max_len=32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = models.make_batch("gpt", 1, max_len=32)
+
+        def plain():
+            models.train_step(model, optimizer, x, y)
+
+        plain()
+        counted = {"plain": launch_count.count(plain)}
+        for level in ("api", "mix"):
+            with tempfile.TemporaryDirectory() as folder:
+                debugger = PrecisionDebugger(Config(dump_path=folder, level=level))
+                step = launch_count.captured_step(debugger, model, plain)
+                step()
+                counted[level] = launch_count.count(step)
+                debugger.close()
+        return counted
+    finally:
+        del os.environ["PROBE_DEVICE_PATH"]
 
 
-def _host_reads(fn) -> int:
-    """Dispatched ops that read a number to the host or depend on the data's values."""
-    fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    reads = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero",
-             "aten::equal", "aten::allclose", "aten::masked_select")
-    return sum(1 for e in prof.events() if e.name in reads)
+@pytest.mark.parametrize("level", ["api", "mix"])
+def test_a_captured_gpt_step_launches_at_most_a_quarter_more_kernels_than_the_plain_step_plus_30(
+        gpt_launches, level):
+    plain, captured = gpt_launches["plain"].total, gpt_launches[level].total
+    assert captured <= 1.25 * plain + 30, (plain, captured, gpt_launches[level].launches)
 
 
-def test_a_captured_tiny_gpt_step_dispatches_at_most_twice_the_plain_steps_ops_and_reads_nothing(
-        tmp_path, device_path):
-    torch.manual_seed(0)
-    model = models.TinyGPT(d_model=64, n_layers=2, max_len=32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = models.make_batch("gpt", 2, max_len=32)
-    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), level="api"))
-
-    def plain():
-        models.train_step(model, optimizer, x, y)
-
-    def captured():
-        debugger.start(model)
-        models.train_step(model, optimizer, x, y)
-        debugger.stop()
-        debugger.step()
-
-    plain_ops, captured_ops = _top_level_aten_ops(plain), _top_level_aten_ops(captured)
-    assert captured_ops <= 2 * plain_ops, (captured_ops, plain_ops)
-    assert _host_reads(captured) == _host_reads(plain)
-    debugger.close()
+@pytest.mark.parametrize("level", ["api", "mix"])
+def test_a_captured_step_copies_no_record_and_reads_no_number_on_the_host(gpt_launches, level):
+    plain, captured = gpt_launches["plain"], gpt_launches[level]
+    for op in ("clone", "copy_", "_to_copy", "_foreach_mul"):
+        assert captured.launches[op] == plain.launches[op], op
+    # the tensors that are not contiguous (attention's q, k, v views): one multi-tensor copy
+    # into the arena per flush, at most
+    flushes = captured.launches["segment_reduce"] // 3
+    assert captured.launches["_foreach_copy_"] <= flushes <= 3
+    assert captured.host_reads == plain.host_reads == 0
 
 
 @pytest.mark.parametrize("blocks, bucket_tensors", [(2, 256), (12, 8)])  # 8: many flushes
-def test_every_step_file_costs_at_most_four_host_transfers_whatever_the_model_size(
+def test_every_step_file_costs_one_host_transfer_whatever_the_model_size(
         tmp_path, device_path, monkeypatch, blocks, bucket_tensors):
     monkeypatch.setattr(device_bucket, "BUCKET_TENSORS", bucket_tensors)
     torch.manual_seed(1)
@@ -220,6 +277,6 @@ def test_every_step_file_costs_at_most_four_host_transfers_whatever_the_model_si
     assert len(files) == 2
     for entry in files:
         cost = entry["cost"]
-        assert 1 <= cost["host_transfers"] <= 4
+        assert cost["host_transfers"] == 1
         assert cost["stale_records"] == 0
         assert cost["capture_ms"] > 0 and cost["bytes"] > 0

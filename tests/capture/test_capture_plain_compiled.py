@@ -28,6 +28,9 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+FUSION_NOTE = "probe: a graph compiled by counting is recorded through values added to it"
+
+
 class CountingBackend:
     """The user's backend (aot_eager), counting the graphs it compiles."""
 
@@ -119,7 +122,10 @@ def _train(tmp_path, name, compile_model=None, scale=None, steps=2, captured=(1,
                 optimizer.zero_grad()
             graphs.append(backend.graphs)
     debugger.close()
-    messages = [str(w.message) for w in caught] + [stderr.getvalue()]
+    # the note that a backend probe does not know may fuse the tapped graph differently is
+    # right for "counting" (probe cannot see that it hands the graph to aot_eager): not a fault
+    messages = [str(w.message) for w in caught if not str(w.message).startswith(FUSION_NOTE)]
+    messages.append(stderr.getvalue())
     return (debugger.last_file, graphs, sum(counters["graph_break"].values()),
             [m for m in messages if m], runnable)
 

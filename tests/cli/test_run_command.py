@@ -184,3 +184,14 @@ def test_probe_run_killed_with_sigkill_takes_its_child_along():
 def test_probe_run_unknown_option_is_a_usage_error_with_a_suggestion():
     result = probe("run", "--sed", "42", "--", "python", "-c", "pass")
     _assert_one_line_error(result, "No such option '--sed'", "Did you mean '--seed'?")
+
+
+def test_probe_run_model_without_a_config_is_a_usage_error(capsys):
+    """--model names the model of the automatic capture, which only -c starts."""
+    from probe.cli import main
+
+    for options in (["--model", "Policy"], ["-c", "x.json", "--no-attach", "--model", "Policy"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["run", *options, "--", sys.executable, "-c", "pass"])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "--model names the model of the automatic capture" in err

@@ -117,6 +117,29 @@ def test_compare_without_torch_calls_a_sudden_gap_a_jump_with_exit_1(tmp_path):
     assert "param/fc2.weight" in done.stdout and "verdict: diverged" in done.stdout
 
 
+def test_a_compare_whose_sides_share_only_fingerprints_compares_them_and_says_so(tmp_path, capsys):
+    """A recorded fingerprints only; B fingerprints and the full capture of step 1."""
+    import fingerprint_training as training
+    from probe.cli import main
+
+    only_prints, with_steps = str(tmp_path / "a"), str(tmp_path / "b")
+    training.train(only_prints, 3)
+    training.train(with_steps, 3, step=[1])
+    assert os.path.isdir(os.path.join(with_steps, "step1"))
+    for args in ([], ["--json"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["compare", only_prints, with_steps, *args])
+        out = capsys.readouterr().out
+        assert exited.value.code == 0, out
+        note = (f"{only_prints} holds no step files: the two runs share only fingerprints, so "
+                f"their fingerprints are compared ({with_steps} holds step files too)")
+        if args:
+            data = json.loads(out)
+            assert data["note"] == note and data["kind"] == "fingerprints" and data["verdict"] == "pass"
+        else:
+            assert out.splitlines()[0] == f"note: {note}" and "verdict: pass" in out
+
+
 def test_a_file_that_is_not_fingerprints_is_a_clear_error(tmp_path):
     from probe.errors import DumpFormatError
 

@@ -2,7 +2,7 @@
 
 Two jobs, both cheap and neither importing torch: load the sitecustomize this one shadows, and
 attach probe once the program imports torch (with ``probe run --perturb``, $PROBE_PERTURB=1:
-first enter probe.perturb's other-device rounding for the whole process) (a one-shot finder on sys.meta_path: it lets
+first enter probe.perturb's other-device rounding for the whole process) (a finder on sys.meta_path until torch has run: it lets
 torch's own loader run, then calls probe.autoattach.session.attach()). A failure to attach is
 one line on stderr; the program runs on without capture.
 """
@@ -27,23 +27,35 @@ def _load_shadowed_sitecustomize():
 
 class _AttachAfterTorch:
     """A meta-path finder that only watches for ``torch``: it finds torch's spec the usual
-    way, and makes that loader call attach() right after torch's module has run."""
+    way, and makes that loader call attach() right after torch's module has run. It stays on
+    sys.meta_path until torch has run: libraries look torch up without importing it
+    (``importlib.util.find_spec("torch")`` in datasets and transformers), and the spec such a
+    look-up gets is not the one the import later uses."""
+
+    def __init__(self):
+        self._looking = False  # inside our own look-up: let the other finders answer
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or self._looking:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from recursing
-        spec = importlib.util.find_spec("torch")
+        self._looking = True
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            self._looking = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
         run_torch = loader.exec_module
+        finder = self
 
         def exec_module(module):
             try:
                 run_torch(module)
             finally:
                 del loader.exec_module  # the loader is torch's own again
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
             _attach()
 
         loader.exec_module = exec_module

@@ -111,14 +111,26 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
         origin[shifted] = node
     # 2. the gradient through each use of a value by a call
     use_zero: dict = {}  # (call node, value node) -> zero index
+    passes: dict = {}  # a call that returns its input unchanged -> that input's value node
+    twice: set = set()  # (call node, value node) of a call reading the value more than once
     for event in events:
         if event[0] != open_kind and event[0] != op_kind:
             continue
         members = [event[6]] if event[0] == op_kind else event[5]
         for call in members:
+            if returns_its_input(call):
+                # eager autograd makes no node for it: a zero would add one; its readers'
+                # zeros are the uses of its input (a submodule's grad_input below)
+                passes[call] = origin.get(call.args[0], call.args[0])
+                continue
             for used in list(call.all_input_nodes):
                 source = origin.get(used, used)
                 if (call, source) in use_zero or used in taps or not _trained(source):
+                    continue
+                if _reads(call, used) > 1:
+                    # x * x: through a zero of its own, the call's two gradients would be
+                    # summed before the other uses' (autograd adds each to x's in turn)
+                    twice.add((call, source))
                     continue
                 if source in output_zero and _only_user(used, call, taps):
                     # all of the value's gradient flows through this call: the gradient of
@@ -153,18 +165,36 @@ def add(graph, events, where, op_kind, open_kind, taps) -> tuple[Zeros, list]:
             for slot, ref in event[3]:
                 if ref[0] != "env":
                     continue
-                source = node_at.get(ref[1])
-                found = [use_zero[(call, source)] for call in members
+                # the input and what returned it unchanged (x.to(torch.float32) of a float32 x)
+                same = {node_at.get(ref[1])}
+                for call in members:
+                    if passes.get(call) in same:
+                        same.add(call)
+                found = [use_zero[(call, source)] for call in members for source in same
                          if (call, source) in use_zero]
-                if found:
-                    grads.append((_grad_slot(slot), found, "out"))
+                if found and not any((call, source) in twice for call in members for source in same):
+                    grads.append((_grad_slot(slot), found, "out"))  # (a read twice: left out)
+            passed = {ref[1] for _, ref in event[3] if ref[0] == "env"}
             for slot, ref in event[4]:
-                if ref[0] != "env":
-                    continue
+                if ref[0] != "env" or ref[1] in passed:
+                    continue  # an input returned as it was (nn.Identity): nothing made here
                 made = node_at.get(ref[1])
                 if made in output_zero:
                     grads.append(("grad_" + slot, [output_zero[made]], "in"))
     return zeros, added
+
+
+def _reads(call, value) -> int:
+    """How many of the call's arguments are ``value``."""
+    count = 0
+
+    def visit(node):
+        nonlocal count
+        count += node is value
+        return node
+
+    torch.fx.node.map_arg((call.args, call.kwargs), visit)
+    return count
 
 
 def _only_user(value, call, taps) -> bool:

@@ -96,14 +96,12 @@ def _before(module, args, kwargs):
 def _after(module, args, kwargs, output):
     if torch.compiler.is_compiling():
         if isinstance(output, torch.Tensor) and any(output is arg for arg in args):
-            # a module that returns its input (nn.Identity): an alias makes its output a node
-            # of its own, so its gradient is the one that flowed through this call, not the
-            # total of every use of that tensor (eager capture aliases the inputs alike); the
-            # alias is recorded as an api call of that module (ops.aten.alias.default), without
-            # partner in an eager run
-            output = torch.ops.aten.alias.default(output)
+            # a module that returns its input (nn.Identity) made nothing: no output mark, so
+            # no backward record, as in an eager capture (an alias would give the output a
+            # gradient of its own, but it would also change the order autograd sums the
+            # tensor's gradients in)
             _op([output], "out" + _SEPARATOR + "output.0")
-            return output
+            return None
         names, tensors = [], []
         if isinstance(output, torch.Tensor) or output is None \
                 or type(output) in (bool, int, float):

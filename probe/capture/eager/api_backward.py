@@ -8,6 +8,11 @@ sends to each input (``grad_input.N``). Composite calls get grad_input too while
 api_mode.COMPOSITE_GRAD_INPUT is on: the call's own autograd nodes are walked from its
 outputs to the edges into its inputs and those nodes are hooked (_composite_edges).
 api_mode.py records the forward and calls hook_nodes / hook_backward.
+
+Module level gets a module call's grad_input the same way (hook_input_edges): the walk goes
+back from the module's outputs through every node made during the call. No node is added
+between a tensor and its readers, so autograd sums a tensor's gradients from its readers in
+the order it would without capture.
 """
 
 from __future__ import annotations
@@ -99,12 +104,7 @@ def hook_nodes(rec, call, nodes, edges, composite: bool):
             return
     # the call ran as several autograd nodes: find its own edges into its inputs
     found = _composite_edges([node for node, _ in nodes], next_functions, edges)
-    shared = None
-    if found:
-        counts = _edge_counts(found)
-        if any(count > 1 for count in counts.values()):
-            shared = _CallBackward()
-            shared.edges = {slot: count for slot, count in counts.items() if count > 1}
+    shared = _shared_sums(found) if found else None
     # an output node that is also one of those nodes gets one hook doing both, grad_output
     # first (as two hooks registered in that order would)
     inputs_of = {id(node): positions for node, positions in found} if found else {}
@@ -156,42 +156,49 @@ def _composite_edges(out_nodes, out_next_functions, edges):
     grad_fn, a leaf's AccumulateGrad), at nodes older than every input's node (they belong to
     earlier calls: autograd numbers nodes in creation order) and after _WALK_LIMIT nodes.
     """
-    by_edge: dict = {}  # (id(input grad_fn), output_nr) -> [grad slot]
-    by_leaf: dict = {}  # id(leaf tensor) -> [grad slot]
-    input_nodes = set()  # input nodes stay alive while this runs: edges holds them
-    oldest = -1
-    for slot, grad_fn, output_nr, tensor in edges:
-        if grad_fn is None:
-            key = id(tensor)
-            slots = by_leaf.get(key)
-            if slots is None:
-                by_leaf[key] = [slot]
-            else:
-                slots.append(slot)
-        else:
-            key = (id(grad_fn), output_nr)
-            slots = by_edge.get(key)
-            if slots is None:
-                by_edge[key] = [slot]
-            else:
-                slots.append(slot)
-            input_nodes.add(id(grad_fn))
-            number = _sequence_nr(grad_fn)
-            if number > oldest:
-                oldest = number
+    by_edge, by_leaf, input_nodes, oldest = _edge_index(edges)
     for node in out_nodes:
         # an output that is an input (x.contiguous() of a contiguous x) made no node here
         if id(node) in input_nodes or _sequence_nr(node) <= oldest:
             return None
+    # the same tensor passed in two slots (x * x) is one autograd edge: which slot the
+    # gradient belongs to is not defined, so such slots get no grad_input
+    return _walk(out_nodes, out_next_functions, by_edge, by_leaf, oldest + 1, _WALK_LIMIT, False)
+
+
+def _edge_index(edges):
+    """({(id(input grad_fn), output_nr): [grad slot]}, {id(leaf input): [grad slot]}, ids of
+    the inputs' nodes, the largest sequence number among them or -1)."""
+    by_edge: dict = {}
+    by_leaf: dict = {}
+    input_nodes = set()  # input nodes stay alive while a walk runs: edges holds them
+    oldest = -1
+    for slot, grad_fn, output_nr, tensor in edges:
+        if grad_fn is None:
+            by_leaf.setdefault(id(tensor), []).append(slot)
+        else:
+            by_edge.setdefault((id(grad_fn), output_nr), []).append(slot)
+            input_nodes.add(id(grad_fn))
+            number = _sequence_nr(grad_fn)
+            if number > oldest:
+                oldest = number
+    return by_edge, by_leaf, input_nodes, oldest
+
+
+def _walk(out_nodes, out_next_functions, by_edge, by_leaf, floor: int, limit, every_slot: bool):
+    """The nodes made since sequence number floor, reached from out_nodes, that have an edge
+    into an input: [(node, ((position, grad slot), ...))], or None (none found, or more than
+    limit nodes walked). every_slot: an edge into a tensor passed in several slots counts for
+    each of them (else for none)."""
     result = []
+    if out_next_functions is None:
+        out_next_functions = [None] * len(out_nodes)
     stack = list(zip(out_nodes, out_next_functions))
     seen = compat.NodeSet(out_nodes)  # the nodes, not their ids: ids are reused up to 2.12
     while stack:
         node, next_functions = stack.pop()
         if next_functions is None:
             next_functions = node.next_functions
-        # the same tensor passed in two slots (x * x) is one autograd edge: which slot the
-        # gradient belongs to is not defined, so such slots get no grad_input
         kept = None
         for position, (fn, output_nr) in enumerate(next_functions):
             if fn is None:
@@ -203,22 +210,58 @@ def _composite_edges(out_nodes, out_next_functions, edges):
                     slots = by_leaf.get(id(variable))
                     if slots is None:
                         continue
-                elif fn in seen or _sequence_nr(fn) <= oldest:
+                elif fn in seen or _sequence_nr(fn) < floor:
                     continue
                 else:
                     seen.add(fn)
-                    if len(seen) > _WALK_LIMIT:
+                    if limit is not None and len(seen) > limit:
                         return None
                     stack.append((fn, None))
                     continue
-            if len(slots) == 1:
+            if len(slots) == 1 or every_slot:
                 if kept is None:
-                    kept = [(position, slots[0])]
-                else:
-                    kept.append((position, slots[0]))
+                    kept = []
+                for slot in slots:
+                    kept.append((position, slot))
         if kept is not None:
             result.append((node, tuple(kept)))
     return result or None
+
+
+def hook_input_edges(rec, call, out_nodes, edges, floor: int) -> None:
+    """Module level: grad_input.N of one module call, from hooks on the autograd nodes the
+    call made that read its inputs (edges: (grad slot, grad_fn, output_nr, tensor) of each
+    input, taken before the call; floor: compat.next_sequence_nr() then, -1 when unknown).
+
+    Each such node sends its share of an input's gradient along its edge; a hook on the node
+    (which changes nothing autograd computes) reads it, and an input several of them read gets
+    the sum of their shares: the gradient that flowed through this call only. The walk goes
+    from the outputs' nodes back through the nodes made during the call, however many."""
+    by_edge, by_leaf, input_nodes, oldest = _edge_index(edges)
+    if floor < 0:
+        floor = oldest + 1
+    # an output that is an input itself made no node in this call
+    starts = [node for node in out_nodes
+              if id(node) not in input_nodes and _sequence_nr(node) >= floor]
+    if not starts:
+        return
+    found = _walk(starts, None, by_edge, by_leaf, floor, None, True)
+    if not found:
+        return
+    generation = rec.generation
+    shared = _shared_sums(found)
+    for node, positions in found:
+        node.register_hook(_partial(_on_input_grads, rec, generation, call, shared, positions))
+
+
+def _shared_sums(found):
+    """A _CallBackward for the inputs several found edges lead to; None when there is none."""
+    counts = _edge_counts(found)
+    if not any(count > 1 for count in counts.values()):
+        return None
+    shared = _CallBackward()
+    shared.edges = {slot: count for slot, count in counts.items() if count > 1}
+    return shared
 
 
 def _edge_counts(found) -> dict:

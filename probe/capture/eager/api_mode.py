@@ -55,6 +55,7 @@ from probe.capture.eager.autocast import autocast_dtype as _autocast_dtype, note
 from probe.capture.eager.defaults import TABLE as _defaults_table, defaults_of as _defaults_of, bind_call as _bind_call
 from probe.capture.recorder import Recorder
 from probe.capture.eager.write_watch import may_write as _may_write, written_tensors as _written_tensors
+from probe.capture.eager.unwritten import ALLOCATING as _ALLOCATING, allocate as _allocate, written as _note_written
 
 Tensor = torch.Tensor
 _DisableTorchFunction = compat.DisableTorchFunction
@@ -114,8 +115,13 @@ class ApiCaptureMode(TorchFunctionMode):
             self._paths = {id(target.module): target.path for target in self.targets or ()}
         return self._paths.get(id(module), "")
 
+    def __enter__(self):
+        self.recorder.watch_optimizers()  # the device bucket's flushes around their steps
+        return super().__enter__()
+
     def __exit__(self, exc_type, exc_value, traceback):
         self.recorder.locate.forget()  # the source walk may hold a frame of the user's code
+        self.recorder.unwatch_optimizers()
         return super().__exit__(exc_type, exc_value, traceback)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -128,6 +134,8 @@ class ApiCaptureMode(TorchFunctionMode):
         if name is None:  # attribute reads and metadata: most calls the mode sees
             if self.reenter_backward and func in _BACKWARD_ENTRIES:
                 return backward_collectives.run_backward(self, func, args, kwargs or {})
+            if id(func) in _ALLOCATING and not _from_framework(_getframe(1)):
+                return _allocate(self.recorder.unwritten, func, args, kwargs)  # unwritten.py
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
@@ -196,10 +204,13 @@ def _from_framework(frame) -> bool:
 
 def _guard_writes(rec: Recorder, func, name: str, args, kwargs) -> None:
     """Before a call writes tensors in place: the device bucket keeps what it holds of them."""
+    written = None
     if _may_write(name, func, args, kwargs):
         written = _written_tensors(name, args, kwargs)
         if written:
             rec.before_write(written)
+    if rec.unwritten:  # memory nothing has written yet (unwritten.py)
+        _note_written(rec.unwritten, name, args, kwargs, written)
 
 
 _clock = time.perf_counter

@@ -105,6 +105,14 @@ class WriteWatchMode(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
 
+    def __enter__(self):
+        self.recorder.watch_optimizers()  # the device bucket's flushes around their steps
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.recorder.unwatch_optimizers()
+        return super().__exit__(exc_type, exc_value, traceback)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:

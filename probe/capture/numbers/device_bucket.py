@@ -5,36 +5,48 @@ milliseconds of memory traffic against a step) but launches and waits: a per-ten
 launches ~20 kernels per record, and any read of a number on the host waits for the device.
 A DeviceBucket keeps both out of the step:
 
-- ``add(tensor)`` records nothing on the device: it keeps a reference to the tensor and its
-  autograd version, and returns a DeviceSlot that ``resolve()`` fills in.
-- ``flush()`` runs when the bucket holds BUCKET_TENSORS tensors or BUCKET_BYTES bytes, before
-  a tensor it holds is written in place (``before_write``), and at the end of the step. It
-  computes every held tensor's statistics and sketch in a fixed number of torch calls per
-  (device, dtype) group, whatever the number of tensors:
+- ``add(tensor)`` launches nothing: it keeps an alias of the tensor (``detach()``: the same
+  memory and version counter, but not a reference to the tensor itself, so autograd still
+  hands a gradient to ``.grad`` without copying it) and its version, and returns a DeviceSlot
+  that ``resolve()`` fills in.
+- ``flush()`` computes every held tensor's statistics and sketch in a fixed number of torch
+  calls per device, whatever the number of tensors or their dtypes (FLUSH_OPS):
 
-      arena = cat(each tensor flat, padded with zeros to whole super-rows of SPAN values)
-      per super-row: sum, sum of squares (float64), NaN / +Inf / -Inf counts, min and max
-      per tensor: one (T, S) @ (S, 5) product gathers the sums and counts of its rows, and
-                  a (T, max rows) table of row minima / maxima gives its min and max
-      sketch: one (T, S) @ (S, SPAN) product folds each tensor's super-rows (the same fold
-              as sketch.sketch), then (T*GROUPS, BLOCK) @ (BLOCK, k) and a signed sum
+      arena = the values of every tensor, as float64, each padded with zeros to whole
+              super-rows of SPAN values (one cat; the tensors that are not contiguous are
+              copied into their places by one multi-tensor copy)
+      per super-row: the sketch's projection and the sum (one (S, SPAN) @ (SPAN, k + 1)
+              product, signed per row), the sum of squares, NaN and Inf counts, min and max
+              (of the values: a tensor's last row ends in padding)
+      per tensor: each quantity summed, or its min / max taken, over the tensor's super-rows
+              (segment_reduce: each tensor's rows are one run of the arena)
 
-  The results stay on the device, one (T, 7 + k) float64 tensor per group.
-- ``resolve()`` flushes, concatenates every group's results and copies them to the host in
-  one copy per device (``host_transfers`` counts them), then fills the slots.
+  The results stay on the device, one (T, 6 + k) float64 tensor per flush.
+- ``resolve()`` flushes, joins every flush's results and copies them to the host in one copy
+  per device (``host_transfers`` counts them), then fills the slots.
 
 No call here reads a device number on the host before ``resolve()``; the layout of a bucket
-(which row belongs to which tensor) is built on the host from shapes alone and sent to the
-device with a non-blocking copy, kept for the next step with the same shapes.
+(which row belongs to which tensor) is built on the host from sizes alone, sent to the device
+once and kept for the next step with the same sizes.
 
-Values are read when the bucket flushes, not when they were recorded, so a tensor must not
-change in between (for sharded models, ``copy_on_add`` copies each tensor as it is added:
-FSDP2 frees and refills its parameters' storage with no call the capture could see). Writes the capture sees (an in-place op, ``out=``, a collective) call
-``before_write`` first: a single tensor about to be overwritten is copied once (the copy
-takes its place in the bucket), anything else flushes the bucket. A change the capture
-cannot see (the autograd engine accumulating into ``.grad``, a storage freed by resizing it)
-is detected at the flush by the tensor's version or storage size, and that record's
-statistics are reported unknown instead of wrong (``stale`` counts them).
+Values are read at the flush, not when they were recorded, so a tensor must not change in
+between. A write the capture sees (an in-place op, ``out=``, a collective, through any alias
+of the memory, ``.data`` included) calls ``before_write`` first: if the bucket holds that
+memory, the bucket is flushed, all of it, as one batch; nothing is copied. The recorder also
+flushes where a step's tensors are next written or freed (recorder.py): when backward starts
+(the forward is over), when it ends, and around the optimizer's step, so an optimizer's
+in-place updates find the bucket empty. A change the capture cannot see (autograd
+accumulating into ``.grad``, a C++ reducer, a storage freed by resizing it) is detected at the
+flush by the tensor's version (views share their base's counter) or storage size, and that
+record's statistics are reported unknown instead of wrong (``stale`` counts them). One write
+escapes both: through a ``.data`` alias (its own version counter) by code the capture cannot
+see (C++, or torch calls made with torch functions disabled); such a value is read as it is at
+the flush. For sharded models, ``copy_on_add`` copies each tensor as it is added: FSDP2 frees
+and refills its parameters' storage with no call the capture could see.
+
+Numbers against the host path (stats.host_stats, sketch.sketch): min, max and the NaN/Inf
+counts are identical; sums, sums of squares and sketches are accumulated in float64 here
+(float32 values are exact in float64), so they agree to the host path's rounding.
 
 ``PROBE_DEVICE_PATH=1`` sends CPU tensors through this path too, so the tests hold it
 without an accelerator (docs/performance.md).
@@ -49,21 +61,27 @@ import numpy as np
 import torch
 
 from probe.capture.numbers import sketch
-from probe.compat import copy_tensors, flatten_dense_tensors, local_tensor, tensor_version as _version_of
+from probe.compat import flatten_dense_tensors, foreach_copy, local_tensor, tensor_version as _version_of
 
-#: flush when a bucket holds this many tensors or bytes (bounds the device memory it pins)
-BUCKET_TENSORS = 256
+#: flush when a bucket holds this many tensors, or this many bytes of values: BUCKET_BYTES
+#: on the CPU, a share of an accelerator's memory there (BUCKET_MEMORY_SHARE, at most
+#: BUCKET_BYTES_MAX). A flush's arena holds the values as float64 (twice a float32 tensor's
+#: bytes, four times a 16-bit one's); the fewer flushes, the fewer launches per step.
+BUCKET_TENSORS = 4096
 BUCKET_BYTES = 64 << 20
+BUCKET_MEMORY_SHARE = 1 / 64
+BUCKET_BYTES_MAX = 2 << 30
 #: values per super-row: the sketch's fold unit, so a tensor's rows are its super-rows
 SPAN = sketch.GROUPS * sketch.BLOCK
 #: what the bucket reads; other dtypes (complex, float8, quantized) take stats.device_stats
 DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                     torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool))
+#: torch calls that launch a kernel in one flush (one device): the figure tests and docs quote
+FLUSH_OPS = 19
 NAN = float("nan")
 _UNKNOWN = ((NAN, NAN, NAN, NAN, -1, -1), None)
 _F64 = torch.float64
-_HALF = (torch.float16, torch.bfloat16)
-#: layouts (row owners, fold and gather matrices) kept per device for shapes seen again
+#: layouts (row lengths, signs, padding) kept per device for sizes seen again
 _LAYOUT_CACHE_BYTES = 64 << 20
 
 
@@ -72,17 +90,23 @@ def device_path_on_cpu() -> bool:
     return os.environ.get("PROBE_DEVICE_PATH", "") == "1"
 
 
+def bucket_bytes(device) -> int:
+    """How many bytes of values a bucket holds before it flushes, on this device."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(min(max(total * BUCKET_MEMORY_SHARE, BUCKET_BYTES), BUCKET_BYTES_MAX))
+    return BUCKET_BYTES
+
+
 class DeviceSlot:
     """Where one tensor's numbers arrive: ``result`` is ((min, max, mean, norm, nan, inf),
     packed sketch or None) after the bucket's resolve(), None before."""
 
-    __slots__ = ("result", "numel", "_rows", "_row")
+    __slots__ = ("result", "numel")
 
     def __init__(self, numel: int):
         self.result = None
         self.numel = numel
-        self._rows = None  # the group's (T, 7 + k) results on the device
-        self._row = -1
 
 
 class DeviceBucket:
@@ -92,15 +116,17 @@ class DeviceBucket:
                  max_bytes: int | None = None):
         self.k = max(int(sketch_size), 0)
         self.max_tensors = BUCKET_TENSORS if max_tensors is None else max_tensors
-        self.max_bytes = BUCKET_BYTES if max_bytes is None else max_bytes
-        self._held: list = []  # [tensor, version, slot]
-        self._storages: dict = {}  # storage address -> held entries over it
+        self.max_bytes = max_bytes  # None: bucket_bytes() of the first tensor's device
+        self._held: list = []  # [alias, version, slot, watched]
+        self._storages: set = set()  # storage addresses of the held tensors
         self._bytes = 0
         self._groups: list = []  # (results on the device, [slots]) since the last resolve
         #: device-to-host copies made by resolve() (per step: the debugger reads and resets it)
         self.host_transfers = 0
         #: records whose tensor changed, unseen, between record and flush (reported unknown)
         self.stale = 0
+        #: flushes that computed something (for the benchmarks and tests)
+        self.flushes = 0
         self._layouts: dict = {}
         self._layout_bytes = 0
         #: copy each tensor as it is added (one copy per record): for sharded models, whose
@@ -120,65 +146,54 @@ class DeviceBucket:
         slot = DeviceSlot(numel)
         if self.copy_on_add:
             with torch.no_grad():
-                tensor = watched = tensor.detach().clone()
-        watched = tensor if watched is None else watched
-        entry = [tensor, _version_of(watched), slot, watched]
-        self._held.append(entry)
-        address = _address(tensor)
-        self._storages.setdefault(address, []).append(entry)
+                tensor = tensor.detach().clone()
+            watched = None
+        else:
+            # an alias over the same memory and version counter: holding the tensor itself
+            # would make autograd copy a gradient into .grad instead of handing it over
+            tensor = tensor.detach()
+        if watched is None:
+            watched = tensor
+        self._held.append([tensor, _version_of(watched), slot, watched])
+        self._storages.add(_address(tensor))
         self._bytes += numel * tensor.element_size()
+        if self.max_bytes is None:
+            self.max_bytes = bucket_bytes(tensor.device)
         if len(self._held) >= self.max_tensors or self._bytes >= self.max_bytes:
             self.flush()
         return slot
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Does the bucket hold values in tensor's memory (any view of its storage)?"""
+        return bool(self._held) and _address(local_tensor(tensor)) in self._storages
+
     def before_write(self, tensors) -> None:
-        """The capture is about to let a call write these tensors: keep what the bucket holds
-        of them as it is now. Tensors held as the same view are copied (one multi-tensor copy
-        for a list: an optimizer's foreach step); a write through another view of a held
-        tensor's storage flushes the bucket."""
+        """The capture is about to let a call write these tensors: if the bucket holds any of
+        their memory, flush it (every held tensor, one batch) while the values are the
+        recorded ones."""
         if not self._held:
             return
         storages = self._storages
-        matched: dict = {}
         for tensor in tensors:
-            tensor = local_tensor(tensor)
-            address = _address(tensor)
-            entries = storages.get(address)
-            if entries is None or address in matched:
-                continue
-            if not all(_same_view(entry[0], tensor) for entry in entries):
+            if _address(local_tensor(tensor)) in storages:
                 self.flush()
                 return
-            matched[address] = (tensor, entries)
-        if matched:
-            self._copy_in_place_of(list(matched.items()))
-
-    def _copy_in_place_of(self, matched: list) -> None:
-        """Copies of tensors about to be overwritten take their places in the bucket."""
-        with torch.no_grad():
-            copies = copy_tensors([tensor.detach() for _, (tensor, _) in matched])
-        storages = self._storages
-        for (address, (_, entries)), copy in zip(matched, copies):
-            del storages[address]
-            version = _version_of(copy)
-            for entry in entries:
-                entry[0], entry[1], entry[3] = copy, version, copy
-            storages.setdefault(_address(copy), []).extend(entries)
 
     # ------------------------------------------------------------------ flush
 
-    def flush(self) -> None:
-        """Statistics of every held tensor, left on the device (no host synchronisation)."""
+    def flush(self) -> bool:
+        """Statistics of every held tensor, left on the device (no host synchronisation).
+        Returns whether it held any."""
         if not self._held:
-            return
-        held, self._held, self._storages, self._bytes = self._held, [], {}, 0
+            return False
+        held, self._held, self._storages, self._bytes = self._held, [], set(), 0
         groups: dict = {}
         for tensor, version, slot, watched in held:
             if _version_of(watched) != version or not _storage_alive(tensor):
                 slot.result = _UNKNOWN
                 self.stale += 1
                 continue
-            groups.setdefault((tensor.device, tensor.dtype), []).append((tensor, slot))
+            groups.setdefault(tensor.device, []).append((tensor, slot))
         with torch.no_grad():
             for members in groups.values():
                 try:
@@ -191,58 +206,41 @@ class DeviceBucket:
                             self._add_group([member])
                         except (RuntimeError, TypeError, ValueError, NotImplementedError):
                             member[1].result = _UNKNOWN
+        return True
 
     def _add_group(self, members: list) -> None:
         rows = self._group_numbers([tensor for tensor, _ in members])
+        self.flushes += 1
         self._groups.append((rows, [slot for _, slot in members]))
 
     def _group_numbers(self, tensors: list) -> torch.Tensor:
-        """(T, 7 + k) float64: min, max, sum, sum of squares, NaN, +Inf, -Inf counts, sketch."""
-        device, dtype = tensors[0].device, tensors[0].dtype
-        accumulate = _accumulation(dtype, device)
-        sizes = tuple(t.numel() for t in tensors)
-        layout = self._layout(device, accumulate, sizes)
-        pieces = []
-        for tensor, pad in zip(tensors, layout.pads):
-            pieces.append(tensor)
-            if pad:
-                pieces.append(_zeros(device, dtype, pad))
-        arena = flatten_dense_tensors(pieces)
-        if arena.dtype != accumulate:
-            arena = arena.to(accumulate)
+        """(T, 6 + k) float64 on the tensors' device: min, max, sketch (k), sum, sum of
+        squares, NaN count, Inf count of each tensor."""
+        device = tensors[0].device
+        dense = [t.is_contiguous() for t in tensors]
+        layout = self._layout(device, tuple(t.numel() for t in tensors), tuple(dense))
+        arena = _arena(tensors, dense, layout, device)
         rows = arena.view(-1, SPAN)
-        # a row is SPAN values: its sums round like the host path's, the rows add in float64
-        sums = rows.sum(1)
-        squares = torch.linalg.vector_norm(rows, 2, dim=1).to(_F64).square()
-        nans = torch.count_nonzero(torch.isnan(rows), dim=1)
-        highs = torch.count_nonzero(torch.isposinf(rows), dim=1)
-        lows = torch.count_nonzero(torch.isneginf(rows), dim=1)
-        additive = torch.stack((sums.to(_F64), squares, nans.to(_F64), highs.to(_F64),
-                                lows.to(_F64)), 1)
-        totals = layout.owners @ torch.nan_to_num(additive, nan=0.0, posinf=0.0, neginf=0.0)
-        minima, maxima = torch.aminmax(rows, dim=1)
-        # the last super-row of each tensor ends in padding: its extremes come from its values
-        last = rows.index_select(0, layout.last_rows)
-        minima = minima.index_copy(0, layout.last_rows,
-                                   torch.where(layout.valid_last, last, _fill(last, math.inf)).amin(1))
-        maxima = maxima.index_copy(0, layout.last_rows,
-                                   torch.where(layout.valid_last, last, _fill(last, -math.inf)).amax(1))
-        low = _per_tensor(minima, layout, math.inf).amin(1)
-        high = _per_tensor(maxima, layout, -math.inf).amax(1)
-        columns = [low.to(_F64).unsqueeze(1), high.to(_F64).unsqueeze(1), totals]
-        if self.k:
-            clean = torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
-            folded = (layout.fold @ clean).view(len(sizes) * sketch.GROUPS, sketch.BLOCK)
-            projection, signs = sketch.projection_tables(device, accumulate, self.k)
-            products = (folded @ projection).view(len(sizes), sketch.GROUPS, self.k)
-            columns.append((products * signs).sum(1, dtype=_F64))
-        return torch.cat(columns, 1)
+        # per super-row: [sketch (k), sum] in one product, its sketch columns signed F[m]
+        projected = (rows @ _projection(device, self.k)).mul_(layout.row_signs)
+        squares = torch.linalg.vector_norm(rows, 2, dim=1, keepdim=True).square_()
+        nans = torch.isnan(rows).sum(1, dtype=_F64, keepdim=True)
+        infs = torch.isinf(rows).sum(1, dtype=_F64, keepdim=True)
+        # a tensor's last super-row ends in padding: extremes are taken over the values only
+        valid = _columns(device) < layout.row_ends
+        lows = torch.where(valid, rows, _constant(device, math.inf)).amin(1)
+        highs = torch.where(valid, rows, _constant(device, -math.inf)).amax(1)
+        additive = torch.cat((projected, squares, nans, infs), 1)
+        totals = torch.segment_reduce(additive, "sum", lengths=layout.lengths, axis=0, unsafe=True)
+        low = torch.segment_reduce(lows, "min", lengths=layout.lengths, axis=0, unsafe=True)
+        high = torch.segment_reduce(highs, "max", lengths=layout.lengths, axis=0, unsafe=True)
+        return torch.cat((low.unsqueeze(1), high.unsqueeze(1), totals), 1)
 
-    def _layout(self, device, accumulate, sizes: tuple) -> "_Layout":
-        key = (device, accumulate, sizes)
+    def _layout(self, device, sizes: tuple, dense: tuple) -> "_Layout":
+        key = (device, sizes, dense)
         found = self._layouts.get(key)
         if found is None:
-            found = _Layout(device, accumulate, sizes)
+            found = _Layout(device, sizes, dense, self.k)
             if self._layout_bytes + found.nbytes > _LAYOUT_CACHE_BYTES:
                 self._layouts.clear()
                 self._layout_bytes = 0
@@ -259,89 +257,123 @@ class DeviceBucket:
         by_device: dict = {}
         for rows, slots in groups:
             by_device.setdefault(rows.device, []).append((rows, slots))
-        for device, members in by_device.items():
+        k = self.k
+        for members in by_device.values():
             joined = torch.cat([rows for rows, _ in members]) if len(members) > 1 else members[0][0]
             host = _to_host(joined)
             self.host_transfers += 1
             start = 0
             for rows, slots in members:
-                for slot, numbers in zip(slots, host[start:start + len(slots)]):
-                    slot.result = _numbers(numbers, slot.numel, self.k)
+                for slot, numbers in zip(slots, host[start:start + len(slots)].tolist()):
+                    slot.result = _numbers(numbers, slot.numel, k)
                 start += len(slots)
 
 
 class _Layout:
-    """Which super-row of a bucket's arena belongs to which tensor, as device tensors.
+    """Where each tensor of a flush sits in its arena, as small device tensors.
 
-    owners (T, S) float64: 1 where row s is tensor t's; fold (T, S): F[m] there instead
-    (m: the row's place within its tensor), the sketch's fold signs; last_rows (T,) and
-    valid_last (T, SPAN): each tensor's last row and which of its places hold values;
-    table (S,): each row's place in a (T, most rows) table of per-row extremes."""
+    pads: zeros after each tensor (to whole super-rows); places: each tensor's first value in
+    the arena (for the tensors copied in after the cat); lengths (T,): super-rows per tensor;
+    row_signs (S, k + 1): F[m] for the sketch columns of row m of a tensor, 1 for the sum;
+    row_ends (S, 1): how many of a row's SPAN places hold values."""
 
-    def __init__(self, device, accumulate, sizes: tuple):
+    def __init__(self, device, sizes: tuple, dense: tuple, k: int):
         counts = np.array([-(-n // SPAN) for n in sizes], dtype=np.int64)
         self.pads = tuple(int(c) * SPAN - n for c, n in zip(counts, sizes))
-        tensors, rows = len(sizes), int(counts.sum())
-        self.widest = int(counts.max())
-        owner = np.repeat(np.arange(tensors), counts)
+        rows = int(counts.sum())
         starts = np.cumsum(counts) - counts
         place = np.arange(rows) - np.repeat(starts, counts)
-        tails = np.array(sizes, dtype=np.int64) - (counts - 1) * SPAN
-        host = torch.from_numpy(np.concatenate((owner, place, starts + counts - 1, tails,
-                                                 owner * self.widest + place)))
-        if device.type == "cuda":
-            host = host.pin_memory()
-        index = host.to(device, non_blocking=True)
-        owner_t = index[:rows]
-        place_t = index[rows:2 * rows]
-        self.last_rows = index[2 * rows:2 * rows + tensors]
-        tails_t = index[2 * rows + tensors:2 * rows + 2 * tensors]
-        self.table = index[2 * rows + 2 * tensors:]
-        every_row = torch.arange(rows, device=device)
-        self.owners = torch.zeros(tensors, rows, dtype=_F64, device=device)
-        # values as device tensors: a Python number would be copied from the host
-        self.owners.index_put_((owner_t, every_row), torch.ones((), dtype=_F64, device=device))
-        fold_signs = sketch.fold_sign_table(device, accumulate, self.widest)[place_t]
-        self.fold = torch.zeros(tensors, rows, dtype=accumulate, device=device)
-        self.fold.index_put_((owner_t, every_row), fold_signs)
-        self.valid_last = torch.arange(SPAN, device=device).unsqueeze(0) < tails_t.unsqueeze(1)
-        self.tensors = tensors
-        self.nbytes = tensors * rows * (8 + self.fold.element_size()) + tensors * SPAN
+        ends = np.full(rows, SPAN, dtype=np.int64)
+        ends[starts + counts - 1] = np.array(sizes, dtype=np.int64) - (counts - 1) * SPAN
+        self.places = (starts * SPAN).tolist()
+        signs = np.ones((rows, k + 1))
+        signs[:, :k] = sketch.fold_signs(int(counts.max()))[place][:, None]
+        self.lengths = _on(device, torch.from_numpy(counts))
+        self.row_ends = _on(device, torch.from_numpy(ends).view(rows, 1))
+        self.row_signs = _on(device, torch.from_numpy(signs))
+        self.nbytes = rows * 8 * (k + 2) + len(sizes) * 8
 
 
-def _per_tensor(per_row: torch.Tensor, layout: _Layout, fill: float) -> torch.Tensor:
-    """(T, most rows): each tensor's row values, the rest fill (neutral for min / max)."""
-    table = per_row.new_full((layout.tensors * layout.widest,), fill)
-    table[layout.table] = per_row
-    return table.view(layout.tensors, layout.widest)
+def _on(device, host: torch.Tensor) -> torch.Tensor:
+    """A layout table on the device: through pinned memory, without waiting."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
-def _fill(like: torch.Tensor, value: float) -> torch.Tensor:
-    return torch.full((), value, dtype=like.dtype, device=like.device)
+def _arena(tensors: list, dense: list, layout: _Layout, device) -> torch.Tensor:
+    """Every tensor's values as float64, one after another, each padded with zeros to whole
+    super-rows: one cat (float64 padding pieces make the result float64 whatever the
+    tensors' dtypes), then one multi-tensor copy of the tensors that are not contiguous
+    (their places hold zeros until then)."""
+    pieces = []
+    later_from, later_to = [], []
+    for tensor, contiguous, pad in zip(tensors, dense, layout.pads):
+        if contiguous:
+            pieces.append(tensor)
+        else:
+            later_from.append(tensor)
+            pad += tensor.numel()
+        pieces.append(_zeros(device, pad))
+    arena = flatten_dense_tensors(pieces)
+    if later_from:
+        for tensor, contiguous, place in zip(tensors, dense, layout.places):
+            if not contiguous:
+                later_to.append(arena[place:place + tensor.numel()].view(tensor.shape))
+        foreach_copy(later_to, later_from)
+    return arena
 
 
-def _accumulation(dtype, device) -> torch.dtype:
-    """float32 for 32- and 16-bit floats, float64 for float64 and integer values (as
-    stats._as_real); float64 on CUDA while TF32 may round float32 products (as sketch)."""
-    if dtype == _F64 or not dtype.is_floating_point:
-        return _F64
-    if device.type == "cuda" and sketch.tf32_allowed():
-        return _F64
-    return torch.float32
+_tables: dict = {}
 
 
-_zero_tables: dict = {}
-
-
-def _zeros(device, dtype, count: int) -> torch.Tensor:
-    """A view of count zeros, the same object every time (no call per padded tensor)."""
-    key = (device, dtype, count)
-    found = _zero_tables.get(key)
+def _zeros(device, count: int) -> torch.Tensor:
+    """A view of count float64 zeros (count 0 too: it still makes the cat float64), the same
+    object every time."""
+    key = (device, count)
+    found = _tables.get(key)
     if found is None:
-        base = _zero_tables.get((device, dtype))
-        if base is None:
-            base = _zero_tables[(device, dtype)] = torch.zeros(SPAN, dtype=dtype, device=device)
-        found = _zero_tables[key] = base[:count]
+        base = _tables.get((device, "zeros"))
+        if base is None or base.numel() < count:
+            base = _tables[(device, "zeros")] = torch.zeros(max(count, SPAN), dtype=_F64, device=device)
+        found = base[:count]
+        if len(_tables) < 100_000:
+            _tables[key] = found
+    return found
+
+
+def _constant(device, value: float) -> torch.Tensor:
+    """A float64 number on the device, made once (a Python number would make a tensor at
+    every call)."""
+    key = (device, value)
+    found = _tables.get(key)
+    if found is None:
+        found = _tables[key] = torch.tensor(value, dtype=_F64, device=device)
+    return found
+
+
+def _columns(device) -> torch.Tensor:
+    """(1, SPAN): a value's place within its super-row, 0 to SPAN - 1."""
+    key = (device, "columns")
+    found = _tables.get(key)
+    if found is None:
+        found = _tables[key] = torch.arange(SPAN, device=device).view(1, SPAN)
+    return found
+
+
+def _projection(device, k: int) -> torch.Tensor:
+    """(SPAN, k + 1) float64: column j < k projects a super-row onto sketch number j
+    (S[g, j] * P[c, j] for the value at group g, column c: the fold's per-row map), column k
+    sums it."""
+    key = (device, "projection", k)
+    found = _tables.get(key)
+    if found is None:
+        columns, rows = sketch.column_signs(k), sketch.row_signs(k)
+        table = np.ones((SPAN, k + 1))
+        table[:, :k] = (rows[:, None, :] * columns[None, :, :]).reshape(SPAN, k)
+        found = _tables[key] = _on(device, torch.from_numpy(table))
     return found
 
 
@@ -361,11 +393,6 @@ def _storage_alive(tensor: torch.Tensor) -> bool:
         return True
 
 
-def _same_view(held: torch.Tensor, tensor: torch.Tensor) -> bool:
-    return (held.data_ptr() == tensor.data_ptr() and held.shape == tensor.shape
-            and held.stride() == tensor.stride() and held.dtype == tensor.dtype)
-
-
 def _to_host(rows: torch.Tensor) -> np.ndarray:
     """The results as numpy: through pinned memory and an event on CUDA (the one wait)."""
     if rows.device.type == "cpu":
@@ -380,19 +407,19 @@ def _to_host(rows: torch.Tensor) -> np.ndarray:
     return rows.cpu().numpy()
 
 
-def _numbers(values: np.ndarray, numel: int, k: int) -> tuple:
-    """A row of a group's results -> ((min, max, mean, norm, nan, inf), packed sketch)."""
-    low, high, total, squares, nans, highs, lows = (float(v) for v in values[:7])
-    nans, infs = int(nans), int(highs) + int(lows)
+def _numbers(values: list, numel: int, k: int) -> tuple:
+    """A row of a flush's results -> ((min, max, mean, norm, nan, inf), packed sketch)."""
+    low, high = values[0], values[1]
+    total, squares, nans, infs = values[2 + k:6 + k]
+    nans, infs = int(nans), int(infs)
     mean, norm = total / numel, math.sqrt(squares)
     if nans:
         mean = norm = NAN
     elif infs:
         norm = math.inf
+        highs, lows = high == math.inf, low == -math.inf
         mean = NAN if highs and lows else (math.inf if highs else -math.inf)
     sketched = None
     if k:
-        sketched = sketch.pack(values[7:7 + k] if not (nans or infs) else np.full(k, NAN))
+        sketched = sketch.pack(values[2:2 + k] if not (nans or infs) else [NAN] * k)
     return (low, high, mean, norm, nans, infs), sketched
-
-

@@ -1,0 +1,276 @@
+"""Host time per captured record: what capture costs the training thread, per record.
+
+    python bench/record_cost.py                          # gpt and gpt2s, levels mix, api, module
+    python bench/record_cost.py --models gpt --repeats 9
+    python bench/record_cost.py --levels api --paths host
+    python bench/record_cost.py --json
+
+One training step = forward + cross-entropy + backward + SGD step (examples.models.train_step),
+one torch thread. A captured step is start(model), the step, stop(), step(): the records, their
+numbers and the hand-over of the step file (the writer process writes it off this thread when
+the machine has a second CPU). Every number is CPU time of the training thread
+(``time.thread_time``), the median of --repeats timed steps, every variant in this one process,
+interleaved in blocks in a new random order every round (the first step of a block untimed,
+``gc.collect()`` before it).
+
+Models: ``gpt`` is the project's GPT (examples.models.TinyGPT: 4 layers, d 256, T 128, batch 1);
+``gpt2s`` has GPT-2 small's shape (12 layers, d 768, 12 heads, T 128, batch 2; vocabulary 1000).
+
+Paths:
+  host     CPU tensors' numbers computed on the CPU as they are recorded (the default on a CPU)
+  device   the accelerator's path on CPU tensors (PROBE_DEVICE_PATH=1): tensors are held in
+           buckets and their numbers computed in a fixed number of torch calls per bucket
+           (on a CPU the held tensors also keep the allocator from reusing their memory: a
+           cost a GPU's caching allocator does not have)
+  records  the records alone: every tensor's numbers are taken as known (numbers_of
+           answers at once, computing nothing): the per-record work of the capture itself,
+           which is what a GPU's host pays per record besides the bucket's launches
+
+Columns:
+  records      records of one captured step
+  plain ms     the step without probe
+  captured ms  the captured step
+  us/record    (captured - plain) / records
+  numbers ms   time inside the device bucket's flushes and its copy to the host (device path):
+               the work a GPU does (its launches stay on the host: ``launches`` below)
+  host us/record   (captured - plain - numbers) / records: what the host pays per record when
+               the device computes the numbers (the host path's own arithmetic is in us/record)
+  launches     device path: torch ops of the captured step that launch a kernel on a GPU,
+               against the plain step's (bench/launch_count.py counts them)
+
+Target: host us/record <= 10 at every level on both models (docs/performance.md), on the
+"records" path here, on the device path on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+MODELS = {
+    # name: (label, TinyGPT sizes, batch)
+    "gpt": ("GPT (4 x 256, T 128, batch 1)", {}, 1),
+    "gpt2s": ("GPT-2-small shape (12 x 768, T 128, batch 2)",
+              {"d_model": 768, "n_heads": 12, "n_layers": 12, "max_len": 128}, 2),
+    # a smoke test's model (the suite runs it): rough numbers
+    "tiny": ("GPT (2 x 64, T 32, batch 1)", {"d_model": 64, "n_layers": 2, "max_len": 32}, 1),
+}
+LEVELS = ("mix", "api", "module")
+PATHS = ("host", "device", "records")
+
+_NUMBERS = [0.0]  # thread CPU seconds inside the device bucket's flushes during this step
+
+
+def _time_bucket() -> None:
+    """Time DeviceBucket.flush and DeviceBucket.resolve (a few calls a step)."""
+    from bench.timers import time_calls
+    from probe.capture import DeviceBucket
+
+    time_calls(DeviceBucket, ("flush", "resolve"), _NUMBERS, time.thread_time)
+
+
+_ROUTE: list = []
+
+
+def _numbers_known(on: bool) -> None:
+    """The "records" path: the recorder's numbers_of answers at once with fixed numbers."""
+    from probe.capture import recorder
+
+    if not _ROUTE:
+        _ROUTE.append(recorder.numbers_of)
+    known = ((0.0, 0.0, 0.0, 0.0, 0, 0), None, None)
+    recorder.numbers_of = (lambda *args, **kwargs: known) if on else _ROUTE[0]
+
+
+class Variant:
+    """The plain step, or a captured one at a level on a path."""
+
+    def __init__(self, name, train, model, dump_root, level=None, path="host", writer="auto"):
+        self.name = name
+        self._train = train
+        self._model = model
+        self.level = level
+        self.path = path
+        self.debugger = None
+        self.records = 0
+        if level is not None:
+            from probe.config import Config
+            from probe.debugger.debugger import PrecisionDebugger
+
+            self._folder = os.path.join(dump_root, name.replace(" ", "_"))
+            self.debugger = PrecisionDebugger(Config(dump_path=self._folder, level=level, writer=writer))
+
+    def run(self) -> tuple[float, float]:
+        """One step: (thread CPU seconds, of which inside the device bucket)."""
+        _NUMBERS[0] = 0.0
+        if self.debugger is None:
+            began = time.thread_time()
+            self._train()
+            return time.thread_time() - began, 0.0
+        saved = os.environ.get("PROBE_DEVICE_PATH")
+        os.environ["PROBE_DEVICE_PATH"] = "1" if self.path == "device" else "0"
+        if self.path == "records":
+            _numbers_known(True)
+        try:
+            began = time.thread_time()
+            self.debugger.start(self._model)
+            self._train()
+            self.debugger.stop()
+            self.debugger.step()
+            spent = time.thread_time() - began
+        finally:
+            _numbers_known(False)
+            if saved is None:
+                del os.environ["PROBE_DEVICE_PATH"]
+            else:
+                os.environ["PROBE_DEVICE_PATH"] = saved
+        return spent, _NUMBERS[0]
+
+    def count_records(self) -> None:
+        """Records of the last captured step, read from its file (untimed)."""
+        from probe.dump.reader import load
+
+        self.debugger.wait()
+        step = self.debugger.current_step - 1
+        self.records = sum(1 for _ in load(self._folder).records(step=step))
+
+    def tidy(self) -> None:
+        """Delete the step files written so far (untimed): keeps the disk small."""
+        if self.debugger is not None:
+            self.debugger.wait()
+            for name in os.listdir(self._folder):
+                if name.endswith(".h5"):
+                    os.remove(os.path.join(self._folder, name))
+
+
+def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: str = "auto") -> list[dict]:
+    import torch
+
+    import examples.models as models
+
+    label, sizes, batch_size = MODELS[key]
+    torch.manual_seed(0)
+    model = models.TinyGPT(**sizes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = models.make_batch("gpt", batch_size, generator=torch.Generator().manual_seed(0), **sizes)
+
+    def train():
+        models.train_step(model, optimizer, *batch)
+
+    folder = os.path.join(dump_root, key)
+    variants = [Variant("plain", train, model, folder)]
+    variants += [Variant(f"{level} {path}", train, model, folder, level, path, writer)
+                 for level in levels for path in paths]
+    for variant in variants:  # warm-up: lazy tables, layouts, the writer process
+        for _ in range(2):
+            variant.run()
+        if variant.debugger is not None:
+            variant.count_records()
+            variant.tidy()
+    times = {variant.name: [] for variant in variants}
+    numbers = {variant.name: [] for variant in variants}
+    order = random.Random(0)
+    block = 3
+    for _ in range(-(-repeats // (block - 1))):
+        shuffled = list(variants)
+        order.shuffle(shuffled)
+        for variant in shuffled:
+            gc.collect()
+            variant.run()  # untimed: pays for what the previous variant left behind
+            for _ in range(block - 1):
+                spent, inside = variant.run()
+                times[variant.name].append(spent)
+                numbers[variant.name].append(inside)
+            variant.tidy()
+    plain = statistics.median(times["plain"])
+    rows = []
+    for variant in variants[1:]:
+        captured = statistics.median(times[variant.name])
+        inside = statistics.median(numbers[variant.name])
+        records = max(variant.records, 1)
+        rows.append({"model": key, "label": label, "level": variant.level, "path": variant.path,
+                     "records": variant.records, "plain_ms": plain * 1e3,
+                     "captured_ms": captured * 1e3, "numbers_ms": inside * 1e3,
+                     "us_per_record": (captured - plain) * 1e6 / records,
+                     "host_us_per_record": (captured - plain - inside) * 1e6 / records,
+                     "repeats": len(times[variant.name])})
+    for variant in variants:
+        if variant.debugger is not None:
+            variant.debugger.close()
+    return rows
+
+
+COLUMNS = [("model", "{}", "model"), ("level", "{}", "level"), ("path", "{}", "path"),
+           ("records", "{}", "records"), ("plain ms", "{:.1f}", "plain_ms"),
+           ("captured ms", "{:.1f}", "captured_ms"), ("us/record", "{:.1f}", "us_per_record"),
+           ("numbers ms", "{:.1f}", "numbers_ms"), ("host us/record", "{:.1f}", "host_us_per_record")]
+
+
+def format_table(rows: list[dict]) -> str:
+    header = [name for name, _, _ in COLUMNS]
+    cells = [[fmt.format(row[key]) for _, fmt, key in COLUMNS] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--models", default="gpt,gpt2s", help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated capture levels")
+    parser.add_argument("--paths", default=",".join(PATHS), help="host, device or both")
+    parser.add_argument("--repeats", type=int, default=6, help="timed steps per variant")
+    parser.add_argument("--writer", default="auto", choices=("auto", "process", "inline"),
+                        help="the config's writer (auto: a writer process where a second CPU is free)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    levels = [m for m in args.levels.split(",") if m]
+    paths = [m for m in args.paths.split(",") if m]
+    for given, allowed, what in ((models, MODELS, "model"), (levels, LEVELS, "level"), (paths, PATHS, "path")):
+        unknown = [m for m in given if m not in allowed]
+        if unknown:
+            parser.error(f"unknown {what}(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    import torch
+
+    torch.set_num_threads(1)
+    _time_bucket()
+    dump_root = tempfile.mkdtemp(prefix="probe-record-cost-")
+    rows = []
+    try:
+        for key in models:
+            print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
+            rows += bench_model(key, levels, paths, args.repeats, dump_root, args.writer)
+    finally:
+        shutil.rmtree(dump_root, ignore_errors=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if args.json:
+        print(json.dumps({"torch": torch.__version__, "threads": 1, "load_average": load,
+                          "rows": rows}, indent=2))
+    else:
+        print(format_table(rows))
+        print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), thread CPU time, median of "
+              f"{args.repeats}+ interleaved steps per variant, 1-minute load average at the end {load:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
