@@ -34,8 +34,7 @@ from probe.comparison import normalize
 from probe.comparison import result as R
 from probe.comparison.align import align
 from probe.comparison.assemble import (
-    DRIFTED, JUDGED, SETTLED, ChangeFold, FileFacts, KeptFile, Tally, finish, fold_outcome, is_change, settled_copies,
-    story_rows, unpaired_fails,
+    DRIFTED, JUDGED, SETTLED, ChangeFold, FileFacts, KeptFile, Tally, finish, is_change, unpaired_fails,
 )
 from probe.comparison.foreach_pairing import pair_foreach
 from probe.comparison.judge import judge
@@ -45,7 +44,8 @@ from probe.comparison.ops import MOVE_OPS
 from probe.comparison.result import INTRODUCED, MAX_DIVERGENT, add_summary
 from probe.comparison.rounding import measured_envelopes
 from probe.comparison.story import (
-    differs_at_rounding, drift_facts, entering_reason, shard_entries, update_sizes, within_envelopes,
+    apply_drift, differs_at_rounding, drift_facts, entering_cause, entering_reason, restated, settled_copies,
+    shard_entries, story_rows, update_sizes, within_envelopes,
 )
 from probe.comparison.structs import UNINITIALIZED_NOTE, Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
@@ -298,6 +298,57 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     fold_outcome(partial, outcome, position, diverged, entering)
     partial.keep(KeptFile.of(position, bool(diverged), outcome))
     partial.prune()
+
+
+def fold_outcome(partial, outcome, position: int, diverged: list, entering) -> None:
+    """The outcome's rows and call summaries into the tallies: what no rule over every step
+    file can change into ``common``; the divergent rows, the row where a low-precision error
+    may have entered and their calls as each mode leaves them."""
+    touched = {id(row) for row in diverged}
+    pending = entering is not None and entering.status != R.DIVERGED
+    if pending:
+        touched.add(id(entering))
+    variants = {JUDGED: {}, DRIFTED: {}, SETTLED: {}}
+    for row in diverged:
+        variants[SETTLED][id(row)] = settled_copies([row])[0]
+        if row.origin == R.INTRODUCED:
+            variants[DRIFTED][id(row)] = twin = restated(row)
+            apply_drift(None, [twin])
+    for number, row in enumerate(outcome.rows):
+        ordinal = (position, number)
+        if id(row) not in touched:
+            partial.common.add_row(row, ordinal)
+            continue
+        for mode, tally in partial.modes.items():
+            if not (mode == JUDGED and pending and row is entering):
+                tally.add_row(variants[mode].get(id(row), row), ordinal)
+    entering_at = (position, next((n for n, row in enumerate(outcome.rows) if row is entering), -1))
+    for number, (rows, forward) in enumerate(outcome.calls):
+        ordinal = (position, number)
+        if not any(id(row) in touched for row in [*rows, *forward]):
+            summary = R.summarize_call(rows, forward)
+            if summary is not None:
+                add_summary(partial.common.groups, summary, ordinal, position)
+            continue
+        for mode, tally in partial.modes.items():
+            swap = variants[mode]
+            summary = R.summarize_call([swap.get(id(r), r) for r in rows], [swap.get(id(r), r) for r in forward])
+            if summary is None:
+                continue
+            if mode == JUDGED and pending and any(r is entering for r in rows):
+                partial.pending[position] = (entering, entering_at, ordinal, summary,
+                                             _entered_summary(entering, rows, forward))
+            else:
+                add_summary(tally.groups, summary, ordinal, position)
+    if pending and position not in partial.pending:
+        partial.pending[position] = (entering, entering_at, (position, -1), None, None)
+
+
+def _entered_summary(row, rows, forward):
+    """The summary of row's call had the story named it where a low-precision error entered."""
+    twin = restated(row)
+    entering_cause(twin, None, [twin])  # names it: origin introduced, the reason its cause
+    return R.summarize_call([twin if r is row else r for r in rows], forward)
 
 
 @dataclass

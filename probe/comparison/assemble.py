@@ -32,17 +32,16 @@ Torch-free.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
 from probe.comparison import result as R
 from probe.comparison.envelope import EnvelopeFold
 from probe.comparison.ops import MOVE_OPS
-from probe.comparison.result import Best, PrecisionTally, RecordRow, StepOutcome, add_summary, merge_groups, rank_groups
+from probe.comparison.result import Best, PrecisionTally, RecordRow, StepOutcome, merge_groups, rank_groups
 from probe.comparison.sketch import sketch_note
 from probe.comparison.story import (
-    apply_drift, entering_cause, find_drift, first_divergence, settle_row, settled_note, settles, story,
+    apply_drift, entering_cause, find_drift, settle_row, settled_note, settles, story,
 )
 from probe.comparison.structs import sci
 
@@ -129,85 +128,6 @@ class KeptFile:
         number = {id(row): index for index, row in enumerate(outcome.rows)}
         calls = [([number[id(r)] for r in rows], [number[id(r)] for r in forward]) for rows, forward in outcome.calls]
         return cls((not diverged, position), outcome.rows, calls)
-
-
-def settled_copies(rows) -> list:
-    """Copies of divergent rows as drift within rounding explains them."""
-    copies = [restated(row) for row in rows]
-    for row in copies:
-        settle_row(row)
-    return copies
-
-
-def restated(row):
-    """A row to restate: its own lists, so that explain() leaves the original alone."""
-    twin = copy.copy(row)
-    twin.reasons, twin.notes = list(row.reasons), list(row.notes)
-    return twin
-
-
-def story_rows(rows) -> list:
-    """The rows story() reads of a pair: its first divergence and the first divergent output and
-    entry that introduced their error; first_divergence and likely_cause give the same answer
-    on them as on every row (in row order, as the rows hold them)."""
-    chosen = {id(first_divergence(rows)): None}
-    for kinds in ((R.OUTPUT, R.PRECISION), (R.PARAM, R.ARGUMENT, R.INPUT)):
-        found = min((row for row in rows if row.status == R.DIVERGED and row.divergence in kinds
-                     and row.origin == R.INTRODUCED), key=lambda row: row.order, default=None)
-        if found is not None:
-            chosen[id(found)] = None
-    return [row for row in rows if id(row) in chosen]
-
-
-def fold_outcome(partial, outcome, position: int, diverged: list, entering) -> None:
-    """The outcome's rows and call summaries into the tallies: what no rule over every step
-    file can change into ``common``; the divergent rows, the row where a low-precision error
-    may have entered and their calls as each mode leaves them."""
-    touched = {id(row) for row in diverged}
-    pending = entering is not None and entering.status != R.DIVERGED
-    if pending:
-        touched.add(id(entering))
-    variants = {JUDGED: {}, DRIFTED: {}, SETTLED: {}}
-    for row in diverged:
-        variants[SETTLED][id(row)] = settled_copies([row])[0]
-        if row.origin == R.INTRODUCED:
-            variants[DRIFTED][id(row)] = twin = restated(row)
-            apply_drift(None, [twin])
-    for number, row in enumerate(outcome.rows):
-        ordinal = (position, number)
-        if id(row) not in touched:
-            partial.common.add_row(row, ordinal)
-            continue
-        for mode, tally in partial.modes.items():
-            if not (mode == JUDGED and pending and row is entering):
-                tally.add_row(variants[mode].get(id(row), row), ordinal)
-    entering_at = (position, next((n for n, row in enumerate(outcome.rows) if row is entering), -1))
-    for number, (rows, forward) in enumerate(outcome.calls):
-        ordinal = (position, number)
-        if not any(id(row) in touched for row in [*rows, *forward]):
-            summary = R.summarize_call(rows, forward)
-            if summary is not None:
-                add_summary(partial.common.groups, summary, ordinal, position)
-            continue
-        for mode, tally in partial.modes.items():
-            swap = variants[mode]
-            summary = R.summarize_call([swap.get(id(r), r) for r in rows], [swap.get(id(r), r) for r in forward])
-            if summary is None:
-                continue
-            if mode == JUDGED and pending and any(r is entering for r in rows):
-                partial.pending[position] = (entering, entering_at, ordinal, summary,
-                                             _entered_summary(entering, rows, forward))
-            else:
-                add_summary(tally.groups, summary, ordinal, position)
-    if pending and position not in partial.pending:
-        partial.pending[position] = (entering, entering_at, (position, -1), None, None)
-
-
-def _entered_summary(row, rows, forward):
-    """The summary of row's call had the story named it where a low-precision error entered."""
-    twin = restated(row)
-    entering_cause(twin, None, [twin])  # names it: origin introduced, the reason its cause
-    return R.summarize_call([twin if r is row else r for r in rows], forward)
 
 
 # ---------------------------------------------------------------------------- changes

@@ -113,6 +113,8 @@ that counts, step verdicts, the headline ("PASS: the runs differ by rounding onl
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 from probe.comparison import result as R
@@ -404,6 +406,35 @@ def settled_note(drift: dict, settled: int) -> str:
     return (f"drift within rounding: the runs part through accumulated rounding from step {drift['step']} on "
             f"({settled} records beyond the fixed tolerance, each within its rounding envelope, grown over the "
             "optimizer's updates); no op introduced an error. --strict judges by the fixed tolerance alone")
+
+
+def settled_copies(rows) -> list:
+    """Copies of divergent rows as drift within rounding explains them."""
+    copies = [restated(row) for row in rows]
+    for row in copies:
+        settle_row(row)
+    return copies
+
+
+def restated(row):
+    """A row to restate: its own lists, so that explain() leaves the original alone."""
+    twin = copy.copy(row)
+    twin.reasons, twin.notes = list(row.reasons), list(row.notes)
+    return twin
+
+
+def story_rows(rows) -> list:
+    """The rows story() reads of a pair: its first divergence and the first divergent output and
+    entry that introduced their error; first_divergence and likely_cause give the same answer
+    on them as on every row (in row order, as the rows hold them)."""
+    chosen = {id(first_divergence(rows)): None}
+    for kinds in ((R.OUTPUT, R.PRECISION), (R.PARAM, R.ARGUMENT, R.INPUT)):
+        found = min((row for row in rows if row.status == R.DIVERGED and row.divergence in kinds
+                     and row.origin == R.INTRODUCED), key=lambda row: row.order, default=None)
+        if found is not None:
+            chosen[id(found)] = None
+    return [row for row in rows if id(row) in chosen]
+
 
 
 # ---------------------------------------------------------------------------- entering

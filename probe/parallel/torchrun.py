@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 from probe.comparison.api import CompareJob, Context, run_units
-from probe.comparison.assemble import Partial
+from probe.comparison.api import Partial
 from probe.parallel import wire
 
 

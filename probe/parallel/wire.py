@@ -17,9 +17,11 @@ import dataclasses
 import json
 
 from probe.comparison.api import Chain
-from probe.comparison.assemble import EnvelopeFold, FileFacts, KeptFile, Partial, Tally
+from probe.comparison.api import Partial
+from probe.comparison.assemble import ChangeFold, FileFacts, KeptFile, Tally
+from probe.comparison.envelope import EnvelopeFold
 from probe.comparison.metrics import Metrics
-from probe.comparison.result import Best, ChangeFold, OpGroup, OpSummary, RecordRow
+from probe.comparison.result import Best, OpGroup, OpSummary, RecordRow
 from probe.comparison.structs import Carry
 from probe.errors import CompareError
 

@@ -20,7 +20,7 @@ import signal
 import sys
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
-from probe.comparison.assemble import Partial
+from probe.comparison.api import Partial
 from probe.parallel import wire
 
 #: fork on Linux: a worker starts in milliseconds, with probe.comparison imported, and does not
