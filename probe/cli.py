@@ -8,7 +8,7 @@ Exit codes: 0 pass, 1 diverged (compare), 2 trouble (usage, config, unreadable i
 A usage error is one line too (``probe: error: ...``, with click's "did you mean" kept).
 When the reader of stdout goes away (``probe inspect dump | head``) probe stops quietly
 with exit code 141 (128 + SIGPIPE, what a shell shows for a process SIGPIPE killed); Ctrl-C
-stops it with one line on stderr and exit code 130 (128 + SIGINT), never a traceback.
+stops it with one line on stderr and exit code 2, never a traceback.
 """
 
 import os
@@ -24,7 +24,6 @@ EXIT_PASS = 0
 EXIT_DIVERGED = 1
 EXIT_TROUBLE = 2
 EXIT_BROKEN_PIPE = 141
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
 
 # command name -> (module, click command attribute, one-line help for the listing)
 _COMMANDS = {
@@ -99,12 +98,12 @@ def main(argv=None):
     except click.exceptions.Abort as abort:
         if isinstance(abort.__cause__, KeyboardInterrupt):
             click.echo("probe: interrupted", err=True)
-            return _exit(EXIT_INTERRUPTED)
+            return _exit(EXIT_TROUBLE)
         click.echo("probe: aborted", err=True)
         return _exit(EXIT_TROUBLE)
     except KeyboardInterrupt:
         click.echo("probe: interrupted", err=True)
-        return _exit(EXIT_INTERRUPTED)
+        return _exit(EXIT_TROUBLE)
     except click.ClickException as error:
         message = " ".join(error.format_message().split())  # one line: "did you mean" joins it
         click.echo(f"probe: error: {_command_prefix(error)}{message}", err=True)

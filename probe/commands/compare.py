@@ -12,8 +12,6 @@ import click
 from probe.comparison import KEEP_ROWS
 
 EXIT_PASS, EXIT_DIVERGED, EXIT_TROUBLE = 0, 1, 2
-#: Ctrl-C: 128 + SIGINT, what a shell shows for a process the signal stopped
-EXIT_INTERRUPTED = 130
 
 _EPILOG = """\b
 Examples:
@@ -35,8 +33,8 @@ Examples:
 A is the reference: relative errors are relative to A. A tensor fails when
 ||a-b|| > rtol*||a|| + atol*sqrt(n), with the tolerance of the lower-precision
 dtype of the pair (docs/compare.md has the table and the reasoning).
-Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or input),
-130 interrupted (Ctrl-C).
+Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or input,
+or interrupted with Ctrl-C).
 """
 
 
@@ -144,7 +142,7 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
             bar.close()
         click.echo(f"probe: interrupted after comparing {runner.done} of {runner.total} units "
                    "(step files, or a sharded step's group of ranks); no report written", err=True)
-        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        raise click.exceptions.Exit(EXIT_TROUBLE) from None
     finally:
         if bar is not None:
             bar.close()

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 
 from probe.comparison.api import Chain
 from probe.comparison.api import Partial
 from probe.comparison.assemble import ChangeFold, FileFacts, KeptFile, Tally
 from probe.comparison.envelope import EnvelopeFold
 from probe.comparison.metrics import Metrics
-from probe.comparison.result import Best, OpGroup, OpSummary, RecordRow
+from probe.comparison.result import Best, OpGroup, OpSummary, PrecisionTally, RecordRow
 from probe.comparison.structs import Carry
 from probe.errors import CompareError
 
 _CLASSES = {cls.__name__: cls for cls in (
     Best, Carry, Chain, ChangeFold, EnvelopeFold, FileFacts, KeptFile, Metrics, OpGroup, OpSummary, Partial,
-    RecordRow, Tally)}
+    PrecisionTally, RecordRow, Tally)}
 _FIELDS = {name: tuple(field.name for field in dataclasses.fields(cls)) for name, cls in _CLASSES.items()}
 #: the key that marks a tagged value: a tuple, set, dict with other keys, object or reference
 TAG = "\x00"
@@ -56,7 +57,9 @@ class _Encoder:
             return value
         if isinstance(value, list):
             return [self.plain(item) for item in value]
-        if isinstance(value, dict):
+        if isinstance(value, Counter):
+            return {TAG: "counter", "v": [[self.plain(key), self.plain(item)] for key, item in value.items()]}
+        if type(value) is dict:
             if all(type(key) is str for key in value):
                 if TAG in value:
                     raise CompareError(f"cannot send a dict with the key {TAG!r}")
@@ -92,6 +95,8 @@ class _Decoder:
             return tuple(self.value(item) for item in data["v"])
         if tag == "set":
             return {self.value(item) for item in data["v"]}
+        if tag == "counter":
+            return Counter({self.value(key): self.value(item) for key, item in data["v"]})
         if tag == "map":
             return {self.value(key): self.value(item) for key, item in data["v"]}
         if tag == "ref":

@@ -1,0 +1,113 @@
+"""A compare at the scale of a job: each step-and-rank unit reduced before the next (memory
+does not grow with the rank files), the same report from any number of processes, and from
+torchrun's processes."""
+
+import gc
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+import probe
+
+from probe.comparison.api import compare, run_units
+from probe.comparison.structs import RecordRow
+from tests import rounding_pairs as P
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _scale_up(one_rank: str, folder: str, ranks: int) -> str:
+    """A dump of `ranks` rank files per step: hard links of the one-rank dump's files."""
+    for step in sorted(os.listdir(one_rank)):
+        os.makedirs(os.path.join(folder, step))
+        for rank in range(ranks):
+            os.link(os.path.join(one_rank, step, "rank0.h5"), os.path.join(folder, step, f"rank{rank}.h5"))
+    return folder
+
+
+def _nudge(model):
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.001)  # a divergence for the report to tell
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two 2-step statistics runs of DeepStack, B with a nudged weight: {ranks: (A, B)} for 2
+    and 4 rank files per step."""
+    root = tmp_path_factory.mktemp("scale")
+    one = (P.run(root / "a1", steps=2, task="statistics"), P.run(root / "b1", steps=2, task="statistics", fault=_nudge))
+    return {ranks: tuple(_scale_up(side, str(root / f"{name}{ranks}x"), ranks) for name, side in zip("ab", one))
+            for ranks in (2, 4)}
+
+
+def _peak_live_rows(a, b, monkeypatch) -> int:
+    """The most RecordRows alive at the end of any unit of compare(a, b), keeping no rows for a
+    report's tables past the first step file's."""
+    made_rows: list = []  # a weak reference to every RecordRow made
+    made = RecordRow.__init__
+
+    def tracked(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        made_rows.append(weakref.ref(self))
+
+    monkeypatch.setattr(RecordRow, "__init__", tracked)
+    peak, seen = [0], [-1]
+
+    def runner(job, context, progress=None):
+        units = len(context.plan.units)
+
+        def counting(fraction, read):
+            if int(fraction * units) != seen[0]:  # a unit has ended: what is left of it is its summary
+                seen[0] = int(fraction * units)
+                gc.collect()
+                peak[0] = max(peak[0], sum(1 for row in made_rows if row() is not None))
+
+        return run_units(job, context, counting, None)
+
+    compare(a, b, keep_rows=0, runner=runner)
+    monkeypatch.undo()
+    return peak[0]
+
+
+def test_the_rows_alive_during_a_compare_do_not_grow_with_the_rank_files(runs, monkeypatch):
+    """Each unit is reduced to its summary before the next: 4 rank files hold no more rows alive
+    than 2 (every unit's rows kept would hold 2x)."""
+    two, four = _peak_live_rows(*runs[2], monkeypatch), _peak_live_rows(*runs[4], monkeypatch)
+    assert two > 0
+    assert four <= 1.5 * two, (two, four)
+
+
+def test_the_report_covers_every_unit_whatever_rows_it_keeps(runs):
+    """Counts, verdicts and the story do not depend on how many rows the result keeps."""
+    kept, every = compare(*runs[2], keep_rows=0), compare(*runs[2], keep_rows=None)
+    assert kept.counts == every.counts and len(kept.steps) == len(every.steps) == 4
+    assert kept.first_divergence.key == every.first_divergence.key and kept.verdict == every.verdict == "diverged"
+    assert len(kept.rows) < len(every.rows)
+
+
+def _cli(*arguments, launcher=(sys.executable, "-m", "probe")):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([*launcher, "compare", *arguments], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=REPO)
+
+
+def test_jobs_2_gives_the_json_report_of_jobs_1_byte_for_byte(runs):
+    a, b = runs[2]  # two chains of two steps: one to each worker
+    one, two = _cli(a, b, "--json", "--rows", "--jobs", "1"), _cli(a, b, "--json", "--rows", "--jobs", "2")
+    assert one.returncode == two.returncode == 1, two.stderr
+    assert one.stdout == two.stdout and '"verdict": "diverged"' in one.stdout
+
+
+def test_a_two_process_torchrun_compare_of_a_four_rank_dump_prints_the_jobs_1_report_on_rank_0(runs):
+    a, b = runs[4]
+    alone = subprocess.CompletedProcess((), 1, probe.compare(a, b, jobs=1).to_json(), "")
+    spread = _cli(a, b, "--json", launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                            "--nproc_per_node", "2", "-m", "probe"))
+    # rank 0 exits 1 (diverged), and torchrun turns a rank's non-zero exit into its own failure
+    assert spread.returncode != 0 and "diverged" in alone.stdout, spread.stderr[-3000:]
+    assert spread.stdout == alone.stdout, spread.stderr[-3000:]
