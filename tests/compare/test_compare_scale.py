@@ -4,8 +4,10 @@ torchrun's processes."""
 
 import gc
 import os
+import signal
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -111,3 +113,22 @@ def test_a_two_process_torchrun_compare_of_a_four_rank_dump_prints_the_jobs_1_re
     # rank 0 exits 1 (diverged), and torchrun turns a rank's non-zero exit into its own failure
     assert spread.returncode != 0 and "diverged" in alone.stdout, spread.stderr[-3000:]
     assert spread.stdout == alone.stdout, spread.stderr[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the workers from /proc")
+def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(runs):
+    a, b = runs[4]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-m", "probe", "compare", a, b, "--jobs", "2"], env=env, cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = f"/proc/{process.pid}/task/{process.pid}/children"
+    workers = ""
+    while process.poll() is None and not workers:  # the workers are comparing
+        with open(children, encoding="ascii") as handle:
+            workers = handle.read().split()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and out == "", err
+    assert err.startswith("probe: interrupted after comparing ") and "of 8 units" in err and "Traceback" not in err
+    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
