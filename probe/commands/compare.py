@@ -89,10 +89,11 @@ class _CompareCommand(click.Command):
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, metavar="N",
               help="Compare on N processes of this machine; the report is the same for any N. "
                    "[default: the cores this process may run on]")
-@click.option("--keep-rows", "keep_rows", default=str(KEEP_ROWS), show_default=True, metavar="N|all",
-              callback=lambda ctx, param, value: _keep_rows(value),
+@click.option("--keep-rows", "keep_rows", default=None, metavar="N|all",
+              callback=lambda ctx, param, value: _NOT_GIVEN if value is None else _keep_rows(value),
               help="Records whose rows --csv, --html and --json --rows list: past N, the step files that diverged "
-                   "first; counts, verdicts, top ops and the story always cover every record.")
+                   "first; counts, verdicts, top ops and the story always cover every record. "
+                   f"[default: {KEEP_ROWS} with --csv, --html or --rows; else none, the report lists no rows]")
 @click.option("--replay", "replay_on", is_flag=True,
               help="Re-run the first divergence, the likely cause and the top ops (--replay-top) in float64 "
                    "from each side's dumped inputs (task 'tensor'): which side is right, and did the op "
@@ -127,6 +128,8 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     destinations = {option.lstrip("-"): full for option, full in
                     output.check_destinations(requested, inputs=(a, b) + ((baseline,) if baseline else ())).items()}
 
+    if keep_rows is _NOT_GIVEN:  # the text and plain JSON reports list no rows: hold none
+        keep_rows = KEEP_ROWS if csv_path or html_path or json_rows else 0
     runner = _runner(jobs)
     bar = progress.Progress(sys.stderr) if getattr(runner, "finishes", True) else None
     try:
@@ -185,6 +188,9 @@ def _runner(jobs):
     from probe.parallel.workers import LocalRunner
 
     return LocalRunner(jobs)
+
+
+_NOT_GIVEN = object()
 
 
 def _keep_rows(text: str):

@@ -362,7 +362,7 @@ def finish(partial, table, path_a, path_b, missing, notes, top, strict, baseline
         notes.insert(0, head["same_model"])
     envelope = tally.envelope.summary(notes, strict, baseline)
     kept = partial.kept_rows()
-    if len(kept[0]) < counts["matched"] + unmatched:
+    if partial.budget != 0 and len(kept[0]) < counts["matched"] + unmatched:  # 0: no table asked for rows
         notes.append(_kept_note(partial, len(files), counts["matched"] + unmatched))
     divergent = [] if mode == SETTLED else [row for _, row in partial.divergent]
     return R.CompareResult(

@@ -132,3 +132,4 @@ def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(r
     assert process.returncode == 2 and out == "", err
     assert err.startswith("probe: interrupted after comparing ") and "of 8 units" in err and "Traceback" not in err
     assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+
