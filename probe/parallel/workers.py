@@ -50,7 +50,7 @@ class LocalRunner:
         chains = context.plan.chains()
         self.total = len(context.plan.units)
         if self.jobs <= 1 or len(chains) <= 1:
-            partial = run_units(job, context, self._counting(progress, len(context.plan.pairs)))
+            partial = run_units(job, context, self._counting(progress))
             self.done = self.total
             return partial
         return self._spread(job, context, sorted(chains, key=len, reverse=True), progress)
@@ -59,9 +59,9 @@ class LocalRunner:
         """The exit code every process of the compare returns (one process here)."""
         return code
 
-    def _counting(self, progress, pairs: int):
+    def _counting(self, progress):
         def report(fraction, read):
-            self.done = int(fraction * pairs)
+            self.done = int(fraction * self.total)  # units wholly compared
             if progress is not None:
                 progress(fraction, read)
         return report
