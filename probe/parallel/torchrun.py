@@ -22,6 +22,7 @@ import os
 
 from probe.comparison.api import CompareJob, Context, run_units
 from probe.comparison.api import Partial
+from probe.errors import CompareError
 from probe.parallel import wire
 
 
@@ -82,9 +83,13 @@ class TorchrunRunner:
             return None
         for rank in range(1, self.world):
             size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, src=rank)
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(payload, src=rank)
+            try:
+                dist.recv(size, src=rank)
+                payload = torch.empty(int(size.item()), dtype=torch.uint8)
+                dist.recv(payload, src=rank)
+            except RuntimeError as error:  # gloo: the peer's connection closed
+                raise CompareError(f"compare process {rank} of {self.world} stopped before sending its summary "
+                                   f"({' '.join(str(error).split())[:200]}); its own output says why") from None
             partial.merge(wire.decode(payload.numpy().tobytes()))
         return partial
 
