@@ -44,8 +44,8 @@ from probe.comparison.ops import MOVE_OPS
 from probe.comparison.result import INTRODUCED, MAX_DIVERGENT, add_summary
 from probe.comparison.rounding import measured_envelopes
 from probe.comparison.story import (
-    apply_drift, differs_at_rounding, drift_facts, entering_cause, entering_reason, restated, settled_copies,
-    shard_entries, story_rows, update_sizes, within_envelopes,
+    apply_drift, differs_at_rounding, drift_facts, entering_cause, entering_reason, first_divergence, likely_cause,
+    restated, settled_copies, shard_entries, story_rows, update_sizes, within_envelopes,
 )
 from probe.comparison.structs import UNINITIALIZED_NOTE, Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
@@ -209,7 +209,7 @@ def compare_unit(context: Context, unit: list, chain: Chain, progress=None, cuto
         for position, files in zip(unit, step_files):
             key_a, key_b = files.key_a, files.key_b
             if position == 0:
-                head = _head(files, context.names)
+                head = L.run_head(files, context.names is not None)
             step_input = StepInput(files.records_a, files.records_b, files.fetch_a, files.fetch_b, key_a[0], key_a[1],
                                    files.attrs_a.get("autocast"), files.attrs_b.get("autocast"), progress,
                                    (job.measured or {}).get((key_a[0], key_a[1]), {}) if job.measured is not None
@@ -225,19 +225,6 @@ def compare_unit(context: Context, unit: list, chain: Chain, progress=None, cuto
     partial = summarize_unit(outcomes, unit, infos, context.table.strict, chain.updates, job.keep_rows, head,
                              plan_notes, cutoff)
     return partial, read
-
-
-def _head(files, names) -> dict:
-    """What the first pair of step files says of the two runs."""
-    same_model = None
-    if names is None:
-        same_model = L.different_models_note(L.overlap(files.records_a.columns["module"],
-                                                       files.records_b.columns["module"]))
-    return {"notes": L.attr_notes(files.attrs_a, files.attrs_b),
-            "differences": L.run_differences(files.attrs_a, files.attrs_b),
-            "devices": (str(files.attrs_a.get("device") or ""), str(files.attrs_b.get("device") or "")),
-            "same_model": same_model}
-
 
 
 def summarize_unit(outcomes, positions, infos, strict: bool, previous: dict, budget: int | None = None,
@@ -415,18 +402,21 @@ class Partial:
         return self
 
     def prune(self) -> None:
-        """Drop what no story can read: the story rows of pairs after the earliest step with a
-        divergence (but the earliest pair with an introduced error: story's likely cause of a
-        later step), the entering rows and pending summaries of pairs that cannot hold the
-        first divergence (those of that step, and the first pair failing for records without partner)."""
+        """Drop what no story can read: the story rows of every pair but those story() can
+        choose in the earliest step with a divergence (_story_files) and the earliest pair with
+        an introduced error (story's likely cause of a later step); the entering rows and
+        pending summaries of pairs that cannot hold the first divergence (all but those chosen
+        and the first pair failing for records without partner). What is kept does not grow
+        with the ranks."""
         steps = [facts.info["step"] for facts in self.files.values() if facts.diverged]
         step = min(steps, default=None)
         failing = min((p for p, facts in self.files.items() if facts.fails), default=None)
         later = min((p for p, facts in self.files.items()
                      if facts.story and any(row.origin == INTRODUCED for row in facts.story)), default=None)
+        chosen = self._story_files(step)
         for position, facts in self.files.items():
-            first_here = facts.info["step"] == step or position == failing
-            if facts.story is not None and facts.info["step"] != step and position != later:
+            first_here = position in chosen or position == failing
+            if facts.story is not None and position not in chosen and position != later:
                 facts.story = None
             if not first_here:
                 facts.entering = None
@@ -438,6 +428,22 @@ class Partial:
             if position != failing:
                 facts.lonely = None
         self.entered = {key: entry for key, entry in self.entered.items() if key == step}
+
+    def _story_files(self, step) -> set:
+        """The pairs of `step` whose story rows story() can choose: the one whose introduced
+        cause comes first and the one whose first divergence comes first (by order, then rank),
+        or every pair of the step where a shard differed on entry (story.shard_entries)."""
+        here = {p: facts for p, facts in self.files.items() if facts.story and facts.info["step"] == step}
+        if step in self.entered:
+            return set(here)
+        told = [(position, facts.info["rank"], first_divergence(facts.story)) for position, facts in here.items()]
+        told = [(position, rank, first, likely_cause(self.files[position].story, first))
+                for position, rank, first in told]
+        chosen = {min(told, key=lambda t: (t[2].order, t[1]))[0]} if told else set()
+        introducing = [t for t in told if t[3] is not None and t[3].origin == INTRODUCED]
+        if introducing:
+            chosen.add(min(introducing, key=lambda t: (t[3].order, t[1]))[0])
+        return chosen
 
     def tally(self, mode: str, cause) -> Tally:
         """The figures of every pair as ``mode`` leaves the rows; cause: the likely cause, a

@@ -487,3 +487,16 @@ def _inspect(dump, step, rank) -> tuple[int, bool]:
         except (TypeError, ValueError):
             world = 1
         return world, sharded
+
+
+def run_head(files: StepFiles, mapped: bool) -> dict:
+    """What the compare's first pair of step files says of the two runs: the notes on their
+    attributes, the settings they differ in, their devices, and (without a mapping file,
+    ``mapped``) the note that they record different models, or None."""
+    same_model = None
+    if not mapped:
+        same_model = different_models_note(overlap(files.records_a.columns["module"], files.records_b.columns["module"]))
+    return {"notes": attr_notes(files.attrs_a, files.attrs_b),
+            "differences": run_differences(files.attrs_a, files.attrs_b),
+            "devices": (str(files.attrs_a.get("device") or ""), str(files.attrs_b.get("device") or "")),
+            "same_model": same_model}

@@ -36,14 +36,19 @@ def _nudge(model):
         next(model.parameters()).mul_(1.001)  # a divergence for the report to tell
 
 
+def _small():
+    return P.DeepStack(depth=2)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two 2-step statistics runs of DeepStack, B with a nudged weight: {ranks: (A, B)} for 2
-    and 4 rank files per step."""
+    """Two 2-step statistics runs of a two-block DeepStack, B with a nudged weight: {ranks: (A,
+    B)} for 2, 4, 16 and 64 rank files per step."""
     root = tmp_path_factory.mktemp("scale")
-    one = (P.run(root / "a1", steps=2, task="statistics"), P.run(root / "b1", steps=2, task="statistics", fault=_nudge))
+    one = (P.run(root / "a1", _small, steps=2, task="statistics"),
+           P.run(root / "b1", _small, steps=2, task="statistics", fault=_nudge))
     return {ranks: tuple(_scale_up(side, str(root / f"{name}{ranks}x"), ranks) for name, side in zip("ab", one))
-            for ranks in (2, 4)}
+            for ranks in (2, 4, 16, 64)}
 
 
 def _peak_live_rows(a, b, monkeypatch) -> int:
@@ -83,6 +88,25 @@ def test_the_rows_alive_during_a_compare_do_not_grow_with_the_rank_files(runs, m
     assert four <= 1.5 * two, (two, four)
 
 
+def _summary_rows(a, b) -> int:
+    """The rows the merged summary of compare(a, b)'s step 0 holds (the first step file's kept for
+    a report's tables among them)."""
+    partials = []
+
+    def runner(job, context, progress=None):
+        partials.append(run_units(job, context, progress, None))
+        return partials[-1]
+
+    compare(a, b, keep_rows=0, steps=[0], runner=runner)
+    return len(partials[0].rows())
+
+
+def test_the_summary_of_a_step_holds_as_many_rows_for_16_ranks_as_for_2(runs):
+    """What the story, the first divergences and the changes read of a step is chosen as the
+    units merge, not kept per rank file."""
+    assert _summary_rows(*runs[16]) == _summary_rows(*runs[2]) > 0
+
+
 def test_the_report_covers_every_unit_whatever_rows_it_keeps(runs):
     """Counts, verdicts and the story do not depend on how many rows the result keeps."""
     kept, every = compare(*runs[2], keep_rows=0), compare(*runs[2], keep_rows=None)
@@ -117,7 +141,7 @@ def test_a_two_process_torchrun_compare_of_a_four_rank_dump_prints_the_jobs_1_re
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the workers from /proc")
 def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(runs):
-    a, b = runs[4]
+    a, b = runs[64]  # 128 units: seconds of work, stopped as soon as the workers run
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen([sys.executable, "-m", "probe", "compare", a, b, "--jobs", "2"], env=env, cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -130,6 +154,6 @@ def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(r
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
     assert process.returncode == 2 and out == "", err
-    assert err.startswith("probe: interrupted after comparing ") and "of 8 units" in err and "Traceback" not in err
+    assert err.startswith("probe: interrupted after comparing ") and "of 128 units" in err and "Traceback" not in err
     assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
 
