@@ -31,11 +31,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from tests import rounding_pairs as P  # noqa: E402 (the runs, and rank files as hard links)
+
 
 def make_runs(root: str) -> tuple[str, str]:
     import torch
-
-    from tests import rounding_pairs as P
 
     def nudge(model):
         with torch.no_grad():
@@ -46,15 +46,6 @@ def make_runs(root: str) -> tuple[str, str]:
 
     return (P.run(os.path.join(root, "a1"), build=build, steps=1, task="statistics"),
             P.run(os.path.join(root, "b1"), build=build, steps=1, task="statistics", fault=nudge))
-
-
-def scale_up(one_rank: str, folder: str, ranks: int) -> str:
-    """`ranks` rank files per step, each a hard link of the one-rank dump's file."""
-    for step in sorted(os.listdir(one_rank)):
-        os.makedirs(os.path.join(folder, step))
-        for rank in range(ranks):
-            os.link(os.path.join(one_rank, step, "rank0.h5"), os.path.join(folder, step, f"rank{rank}.h5"))
-    return folder
 
 
 def _tree_memory(pid: int, largest: dict) -> int:
@@ -120,8 +111,8 @@ def main() -> None:
               f"{'peak MB':>8} {'largest MB':>10} {'x1':>5}")
         first: dict = {}
         for ranks in args.ranks:
-            a = scale_up(one_a, os.path.join(root, f"a{ranks}x"), ranks)
-            b = scale_up(one_b, os.path.join(root, f"b{ranks}x"), ranks)
+            a = P.rank_files(one_a, os.path.join(root, f"a{ranks}x"), ranks)
+            b = P.rank_files(one_b, os.path.join(root, f"b{ranks}x"), ranks)
             reports = set()
             for jobs in args.jobs:
                 found = run(a, b, jobs)

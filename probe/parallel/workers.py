@@ -71,7 +71,7 @@ class LocalRunner:
         partial = Partial(budget=job.keep_rows)
         answers: queue.SimpleQueue = queue.SimpleQueue()
         workers = min(self.jobs, len(chains))
-        pool = multiprocessing.get_context(_START).Pool(workers, initializer=_start_worker, initargs=(job,))
+        pool = None
         waiting = list(range(len(chains)))  # chains not started, longest first
         read = 0
 
@@ -80,7 +80,8 @@ class LocalRunner:
                              callback=lambda answer: answers.put((chain, step, answer, None)),
                              error_callback=lambda error: answers.put((chain, step, None, error)))
 
-        try:
+        try:  # a Ctrl-C while the pool starts stops the workers started so far too
+            pool = multiprocessing.get_context(_START).Pool(workers, initializer=_start_worker, initargs=(job,))
             for _ in range(min(2 * workers, len(waiting))):
                 submit(waiting.pop(0), 0, None)
             while self.done < self.total:
@@ -98,7 +99,8 @@ class LocalRunner:
                 elif waiting:
                     submit(waiting.pop(0), 0, None)
         except BaseException:
-            pool.terminate()
+            if pool is not None:
+                pool.terminate()
             raise
         pool.close()
         pool.join()

@@ -22,15 +22,6 @@ from tests import rounding_pairs as P
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _scale_up(one_rank: str, folder: str, ranks: int) -> str:
-    """A dump of `ranks` rank files per step: hard links of the one-rank dump's files."""
-    for step in sorted(os.listdir(one_rank)):
-        os.makedirs(os.path.join(folder, step))
-        for rank in range(ranks):
-            os.link(os.path.join(one_rank, step, "rank0.h5"), os.path.join(folder, step, f"rank{rank}.h5"))
-    return folder
-
-
 def _nudge(model):
     with torch.no_grad():
         next(model.parameters()).mul_(1.001)  # a divergence for the report to tell
@@ -47,7 +38,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("scale")
     one = (P.run(root / "a1", _small, steps=2, task="statistics"),
            P.run(root / "b1", _small, steps=2, task="statistics", fault=_nudge))
-    return {ranks: tuple(_scale_up(side, str(root / f"{name}{ranks}x"), ranks) for name, side in zip("ab", one))
+    return {ranks: tuple(P.rank_files(side, str(root / f"{name}{ranks}x"), ranks) for name, side in zip("ab", one))
             for ranks in (2, 4, 16, 64)}
 
 
@@ -155,5 +146,8 @@ def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(r
     out, err = process.communicate(timeout=60)
     assert process.returncode == 2 and out == "", err
     assert err.startswith("probe: interrupted after comparing ") and "of 128 units" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while [pid for pid in workers if os.path.exists(f"/proc/{pid}")] and time.monotonic() < deadline:
+        time.sleep(0.05)  # a worker the command stopped may take a moment to be gone
     assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
 
