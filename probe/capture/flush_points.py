@@ -26,7 +26,6 @@ class FlushPoints:
     def __init__(self, bucket) -> None:
         self.bucket = bucket
         self._task = -1  # the backward pass whose start flushed the bucket
-        self._hooks: tuple = ()
 
     def backward_event(self) -> None:
         """A backward event: the first of a backward pass flushes the forward's tensors and
@@ -42,21 +41,35 @@ class FlushPoints:
 
     def watch(self) -> None:
         """Flush before and after every optimizer step (until unwatch)."""
-        if self._hooks:
-            return
-        bucket = self.bucket
-
-        def flush(*_):
-            if len(bucket):
-                _outside_function_modes(bucket.flush)
-
-        self._hooks = (_optimizer_hooks.register_optimizer_step_pre_hook(flush),
-                       _optimizer_hooks.register_optimizer_step_post_hook(flush))
+        if self.bucket not in _WATCHED:
+            _WATCHED.append(self.bucket)
+        _install_optimizer_hooks()
 
     def unwatch(self) -> None:
-        hooks, self._hooks = self._hooks, ()
-        for handle in hooks:
-            handle.remove()
+        if self.bucket in _WATCHED:
+            _WATCHED.remove(self.bucket)
+
+
+#: the buckets flushed around every optimizer step. The optimizer hooks are installed once
+#: and stay: a capture starts and stops from inside optimizer hooks (zero-edit capture ends a
+#: step in its post hook), and torch iterates its hook dict while they run, so adding or
+#: removing a hook there raises "OrderedDict mutated during iteration". With no bucket
+#: watched a hook costs one check per optimizer step.
+_WATCHED: list = []
+_installed: list = []
+
+
+def _install_optimizer_hooks() -> None:
+    if _installed:
+        return
+    _installed.append((_optimizer_hooks.register_optimizer_step_pre_hook(_flush_watched),
+                       _optimizer_hooks.register_optimizer_step_post_hook(_flush_watched)))
+
+
+def _flush_watched(*_) -> None:
+    for bucket in tuple(_WATCHED):
+        if len(bucket):
+            _outside_function_modes(bucket.flush)
 
 
 def _outside_function_modes(work) -> None:
