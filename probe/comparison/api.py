@@ -182,9 +182,12 @@ class Chain:
 
 
 def run_units(job: CompareJob, context: Context, progress=None, numbers=None) -> Partial:
-    """The units (their numbers, each chain's in order; default every one) one after the other
-    in this process, merged. progress(fraction of the units done, tensor bytes read)."""
-    numbers = range(len(context.plan.units)) if numbers is None else numbers
+    """The units (their numbers, each chain's in order; default every one, chain by chain) one
+    after the other in this process, merged. progress(fraction of the units done, tensor bytes
+    read). What a chain hands on is dropped at its end, so it is held for one chain at a time."""
+    chains = context.plan.chains()
+    numbers = [number for found in chains for number in found] if numbers is None else list(numbers)
+    ends = {found[-1] for found in chains}
     partial, chain, read = None, Chain(), [0]
     for done, number in enumerate(numbers):
         def report(records, count, unit_read, _done=done):
@@ -196,6 +199,8 @@ def run_units(job: CompareJob, context: Context, progress=None, numbers=None) ->
                                                partial.cutoff if partial is not None else None)
         read[0] += unit_read
         partial = unit_partial if partial is None else partial.merge(unit_partial)
+        if number in ends:
+            chain = Chain()
     return partial if partial is not None else Partial(budget=job.keep_rows)
 
 
