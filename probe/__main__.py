@@ -2,4 +2,5 @@
 
 from probe.cli import main
 
-main()
+if __name__ == "__main__":  # a worker process of ``probe compare --jobs N`` imports this module too
+    main()

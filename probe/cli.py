@@ -7,7 +7,8 @@ and exit code 2; answers go to stdout.
 Exit codes: 0 pass, 1 diverged (compare), 2 trouble (usage, config, unreadable input).
 A usage error is one line too (``probe: error: ...``, with click's "did you mean" kept).
 When the reader of stdout goes away (``probe inspect dump | head``) probe stops quietly
-with exit code 141 (128 + SIGPIPE, what a shell shows for a process SIGPIPE killed).
+with exit code 141 (128 + SIGPIPE, what a shell shows for a process SIGPIPE killed); Ctrl-C
+stops it with one line on stderr and exit code 2, never a traceback.
 """
 
 import os
@@ -94,8 +95,14 @@ def main(argv=None):
     except ProbeError as error:
         click.echo(f"probe: error: {error}", err=True)
         return _exit(EXIT_TROUBLE)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as abort:
+        if isinstance(abort.__cause__, KeyboardInterrupt):
+            click.echo("probe: interrupted", err=True)
+            return _exit(EXIT_TROUBLE)
         click.echo("probe: aborted", err=True)
+        return _exit(EXIT_TROUBLE)
+    except KeyboardInterrupt:
+        click.echo("probe: interrupted", err=True)
         return _exit(EXIT_TROUBLE)
     except click.ClickException as error:
         message = " ".join(error.format_message().split())  # one line: "did you mean" joins it

@@ -28,8 +28,9 @@ def compare(
     replay: int | None = None,
     replay_budget: float = 60.0,
     replay_progress: Callable | None = None,
+    jobs: int = 1,
     **options,
-) -> RenderedResult:
+) -> RenderedResult | None:
     """Compare dump A (the reference) with dump B.
 
     options (probe/comparison/api.py compare): rtol, atol, tol, tol_file, tolerances, mapping,
@@ -39,13 +40,30 @@ def compare(
     mapping: a YAML path, a dict {"modules": {...}, "ops": {...}} or a NameMapping.
     steps/ranks: compare only these. strict: records present on one side only count as a
     divergence. progress(fraction_done, tensor_bytes_read) is called as the compare goes.
+    keep_rows: the records whose rows the result keeps (default 20,000; None: every one; the
+    counts, verdicts, top ops and story always cover every record). runner: how the units
+    run (probe/parallel: ``LocalRunner(jobs)`` over processes of this machine, ``TorchrunRunner()``
+    under torchrun); None: one after the other in this process. jobs: compare on this many
+    processes of this machine (the result is the same). Returns None in a process of a
+    torchrun compare that is not rank 0.
     replay: replay the first divergence, the likely cause and the top ``replay`` ops in
     float64 from each side's dumped inputs (task "tensor"; imports torch), within
     replay_budget seconds; the verdicts land in ``result.replay`` (probe.replay).
     replay_progress(done, total, call_name, verdict_or_None) follows it.
     """
     _check_replay(replay, replay_budget)
-    result = RenderedResult.of(api.compare(a, b, **options))
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise CompareError(f"jobs must be an integer >= 1 (processes to compare with), found {jobs!r}")
+    if jobs > 1 and options.get("runner") is None:
+        from probe.parallel.workers import LocalRunner
+
+        options["runner"] = LocalRunner(jobs)
+    if replay is not None:
+        options["keep_rows"] = None  # the replay finds the calls it replays in the rows
+    compared = api.compare(a, b, **options)
+    if compared is None:  # another process of the compare (torchrun) finishes it
+        return None
+    result = RenderedResult.of(compared)
     if replay is not None:
         # torch is imported here only: a compare without replay stays torch-free
         from probe.replay import replay_result

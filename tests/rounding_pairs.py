@@ -5,6 +5,7 @@ envelope tests (tests/test_envelope_verdicts.py) and bench/detection_limit.py us
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn as nn
@@ -110,3 +111,14 @@ def tanh_gelu(model):
 
 def softmax_in_bf16(model):
     model.softmax_dtype = torch.bfloat16
+
+
+def rank_files(one_rank: str, folder: str, ranks: int) -> str:
+    """A dump of `ranks` rank files per step under folder, each a hard link of the one-rank
+    dump's file of that step (what a compare at the scale of a job reads; tests and
+    bench/compare_scale.py)."""
+    for step in sorted(os.listdir(one_rank)):
+        os.makedirs(os.path.join(folder, step))
+        for rank in range(ranks):
+            os.link(os.path.join(one_rank, step, "rank0.h5"), os.path.join(folder, step, f"rank{rank}.h5"))
+    return str(folder)

@@ -16,7 +16,7 @@ LAYERS = [
     {"dump"},
     {"capture", "perturb", "analysis"},
     {"comparison", "fingerprint"},
-    {"report", "replay"},
+    {"report", "replay", "parallel"},
     {"compare_and_replay", "debugger", "autoattach", "integrations"},
     {"commands"},
     {"cli", "__main__", "__init__"},

@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from probe.comparison import KEEP_ROWS
+
 EXIT_PASS, EXIT_DIVERGED, EXIT_TROUBLE = 0, 1, 2
 
 _EPILOG = """\b
@@ -21,6 +23,9 @@ Examples:
   probe compare gpu/ npu/ --mapping map.yaml        # renamed modules / ops
   probe compare gpu/ cpu/ --replay                  # which side is right? (task "tensor" dumps)
   probe compare gpu/ cpu/ --replay --replay-top 50 --replay-budget 300
+  probe compare ref/ new/ --jobs 8                  # on 8 processes (default: every core)
+  torchrun --nnodes 4 --nproc_per_node 32 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+      -m probe compare ref/ new/                    # over 4 machines: rank 0 prints the report
   probe compare ref_run/fingerprints new_run/fingerprints --html parts.html
                                                     # fingerprinted runs: where they part
 
@@ -28,7 +33,8 @@ Examples:
 A is the reference: relative errors are relative to A. A tensor fails when
 ||a-b|| > rtol*||a|| + atol*sqrt(n), with the tolerance of the lower-precision
 dtype of the pair (docs/compare.md has the table and the reasoning).
-Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or input).
+Exit codes: 0 no divergence, 1 divergence found, 2 trouble (bad arguments or input,
+or interrupted with Ctrl-C).
 """
 
 
@@ -80,6 +86,14 @@ class _CompareCommand(click.Command):
 @click.option("--baseline", metavar="C", type=click.Path(),
               help="A second trusted run of A's kind (another thread count, another GPU of the same type, "
                    "probe run --perturb): B - A is judged against C - A per op.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Compare on N processes of this machine; the report is the same for any N. "
+                   "[default: the cores this process may run on]")
+@click.option("--keep-rows", "keep_rows", default=None, metavar="N|all",
+              callback=lambda ctx, param, value: _NOT_GIVEN if value is None else _keep_rows(value),
+              help="Records whose rows --csv, --html and --json --rows list: past N, the step files that diverged "
+                   "first; counts, verdicts, top ops and the story always cover every record. "
+                   f"[default: {KEEP_ROWS} with --csv, --html or --rows; else none, the report lists no rows]")
 @click.option("--replay", "replay_on", is_flag=True,
               help="Re-run the first divergence, the likely cause and the top ops (--replay-top) in float64 "
                    "from each side's dumped inputs (task 'tensor'): which side is right, and did the op "
@@ -90,7 +104,7 @@ class _CompareCommand(click.Command):
 @click.option("--replay-budget", "replay_budget", type=click.FloatRange(min=0, min_open=True), default=60.0,
               show_default=True, metavar="SECONDS", help="Stop replaying after this long; a note lists what was left.")
 def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_file, mapping,
-            allow_missing, steps, ranks, top, strict, baseline, replay_on, replay_top, replay_budget):
+            allow_missing, steps, ranks, top, strict, baseline, jobs, keep_rows, replay_on, replay_top, replay_budget):
     """Find where two dumps part: the first op beyond tolerance, introduced or inherited.
 
     A and B are dump folders (written by PrecisionDebugger) or single step files
@@ -114,16 +128,29 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     destinations = {option.lstrip("-"): full for option, full in
                     output.check_destinations(requested, inputs=(a, b) + ((baseline,) if baseline else ())).items()}
 
-    bar = progress.Progress(sys.stderr)
+    if keep_rows is _NOT_GIVEN:  # the text and plain JSON reports list no rows: hold none
+        keep_rows = KEEP_ROWS if csv_path or html_path or json_rows else 0
+    runner = _runner(jobs)
+    bar = progress.Progress(sys.stderr) if getattr(runner, "finishes", True) else None
     try:
         result = run_compare(
             a, b, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, mapping=mapping,
             allow_missing=allow_missing, steps=steps or None, ranks=ranks or None, top=top,
             strict=strict, baseline=baseline, progress=bar, replay=replay, replay_budget=replay_budget,
             replay_progress=_replay_progress if replay is not None else None,
+            keep_rows=keep_rows, runner=runner,
         )
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        click.echo(f"probe: interrupted after comparing {runner.done} of {runner.total} units "
+                   "(step files, or a sharded step's group of ranks); no report written", err=True)
+        raise click.exceptions.Exit(EXIT_TROUBLE) from None
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
+    if result is None:  # a torchrun process other than rank 0: rank 0 prints the report
+        return runner.share_exit(None)
     if result.replay is not None:
         data = result.replay.to_dict()
         click.echo(f"probe: replayed {data['replayed']} of {len(data['calls'])} calls in {data['elapsed_s']:.2f} s"
@@ -147,7 +174,37 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
         from probe.report import terminal
 
         click.echo(terminal.render(result), nl=False)
-    return EXIT_DIVERGED if result.diverged else EXIT_PASS
+    return runner.share_exit(EXIT_DIVERGED if result.diverged else EXIT_PASS)
+
+
+def _runner(jobs):
+    """torchrun's processes split the units between them; otherwise --jobs processes of this machine."""
+    from probe.parallel.torchrun import under_torchrun
+
+    if under_torchrun():
+        from probe.parallel.torchrun import TorchrunRunner
+
+        return TorchrunRunner()
+    from probe.parallel.workers import LocalRunner
+
+    return LocalRunner(jobs)
+
+
+_NOT_GIVEN = object()
+
+
+def _keep_rows(text: str):
+    """--keep-rows: a count of records, or "all" (None)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise click.BadParameter(f"expected a number of records >= 0 or 'all', found {text!r}",
+                                 param_hint="'--keep-rows'")
+    return count
 
 
 def _compare_fingerprints(a, b, as_json, html_path, ranks):

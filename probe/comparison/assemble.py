@@ -1,9 +1,21 @@
-"""Result stage: every step's outcome put together into one CompareResult (data only).
+"""Result stage: every step file pair's outcome put together into one CompareResult (data only).
 
-The verdict of each step file pair and of the whole compare, the first divergence and the
-likely cause (story.py), the op summaries and top ops (result.py), made from the rows
-after the last rule, and the notes a reader needs: the
-evidence the metrics rest on, devices, records without partner, explained outputs.
+A compare is a map over units (a pair of step files; a sharded step's pairs, every rank of
+its group) into small mergeable summaries, reduced into one result (docs/architecture.md,
+"Comparing step files in parallel"):
+
+* ``summarize_unit``: one unit's outcomes -> a ``Partial`` (result.py): the rules that need
+  only the unit run on its rows (a shard that differs on entry on one rank; each pair's
+  story candidates, drift facts and where a low-precision error may have entered), and the
+  rows are reduced to what the report needs: counts, the op summaries folded into top-op
+  groups, changed parameters, the first divergent rows, the notes' figures. A unit whose
+  rows the report keeps (``Partial.budget``) hands them on whole.
+* ``Partial.merge``: in any order, any grouping; the result does not depend on it.
+* ``finish``: the rules over every step file (story.py: the first divergence and likely
+  cause, drift, drift within rounding, where a low-precision error entered) decide from the
+  facts, and the summaries of the outcome they chose are taken: a unit folds its figures as
+  judged, as drift would restate them and as drift within rounding would explain them
+  (``JUDGED``, ``DRIFTED``, ``SETTLED``), so that no row needs to be kept for the rules.
 
 Rounding only
 -------------
@@ -21,21 +33,23 @@ Torch-free.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from probe.comparison import result as R
-from probe.comparison.envelope import FACTOR
+from probe.comparison.envelope import EnvelopeFold
 from probe.comparison.ops import MOVE_OPS
-from probe.comparison.result import count_rows
+from probe.comparison.metrics import Best
+from probe.comparison.result import PrecisionTally, RecordRow, StepOutcome, merge_groups, rank_groups
 from probe.comparison.sketch import sketch_note
 from probe.comparison.story import (
-    apply_drift, entering_cause, find_drift, settle_drift, shard_entries, story,
+    apply_drift, entering_cause, find_drift, settle_row, settled_note, settles, story,
 )
-from probe.comparison.structs import UNINITIALIZED_NOTE, sci
+from probe.comparison.structs import sci
 
 _EVIDENCE_ORDER = ("statistics", "checksum", "tensor")  # weakest first
 
 
-def _unpaired_fails(counts: dict, strict: bool) -> bool:
+def unpaired_fails(counts: dict, strict: bool) -> bool:
     """Unmatched records fail a step with --strict, or when nothing at all could be paired
     (an empty or unrelated dump must never pass)."""
     unmatched = counts["only_a"] + counts["only_b"]
@@ -44,57 +58,256 @@ def _unpaired_fails(counts: dict, strict: bool) -> bool:
 
 
 def step_verdict(counts: dict, strict: bool) -> str:
-    return "diverged" if counts["diverged"] or _unpaired_fails(counts, strict) else "pass"
+    return "diverged" if counts["diverged"] or unpaired_fails(counts, strict) else "pass"
 
 
-def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, strict,
-             devices_ab=("", ""), run_differences=(), same_model=None, baseline=None) -> R.CompareResult:
-    """The CompareResult of every step file pair's outcome, built once: every rule that looks
-    across step files (the story, drift, where a low-precision error entered, the top ops)
-    runs here, before it exists. run_differences: the recorded settings the runs differ in;
-    same_model: the note that the dumps record different models, or None; baseline: the
-    trusted third dump that measured the envelopes (--baseline), or None."""
-    rows = [row for outcome in outcomes for row in outcome.rows]
-    # a parameter shard that differs on one rank, gathered by every rank: judged across ranks
-    entered = shard_entries(outcomes)
-    first, cause = story(outcomes, entered)
+# ---------------------------------------------------------------------------- the mergeable summary
+
+#: how a rule over every step file may leave the rows (assemble.finish): as the judge left
+#: them, restated by drift (no op introduced an error), or explained by drift within rounding
+JUDGED, DRIFTED, SETTLED = "judged", "drifted", "settled"
+#: the uncertain outputs a note names
+NAMED = 3
+
+
+@dataclass
+class Tally:
+    """What one way of leaving the rows (JUDGED, DRIFTED, SETTLED) makes of them: the top-op
+    groups, the explained outputs and the rounding envelopes."""
+
+    groups: dict = field(default_factory=dict)  # add_summary's {group key: OpGroup}
+    explained: int = 0
+    worst_explained: Best = field(default_factory=Best)
+    envelope: EnvelopeFold = field(default_factory=EnvelopeFold)
+
+    def add_row(self, row: RecordRow, ordinal: tuple) -> None:
+        if row.status == R.EXPLAINED and row.io == "out":
+            self.explained += 1
+            self.worst_explained.offer(row.metrics.rel_l2 if row.metrics else 0.0, ordinal, row)
+        self.envelope.add(row, ordinal)
+
+    def merge(self, other: "Tally") -> None:
+        merge_groups(self.groups, other.groups)
+        self.explained += other.explained
+        self.worst_explained.merge(other.worst_explained)
+        self.envelope.merge(other.envelope)
+
+
+# ---------------------------------------------------------------------------- one unit
+
+
+@dataclass
+class FileFacts:
+    """What the rules over every step file need of one compared pair of step files."""
+
+    position: int  # its place in the compare's pairs, (step, rank) order
+    info: dict  # its steps_info entry: step, rank, step_b, rank_b, file_a, file_b, verdict, counts
+    diverged: int = 0  # its divergent records
+    differs: bool = False  # story.differs_at_rounding, as judged and once drift within rounding settled
+    differs_settled: bool = False
+    introduced: bool = False  # story.drift_facts
+    carried: bool = False
+    within: bool = True  # every divergent record within its envelope (story.within_envelopes)
+    fails: bool = False  # its records without partner fail it
+    story: list | None = None  # the rows story() reads (None: pruned, or none diverged)
+    entering: RecordRow | None = None  # the first row where a low-precision error may have entered
+    lonely: RecordRow | None = None  # its first record without partner
+    devices: dict = field(default_factory=dict)  # StepOutcome.devices
+    precision: PrecisionTally | None = None  # StepOutcome.precision
+
+
+@dataclass
+class KeptFile:
+    """A pair of step files whose rows the report keeps: its rows and calls (row numbers)."""
+
+    key: tuple  # (passed, position): the pairs that diverged are kept first
+    rows: list
+    calls: list  # [(row numbers of the call, row numbers of its forward)]
+
+    @classmethod
+    def of(cls, position: int, diverged: bool, outcome: StepOutcome) -> "KeptFile":
+        number = {id(row): index for index, row in enumerate(outcome.rows)}
+        calls = [([number[id(r)] for r in rows], [number[id(r)] for r in forward]) for rows, forward in outcome.calls]
+        return cls((not diverged, position), outcome.rows, calls)
+
+
+# ---------------------------------------------------------------------------- changes
+
+
+@dataclass
+class Change:
+    """One changed parameter or argument, over every step file where it differs."""
+
+    kind: str  # PARAM | ARGUMENT
+    key: str
+    module: str
+    op: str
+    index: int
+    phase: str
+    slot: str
+    source: str
+    reason: str  # why its worst occurrence diverged
+    value_a: str | None = None  # arguments: the values
+    value_b: str | None = None
+    rel_l2: float | None = None  # parameters: the worst rel L2
+    score: float | None = None
+    worst: tuple[int, int] = (0, 0)  # (step, rank) of the worst occurrence
+    where: list[tuple[int, int]] = field(default_factory=list)
+    size_unknown: bool = False  # parameters: the checksum differs while the statistics agree
+
+    def to_dict(self) -> dict:
+        return R.json_safe({
+            "kind": self.kind, "key": self.key, "module": self.module, "op": self.op, "index": self.index,
+            "phase": self.phase, "slot": self.slot, "source": self.source, "reason": self.reason,
+            "value_a": self.value_a, "value_b": self.value_b, "rel_l2": self.rel_l2, "score": self.score,
+            "worst": {"step": self.worst[0], "rank": self.worst[1]}, "occurrences": len(self.where),
+            "where": R.where_dicts(self.where), "where_text": R.where_text(self.where),
+            "size_unknown": self.size_unknown,
+        })
+
+
+def is_change(row: RecordRow) -> bool:
+    """A changed argument, or a parameter by its own record (an API input holding the same
+    weight would repeat it)."""
+    if row.status != R.DIVERGED:
+        return False
+    return row.divergence == R.ARGUMENT or (row.divergence == R.PARAM and row.slot.startswith("param."))
+
+
+def group_changes(rows) -> list[Change]:
+    """Changed parameters and arguments, each once, in order of first occurrence."""
+    fold = ChangeFold()
+    places: dict = {}  # (step, rank) -> its number, in the order met
+    for number, row in enumerate(rows):
+        if is_change(row):
+            fold.add(row, (row.step, row.rank, row.order, number), places.setdefault((row.step, row.rank), len(places)))
+    return fold.changes(list(places))
+
+
+def _worse_key(row) -> tuple:
+    """Which occurrence of a change is worse: a sized difference beats one of unknown size (its
+    rel L2 is only a lower bound), then the larger rel L2 (NaN the smallest)."""
+    rel = row.metrics.rel_l2
+    return (not row.size_unknown, -math.inf if math.isnan(rel) else rel)
+
+
+@dataclass
+class ChangeFold:
+    """group_changes, folded step file by step file: {group: [first (ordinal, row), Best of the
+    later occurrences by _worse, bitset of places]}."""
+
+    groups: dict = field(default_factory=dict)
+
+    def add(self, row, ordinal: tuple, place: int) -> None:
+        m = row.metrics
+        if row.divergence == R.ARGUMENT:
+            group = (row.divergence, row.key, m.value_a if m else None, m.value_b if m else None)
+        else:
+            group = (row.divergence, row.key)
+        entry = self.groups.setdefault(group, [None, Best(), 0])
+        if entry[0] is None or ordinal < entry[0][0]:
+            entry[0] = (ordinal, row)
+        if m is not None:
+            entry[1].offer(_worse_key(row), ordinal, row)
+        entry[2] |= 1 << place
+
+    def merge(self, other: "ChangeFold") -> None:
+        for group, (first, best, bits) in other.groups.items():
+            entry = self.groups.setdefault(group, [None, Best(), 0])
+            if entry[0] is None or first[0] < entry[0][0]:
+                entry[0] = first
+            entry[1].merge(best)
+            entry[2] |= bits
+
+    def changes(self, pairs) -> list[Change]:
+        """Each group's Change, in order of first occurrence; pairs: place -> (step, rank)."""
+        found = []
+        for (_, first), best, bits in sorted(self.groups.values(), key=lambda entry: entry[0][0]):
+            m = first.metrics
+            worst = first
+            rel_l2 = m.rel_l2 if m and m.evidence != "value" else None
+            # the first occurrence sets the worst; a later one replaces it where _worse_key is larger
+            if rel_l2 is not None and best.item is not None and _worse_key(best.item) > _worse_key(first):
+                worst = best.item
+                rel_l2 = worst.metrics.rel_l2
+            found.append(Change(
+                kind=first.divergence, key=first.key, module=first.module, op=first.op, index=first.index,
+                phase=first.phase, slot=first.slot, source=first.source, reason="; ".join(worst.reasons),
+                value_a=m.value_a if m else None, value_b=m.value_b if m else None, rel_l2=rel_l2,
+                score=worst.score, worst=(worst.step, worst.rank), where=R.where_pairs(bits, pairs),
+                size_unknown=worst.size_unknown,
+            ))
+        return found
+
+
+# ---------------------------------------------------------------------------- every unit
+
+
+@dataclass
+class _View:
+    """What story() reads of one pair of step files."""
+
+    step: int
+    rank: int
+    rows: list
+    diverged: bool = True
+
+
+def finish(partial, table, path_a, path_b, missing, notes, top, strict, baseline=None) -> R.CompareResult:
+    """The CompareResult of every unit's Partial merged: the rules over every step file run
+    here, on the facts the units kept, before the summaries are taken."""
+    files = [partial.files[position] for position in sorted(partial.files)]
+    steps_info = [facts.info for facts in files]
+    where = {(facts.info["step"], facts.info["rank"]): facts for facts in files}
+    head = partial.head or {}
+    notes = list(notes) + list(head.get("notes", ())) + list(partial.plan_notes)
+    first, cause = story([_View(f.info["step"], f.info["rank"], f.story) for f in files if f.story],
+                         {step: entry for step, entry in partial.entered.items()})
     told_first = first
-    drifting = find_drift(first, "diverged", steps_info, rows)
+    drift_files = [{"step": f.info["step"], "rank": f.info["rank"], "differs": f.differs,
+                    "introduced": f.introduced, "carried": f.carried} for f in files]
+    drifting = find_drift(first, "diverged", drift_files)
     # drift that stays within every op's rounding envelope is rounding: settled before any
-    # verdict is counted (story.settle_drift); then nothing diverges, and there is no story
-    settled = settle_drift(drifting, rows, steps_info, strict)
-    if settled is not None:
-        first, cause = None, None
+    # verdict is counted; then nothing diverges, and there is no story
+    diverged_rows = sum(f.diverged for f in files)
+    mode = JUDGED
+    if settles(drifting, bool(diverged_rows) and all(f.within for f in files), strict):
+        mode, first, cause = SETTLED, None, None
+        for facts in files:
+            facts.info["counts"] = _settled_counts(facts.info["counts"])
+        for row in partial.rows():
+            if row.status == R.DIVERGED:
+                settle_row(row)
+        for facts in drift_files:
+            facts["differs"] = where[(facts["step"], facts["rank"])].differs_settled
     for info in steps_info:
-        if info.get("verdict") is None:
-            info["verdict"] = step_verdict(info["counts"], strict)
-    counts = count_rows(rows)
-    placement = sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE) for note in row.notes))
-    moves = len({(row.step, row.rank, row.key) for row in rows
-                 if row.status in (R.ONLY_A, R.ONLY_B) and row.op in MOVE_OPS and row.io == "out"})
+        info["verdict"] = step_verdict(info["counts"], strict)
+    counts = _total_counts([info["counts"] for info in steps_info])
+    devices_ab = head.get("devices", ("", ""))
     placed: dict = {}  # (device in A, device in B) -> paired tensor records, per record
-    for outcome in outcomes:
-        for pair, count in outcome.devices.items():
+    for facts in files:
+        for pair, count in facts.devices.items():
             placed[pair] = placed.get(pair, 0) + count
     if devices_ab[0] == devices_ab[1] and placed:
         devices_ab = max(placed, key=placed.get)  # the root attributes agree; the records do not
+    placement, moves = partial.figures["placement"], partial.figures["moves"]
     if devices_ab[0] != devices_ab[1] or placement or moves or placed:
         notes.append(device_note(*devices_ab, placement, moves))
-    failing = [o for o in outcomes if _unpaired_fails(o.counts(), strict)]
-    if first is None and failing:
-        lonely = [row for row in failing[0].rows if row.status in (R.ONLY_A, R.ONLY_B)]
-        first = min(lonely, key=lambda row: row.order, default=None)
-        if failing[0].counts()["matched"] == 0 and not lonely:
+    failing = next((f for f in files if f.fails), None)
+    if first is None and failing is not None:
+        first = failing.lonely
+        failed = failing.info["counts"]
+        if failed["matched"] == 0 and first is None:
             notes.append(
-                f"step {failing[0].step} rank {failing[0].rank}: nothing was compared, both step files "
+                f"step {failing.info['step']} rank {failing.info['rank']}: nothing was compared, both step files "
                 "hold no records (did scope or list select nothing?); that is not a pass"
             )
-        elif failing[0].counts()["matched"] == 0:
+        elif failed["matched"] == 0:
             notes.append(
-                f"step {failing[0].step} rank {failing[0].rank}: no record could be paired "
-                f"({failing[0].counts()['only_a']} in A, {failing[0].counts()['only_b']} in B): the dumps do not describe the same run"
+                f"step {failing.info['step']} rank {failing.info['rank']}: no record could be paired "
+                f"({failed['only_a']} in A, {failed['only_b']} in B): the dumps do not describe the same run"
             )
-    used = set().union(*(outcome.evidence for outcome in outcomes)) if outcomes else set()
+    used = partial.evidence
     # the weakest evidence any pair used; "none" when no tensor pair was measured at all
     evidence = next((name for name in _EVIDENCE_ORDER if name in used), "none" if not used - {"value"} else "statistics")
     if "sketch" in used:
@@ -109,53 +322,56 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
                    "gradient shards)") if counts["sharded_only"] else ""
         notes.append(f"{unmatched} records have no partner (only_a {counts['only_a']}, only_b {counts['only_b']})"
                      f"{sharded}; they are not compared")
-    unwritten = sum(1 for row in rows if any(note.startswith(UNINITIALIZED_NOTE) for note in row.notes))
-    if unwritten:
-        notes.append(f"{unwritten} records hold memory nothing had written yet (an empty-family allocation, or "
-                     "a view of one, read before its first write); they are not compared")
-    reduced = reduced_gradients_note(rows)
+    if partial.figures["unwritten"]:
+        notes.append(f"{partial.figures['unwritten']} records hold memory nothing had written yet (an empty-family "
+                     "allocation, or a view of one, read before its first write); they are not compared")
+    reduced = reduced_gradients_note(partial.figures["reduced_a"], partial.figures["reduced_b"])
     if reduced:
         notes.append(reduced)
-    explained = [row for row in rows if row.status == R.EXPLAINED and row.io == "out"]
-    if explained:
-        worst = max(explained, key=lambda row: row.metrics.rel_l2 if row.metrics else 0.0)
-        notes.append(
-            f"{len(explained)} outputs are beyond their own dtype's tolerance but explained by accepted differences "
-            f"of their inputs (amplified rounding; not divergences); the largest: {worst.key} at step {worst.step} "
-            f"rank {worst.rank}, rel L2 {sci(worst.metrics.rel_l2)}: {worst.cause}")
-    unranked_at = len(notes)  # the note on backward calls no record measures goes here
-    diverged = counts["diverged"] > 0 or bool(failing)
-    verdict = "diverged" if diverged else "pass"
-    tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
-    changes = R.group_changes(rows)
-    precision = R.PrecisionTally.total(outcome.precision for outcome in outcomes)
-    notes.extend(precision.notes())
+    verdict = "diverged" if counts["diverged"] > 0 or failing is not None else "pass"
     # the story's first divergence is a divergent row, so the verdict was "diverged" above too
-    drift = drifting if first is told_first else find_drift(first, verdict, steps_info, rows)
+    drift = drifting if first is told_first else find_drift(first, verdict, drift_files)
     if drift is not None:  # no op introduced an error: the runs part through accumulated rounding
-        apply_drift(drift, rows)
+        apply_drift(drift, partial.rows())
         cause = None
+        mode = DRIFTED if mode == JUDGED else mode
     else:
-        cause = entering_cause(first, cause, rows)
+        entering = where[(first.step, first.rank)].entering if first is not None else None
+        cause = entering_cause(first, cause, [entering] if entering is not None else [])
+    tally = partial.tally(mode, cause)
+    explained = tally.worst_explained.item
+    if explained is not None:
+        notes.append(
+            f"{tally.explained} outputs are beyond their own dtype's tolerance but explained by accepted differences "
+            f"of their inputs (amplified rounding; not divergences); the largest: {explained.key} at step "
+            f"{explained.step} rank {explained.rank}, rel L2 {sci(explained.metrics.rel_l2)}: {explained.cause}")
+    unranked_at = len(notes)  # the note on backward calls no record measures goes here
+    tolerances = {"reference": "a", "rule": "||a-b|| <= rtol*||a|| + atol*sqrt(n)", "by_dtype": table.to_dict()}
+    changes = [] if mode == SETTLED else partial.changes.changes(_pairs(files))
+    precision = PrecisionTally.total(facts.precision for facts in files)
+    notes.extend(precision.notes())
     # the last rule has run: the summaries say what the rows say
-    summaries = R.op_summaries(outcomes)
-    top_ops = R.rank_top_ops(summaries, top)
-    unranked = _unranked_backward(rows, summaries)
+    top_ops = rank_groups(tally.groups, _pairs(files), top)
+    unranked = _unranked_backward(partial.has_out, partial.module_rows, tally.groups)
     if unranked:
         notes.insert(unranked_at, unranked)
     if drift is not None:
         notes.insert(0, drift["text"])
-    if settled is not None:
-        notes.insert(0, settled)
-    if same_model is not None:
-        notes.insert(0, same_model)
-    envelope = summarize(rows, notes, strict, baseline)
+    if mode == SETTLED:
+        notes.insert(0, settled_note(drifting, diverged_rows))
+    if head.get("same_model") is not None:
+        notes.insert(0, head["same_model"])
+    envelope = tally.envelope.summary(notes, strict, baseline)
+    kept = partial.kept_rows()
+    if partial.budget != 0 and len(kept[0]) < counts["matched"] + unmatched:  # 0: no table asked for rows
+        notes.append(_kept_note(partial, len(files), counts["matched"] + unmatched))
+    divergent = [] if mode == SETTLED else [row for _, row in partial.divergent]
     return R.CompareResult(
         verdict=verdict,
         first_divergence=first,
         likely_cause=cause,
         counts=counts,
-        rows=rows,
+        rows=kept[0],
         top_ops=top_ops,
         tolerances=tolerances,
         evidence=evidence,
@@ -165,21 +381,53 @@ def assemble(outcomes, steps_info, table, path_a, path_b, missing, notes, top, s
         missing=missing,
         notes=notes,
         changes=changes,
-        op_summaries=summaries,
-        run_differences=list(run_differences) + precision.differences(),
+        op_summaries=[summary for rows, forward in kept[1] if (summary := R.summarize_call(rows, forward)) is not None],
+        run_differences=list(head.get("differences", ())) + precision.differences(),
         drift=drift,
         envelope=envelope,
+        divergent=divergent,
+        divergences_total=0 if mode == SETTLED else diverged_rows,
     )
 
 
-def reduced_gradients_note(rows) -> str:
-    """Like with like: FSDP2 records each gradient twice (param_grad call 0: this rank's, before
+def _pairs(files) -> list:
+    """place (a pair's position) -> (step, rank), for the ``where`` of top ops and changes."""
+    pairs = [None] * (max((f.position for f in files), default=-1) + 1)
+    for facts in files:
+        pairs[facts.position] = (facts.info["step"], facts.info["rank"])
+    return pairs
+
+
+def _settled_counts(counts: dict) -> dict:
+    """A pair's counts once drift within rounding explained its divergent records."""
+    settled = dict(counts)
+    settled["explained"] += settled["diverged"]
+    settled["diverged"] = 0
+    return settled
+
+
+def _total_counts(per_file: list) -> dict:
+    total = {"matched": 0, "only_a": 0, "only_b": 0, "diverged": 0, "changed": 0, "explained": 0, "sharded_only": 0}
+    for counts in per_file:
+        for name in total:
+            total[name] += counts[name]
+    return total
+
+
+def _kept_note(partial, files: int, records: int) -> str:
+    kept = len(partial.kept)
+    return (f"the report's rows (--csv, --html, --json --rows) hold the records of {kept} of the {files} compared "
+            f"pairs of step files (those that diverged first, then in step and rank order, up to "
+            f"{partial.budget} records; {records} in all): every count, verdict, top op and the story cover them "
+            "all; --keep-rows all keeps every record")
+
+
+def reduced_gradients_note(lonely_a: int, lonely_b: int) -> str:
+    """Like with like: FSDP2 records each gradient twice (param_grad call 1: this rank's, before
     the reduce-scatter; call 1: the reduced shard); DDP and one device record call 0 alone.
-    The reduced ones then have no partner, and the note says which quantity was compared."""
-    lonely = {"A": 0, "B": 0}
-    for row in R.sharded_only_rows(rows):
-        if row.slot.startswith("param_grad."):
-            lonely["A" if row.status == R.ONLY_A else "B"] += 1
+    The reduced ones then have no partner, and the note says which quantity was compared.
+    lonely_a, lonely_b: the reduced gradients of A and B without partner."""
+    lonely = {"A": lonely_a, "B": lonely_b}
     side = next((name for name, count in lonely.items() if count), None)
     if side is None:
         return ""
@@ -189,24 +437,21 @@ def reduced_gradients_note(rows) -> str:
             "(each rank's own gradient); the reduced ones are not compared with it")
 
 
-def _unranked_backward(rows, summaries) -> str:
+def _unranked_backward(has_out: dict, module_rows: bool, groups: dict) -> str:
     """A note naming the backward API calls whose error no record measures: with capture's
     COMPOSITE_GRAD_INPUT off (or where it records nothing: a tensor in two slots of one
     call), an op autograd runs as several nodes (F.linear: a transpose and a matmul) records the gradient flowing
     into its output but not what it sends back, so the error its backward adds shows up in
     the next recorded gradient, carried and unranked. Their leaf module (level "mix") measures
-    it; the note names the ones no module covers."""
-    has_out: dict[tuple, bool] = {}
-    for row in rows:
-        if row.kind == "api" and row.phase == "backward" and row.status in R.PAIRED:
-            call = (row.module, row.op, row.index)
-            has_out[call] = has_out.get(call, False) or row.io == "out"
-    covered = {s.module for s in R.ranked_pool(summaries) if s.kind != "api" and s.phase == "backward"}
+    it; the note names the ones no module covers. has_out: (module, op, index) of each paired
+    backward API call -> whether an output of it was recorded."""
+    rule = R.PoolRule((group.kind, group.module, group.phase) for group in groups.values())
+    covered = {group.module for group in groups.values()
+               if group.kind != "api" and group.phase == "backward" and rule.admits(group)}
     missing = sorted({op for (module, op, _), out in has_out.items() if not out and module not in covered})
     if not missing:
         return ""
-    modules = any(row.kind == "module" for row in rows)
-    advice = "" if modules else "; level \"mix\" measures them through their modules (Linear)"
+    advice = "" if module_rows else "; level \"mix\" measures them through their modules (Linear)"
     shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
     return (f"no record measures the backward of {shown}: autograd runs each as several nodes, so only the "
             f"gradient into its outputs is recorded, and the error its backward adds is carried, unranked, into "
@@ -226,52 +471,3 @@ def device_note(device_a: str, device_b: str, arguments: int, moves: int = 0) ->
     return where
 
 
-#: how many uncertain outputs the note names by key
-NAMED = 3
-
-
-def summarize(rows, notes: list, strict: bool = False, baseline=None) -> dict | None:
-    """{largest_gap, at, step, rank, differ, outputs, rounding, uncertain, beyond, strict,
-    rounding_only, baseline}; None when no output has an envelope (ops the model does not
-    know, dumps of values only)."""
-    judged = [row for row in rows if row.envelope is not None and row.status in R.PAIRED]
-    if not judged:
-        return None
-    # outputs the judge explained by their inputs' accepted differences through the op's
-    # conditioning (amplified) are settled by that rule, not by their envelope's gap
-    gapped = [row for row in judged if math.isfinite(row.envelope["gap"])
-              and not (row.status == R.EXPLAINED and row.origin == R.AMPLIFIED)]
-    worst = max(gapped, key=lambda row: row.envelope["gap"], default=None)
-    differ = any(row.envelope["seen"] > 0 for row in judged) or any(
-        row.metrics is not None and row.metrics.bit_equal is False for row in rows if row.status in R.PAIRED)
-    uncertain = [row for row in judged if row.status == R.EXPLAINED and row.origin == "uncertain"]
-    beyond = [row for row in judged if row.envelope["verdict"] == "beyond"]
-    # the claim "rounding only" needs every size known from above (a statistics lower bound
-    # without a sketch is not) and every gap within FACTOR x what rounding makes
-    measured = all(row.envelope["high"] is not None for row in judged if row.envelope["seen"] > 0)
-    settled = all(row.envelope["seen"] == 0 or row.envelope["gap"] <= FACTOR or row.status == R.EXPLAINED
-                  for row in judged)
-    summary = {
-        "largest_gap": worst.envelope["gap"] if worst is not None else None,
-        "at": worst.key if worst is not None else None,
-        "step": worst.step if worst is not None else None,
-        "rank": worst.rank if worst is not None else None,
-        "differ": differ,
-        "outputs": len(judged),
-        "rounding": sum(1 for row in judged if row.status == R.EXPLAINED and row.origin == "rounding"),
-        "uncertain": len(uncertain),
-        "beyond": len(beyond),
-        "strict": strict,
-        "rounding_only": differ and not beyond and measured and settled and not strict,
-        "baseline": str(baseline) if baseline is not None else None,
-    }
-    if uncertain:
-        shown = "; ".join(f"{row.key} at step {row.step} rank {row.rank} ({row.envelope['text']})"
-                          for row in uncertain[:NAMED])
-        more = f" and {len(uncertain) - NAMED} more" if len(uncertain) > NAMED else ""
-        notes.append(
-            f"{len(uncertain)} output{'s are' if len(uncertain) != 1 else ' is'} uncertain: beyond the fixed "
-            f"tolerance, and the sketch's band straddles {'their' if len(uncertain) != 1 else 'its'} rounding "
-            f"envelope (not counted as divergences): {shown}{more}; the cause of each names the config line "
-            "that dumps it as a tensor")
-    return summary

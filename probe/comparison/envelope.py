@@ -41,12 +41,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from probe.comparison.structs import sci
+from probe.comparison.metrics import Best
+from probe.comparison.structs import AMPLIFIED, EXPLAINED, FACTOR, PAIRED, RecordRow, sci
 
 #: lambda of Higham and Mary's probabilistic bound: failure probability 2 exp(-lambda^2/2) = 3e-8
 LAMBDA = 6.0
-#: an op's own error must exceed its rounding envelope this many times to be called introduced
-FACTOR = 2.0
 #: ulps an elementwise kernel may be off (libm erf/exp/tanh vectorised differently on two devices)
 ELEMENTWISE_ULPS = 4.0
 #: what the measured norms of a difference may be off by, relative: its own error must exceed this
@@ -181,3 +180,88 @@ def expected_text(expected: float, seen: float) -> str:
     if expected <= 0:  # an exact op (a copy): a ratio to nothing says nothing
         return f"expected from rounding: none (it rounds nothing), seen: {sci(seen)}"
     return f"expected from rounding: {sci(expected)}, seen: {sci(seen)} ({seen / expected:.2g}x)"
+
+
+#: the uncertain outputs a note names
+NAMED = 3
+
+
+@dataclass
+class EnvelopeFold:
+    """The rounding envelopes over every output (assemble's summary), folded row by row."""
+
+    outputs: int = 0
+    rounding: int = 0
+    uncertain: int = 0
+    beyond: int = 0
+    named: list = field(default_factory=list)  # [(ordinal, row)]: the first NAMED uncertain outputs
+    worst: Best = field(default_factory=Best)  # the largest finite gap (amplified outputs aside)
+    differ: bool = False
+    measured: bool = True  # every size known from above
+    settled: bool = True  # every gap within FACTOR x its envelope, or explained
+
+    def add(self, row: RecordRow, ordinal: tuple) -> None:
+        if row.status not in PAIRED:
+            return
+        if row.metrics is not None and row.metrics.bit_equal is False:
+            self.differ = True
+        envelope = row.envelope
+        if envelope is None:
+            return
+        self.outputs += 1
+        explained = row.status == EXPLAINED
+        if math.isfinite(envelope["gap"]) and not (explained and row.origin == AMPLIFIED):
+            self.worst.offer(envelope["gap"], ordinal, row)
+        if envelope["seen"] > 0:
+            self.differ = True
+            self.measured = self.measured and envelope["high"] is not None
+            self.settled = self.settled and (envelope["gap"] <= FACTOR or explained)
+        if explained and row.origin == "uncertain":
+            self.uncertain += 1
+            self.named = sorted(self.named + [(ordinal, row)], key=lambda item: item[0])[:NAMED]
+        self.beyond += envelope["verdict"] == "beyond"
+        self.rounding += explained and row.origin == "rounding"
+
+    def merge(self, other: "EnvelopeFold") -> None:
+        for name in ("outputs", "rounding", "uncertain", "beyond"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.named = sorted(self.named + other.named, key=lambda item: item[0])[:NAMED]
+        self.worst.merge(other.worst)
+        self.differ, self.measured = self.differ or other.differ, self.measured and other.measured
+        self.settled = self.settled and other.settled
+
+    def summary(self, notes: list, strict: bool = False, baseline=None) -> dict | None:
+        """{largest_gap, at, step, rank, differ, outputs, rounding, uncertain, beyond, strict,
+        rounding_only, baseline}; None when no output has an envelope (ops the model does not
+        know, dumps of values only). The note naming the uncertain outputs goes to notes."""
+        if not self.outputs:
+            return None
+        worst = self.worst.item
+        beyond = self.beyond
+        summary = {
+            "largest_gap": worst.envelope["gap"] if worst is not None else None,
+            "at": worst.key if worst is not None else None,
+            "step": worst.step if worst is not None else None,
+            "rank": worst.rank if worst is not None else None,
+            "differ": self.differ,
+            "outputs": self.outputs,
+            "rounding": self.rounding,
+            "uncertain": self.uncertain,
+            "beyond": beyond,
+            "strict": strict,
+            # the claim "rounding only" needs every size known from above (a statistics lower
+            # bound without a sketch is not) and every gap within FACTOR x what rounding makes
+            "rounding_only": self.differ and not beyond and self.measured and self.settled and not strict,
+            "baseline": str(baseline) if baseline is not None else None,
+        }
+        if self.uncertain:
+            count = self.uncertain
+            shown = "; ".join(f"{row.key} at step {row.step} rank {row.rank} ({row.envelope['text']})"
+                              for _, row in self.named)
+            more = f" and {count - NAMED} more" if count > NAMED else ""
+            notes.append(
+                f"{count} output{'s are' if count != 1 else ' is'} uncertain: beyond the fixed "
+                f"tolerance, and the sketch's band straddles {'their' if count != 1 else 'its'} rounding "
+                f"envelope (not counted as divergences): {shown}{more}; the cause of each names the config line "
+                "that dumps it as a tensor")
+        return summary

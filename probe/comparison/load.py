@@ -335,8 +335,9 @@ class ShardedPlan:
     missing: list  # steps one side lacks (compared without them: allow_missing)
     notes: list = field(default_factory=list)  # filled while step_files() runs
 
-    def step_files(self):
-        for step in self.steps:
+    def step_files(self, steps=None):
+        """The pairs of step files of each step (of ``steps``, all by default), in order."""
+        for step in self.steps if steps is None else steps:
             with contextlib.ExitStack() as stack:
                 files_a = {rank: stack.enter_context(self.dump_a.open(step, rank)) for rank in self.ranks_a}
                 files_b = {rank: stack.enter_context(self.dump_b.open(step, rank)) for rank in self.ranks_b}
@@ -361,6 +362,49 @@ class ShardedPlan:
                 rank_a, rank_b = self.ranks_a[0], self.ranks_b[0]
                 yield _files(step, rank_a, rank_b, view_a, view_b, _fetch(merged_a, files_a, rank_a),
                              _fetch(merged_b, files_b, rank_b), files_a[rank_a], files_b[rank_b])
+
+
+@dataclass
+class UnitPlan:
+    """The compare's pairs of step files and its units: a pair, or a sharded step's pairs
+    (every rank of its group, merged together), each unit a list of positions in ``pairs``."""
+
+    pairs: list  # ((step, rank) of A, of B), in compare order
+    missing: list
+    units: list
+    sharded: ShardedPlan | None = None
+
+    def chains(self) -> list[list[int]]:
+        """Units (their numbers) that depend on each other, in order: a rank's step files hand
+        on what A's previous one carries (structs.Carry); a sharded step hands it on for every
+        rank, so a sharded compare is one chain."""
+        if self.sharded is not None:
+            return [list(range(len(self.units)))]
+        chains: dict = {}
+        for number, unit in enumerate(self.units):
+            chains.setdefault(self.pairs[unit[0]][0][1], []).append(number)
+        return list(chains.values())
+
+    def open(self, dump_a, dump_b, unit: list) -> Iterator[StepFiles]:
+        """The unit's pairs of step files, open while the caller compares them."""
+        if self.sharded is None:
+            return open_step_files(dump_a, dump_b, [self.pairs[position] for position in unit])
+        return self.sharded.step_files([self.pairs[unit[0]][0][0]])
+
+
+def plan_units(dump_a, dump_b, path_a: str, path_b: str, allow_missing=False, steps=None, ranks=None) -> UnitPlan:
+    """Pair the step files (pair_step_files, or plan for sharded runs) and group them into units."""
+    sharded = None
+    if os.path.isdir(path_a) and os.path.isdir(path_b):
+        sharded = plan(dump_a, dump_b, None if steps is None else set(steps), None if ranks is None else set(ranks),
+                       allow_missing)
+    if sharded is None:
+        pairs, missing = pair_step_files(dump_a, dump_b, path_a, path_b, allow_missing, steps, ranks)
+        return UnitPlan(pairs, missing, [[position] for position in range(len(pairs))])
+    units: dict = {}
+    for position, (key_a, _) in enumerate(sharded.pairs):
+        units.setdefault(key_a[0], []).append(position)
+    return UnitPlan(sharded.pairs, sharded.missing, list(units.values()), sharded)
 
 
 def _logical_views(merged_a, merged_b) -> tuple:
@@ -443,3 +487,16 @@ def _inspect(dump, step, rank) -> tuple[int, bool]:
         except (TypeError, ValueError):
             world = 1
         return world, sharded
+
+
+def run_head(files: StepFiles, mapped: bool) -> dict:
+    """What the compare's first pair of step files says of the two runs: the notes on their
+    attributes, the settings they differ in, their devices, and (without a mapping file,
+    ``mapped``) the note that they record different models, or None."""
+    same_model = None
+    if not mapped:
+        same_model = different_models_note(overlap(files.records_a.columns["module"], files.records_b.columns["module"]))
+    return {"notes": attr_notes(files.attrs_a, files.attrs_b),
+            "differences": run_differences(files.attrs_a, files.attrs_b),
+            "devices": (str(files.attrs_a.get("device") or ""), str(files.attrs_b.get("device") or "")),
+            "same_model": same_model}

@@ -465,3 +465,32 @@ class Prefetcher:
             self._ready.clear()
             self._cond.notify_all()
         self._thread.join()
+
+
+@dataclass
+class Best:
+    """``max(items, key=...)`` over items met in ordinal order, taken in any order and merged:
+    the earliest item with the largest key; an item whose key is NaN wins only when it comes
+    first, as it does for max()."""
+
+    first: tuple | None = None  # (ordinal, key, item) with the smallest ordinal
+    best: tuple | None = None  # (ordinal, key, item) with the largest key that is a number
+
+    def offer(self, key, ordinal, item) -> None:
+        if self.first is None or ordinal < self.first[0]:
+            self.first = (ordinal, key, item)
+        if key == key and (self.best is None or key > self.best[1]
+                           or (key == self.best[1] and ordinal < self.best[0])):
+            self.best = (ordinal, key, item)
+
+    def merge(self, other: "Best") -> None:
+        for entry in (other.first, other.best):
+            if entry is not None:
+                self.offer(entry[1], entry[0], entry[2])
+
+    @property
+    def item(self):
+        if self.first is None:
+            return None
+        key = self.first[1]
+        return self.first[2] if key != key else self.best[2]

@@ -30,9 +30,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from probe.comparison.envelope import FACTOR as ENVELOPE_FACTOR
+from probe.comparison.metrics import Best
 from probe.comparison.structs import (  # noqa: F401  the names every report reads from here
-    AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
+    AMPLIFIED, ARGUMENT, CHANGED, DIVERGED, EXPLAINED, FACTOR, INHERITED, INPUT, INTRODUCED, MATCH, ONLY_A,
     ONLY_B, OUTPUT, PAIRED, PARAM, PLACEMENT_NOTE, PRECISION, SIZE_UNKNOWN, WITHIN, RecordRow,
     StepOutcome, count_rows, forward_carriers, is_carrier, json_safe, rel_error, sharded_only_rows,
 )
@@ -131,6 +131,10 @@ class CompareResult:
     #: rounding, uncertain, beyond, strict, rounding_only, baseline} (assemble.summarize); None
     #: when none was judged
     envelope: dict | None = None
+    #: the first MAX_DIVERGENT divergent records over every step file, in execution order, and
+    #: how many there are (None: counted from rows, which then hold every record)
+    divergent: list | None = None
+    divergences_total: int | None = None
 
     @property
     def diverged(self) -> bool:
@@ -139,6 +143,13 @@ class CompareResult:
     @property
     def divergences(self) -> list[RecordRow]:
         return [row for row in self.rows if row.status == DIVERGED]
+
+    def first_divergences(self, count: int = 0) -> tuple[list[RecordRow], int]:
+        """(the first count divergent records, or all kept when count is 0; how many there are
+        over every step file, kept in rows or not)."""
+        found = self.divergent if self.divergent is not None else self.divergences
+        total = self.divergences_total if self.divergences_total is not None else len(found)
+        return (found[:count] if count else list(found)), total
 
     def to_dict(self, rows: bool = False) -> dict:
         """The result's own fields (to_json() adds headline and divergences)."""
@@ -203,87 +214,13 @@ def divergence_dict(row: RecordRow | None) -> dict | None:
     return json_safe(data)
 
 
-def _where_dicts(pairs) -> list[dict]:
+def where_dicts(pairs) -> list[dict]:
     return [{"step": step, "rank": rank} for step, rank in pairs]
 
 
-@dataclass
-class Change:
-    """One changed parameter or argument, over every step file where it differs."""
-
-    kind: str  # PARAM | ARGUMENT
-    key: str
-    module: str
-    op: str
-    index: int
-    phase: str
-    slot: str
-    source: str
-    reason: str  # why its worst occurrence diverged
-    value_a: str | None = None  # arguments: the values
-    value_b: str | None = None
-    rel_l2: float | None = None  # parameters: the worst rel L2
-    score: float | None = None
-    worst: tuple[int, int] = (0, 0)  # (step, rank) of the worst occurrence
-    where: list[tuple[int, int]] = field(default_factory=list)
-    size_unknown: bool = False  # parameters: the checksum differs while the statistics agree
-
-    def to_dict(self) -> dict:
-        return json_safe({
-            "kind": self.kind, "key": self.key, "module": self.module, "op": self.op, "index": self.index,
-            "phase": self.phase, "slot": self.slot, "source": self.source, "reason": self.reason,
-            "value_a": self.value_a, "value_b": self.value_b, "rel_l2": self.rel_l2, "score": self.score,
-            "worst": {"step": self.worst[0], "rank": self.worst[1]}, "occurrences": len(self.where),
-            "where": _where_dicts(self.where), "where_text": where_text(self.where),
-            "size_unknown": self.size_unknown,
-        })
-
-
-def is_change(row: RecordRow) -> bool:
-    """A changed argument, or a parameter by its own record (an API input holding the same
-    weight would repeat it)."""
-    if row.status != DIVERGED:
-        return False
-    return row.divergence == ARGUMENT or (row.divergence == PARAM and row.slot.startswith("param."))
-
-
-def group_changes(rows) -> list[Change]:
-    """Changed parameters and arguments, each once, in order of first occurrence."""
-    found: dict[tuple, Change] = {}
-    for row in sorted((r for r in rows if is_change(r)), key=lambda r: (r.step, r.rank, r.order)):
-        m = row.metrics
-        if row.divergence == ARGUMENT:
-            group = (row.divergence, row.key, m.value_a if m else None, m.value_b if m else None)
-        else:
-            group = (row.divergence, row.key)
-        change = found.get(group)
-        where = (row.step, row.rank)
-        if change is None:
-            change = found[group] = Change(
-                kind=row.divergence, key=row.key, module=row.module, op=row.op, index=row.index,
-                phase=row.phase, slot=row.slot, source=row.source, reason="; ".join(row.reasons),
-                value_a=m.value_a if m else None, value_b=m.value_b if m else None,
-                rel_l2=m.rel_l2 if m and m.evidence != "value" else None, score=row.score, worst=where,
-                size_unknown=row.size_unknown,
-            )
-        elif change.rel_l2 is not None and m is not None and _worse(row, change):
-            change.rel_l2, change.score, change.worst = m.rel_l2, row.score, where
-            change.reason, change.size_unknown = "; ".join(row.reasons), row.size_unknown
-        if where not in change.where:
-            change.where.append(where)
-    return list(found.values())
-
-
-def _worse(row: RecordRow, change: Change) -> bool:
-    """The row is a worse occurrence than the change's worst so far: a sized difference beats
-    one of unknown size (its rel L2 is only a lower bound), then the larger rel L2 wins."""
-    if row.size_unknown != change.size_unknown:
-        return change.size_unknown
-    return _bigger(row.metrics.rel_l2, change.rel_l2)
-
-
-def _bigger(x: float, y: float) -> bool:
-    return (not math.isnan(x)) and (math.isnan(y) or x > y)
+def where_pairs(bits: int, pairs) -> list:
+    """The (step, rank) pairs a bitset of places (numbers in pairs) holds, sorted."""
+    return sorted(pairs[number] for number in range(bits.bit_length()) if bits >> number & 1)
 
 
 #: an op adding less than this share of the tolerance adds nothing worth listing (rounding
@@ -366,40 +303,110 @@ def ranked_pool(summaries: list[OpSummary]) -> list[OpSummary]:
     it as several nodes), so at level "mix" its module (Linear) is what measures the
     gradient it sends back; a container module (Sequential, a block) only repeats what its
     children measured."""
-    api = [s for s in summaries if s.kind == "api"]
-    if not api:
-        return list(summaries)
-    measured = {(s.module, s.phase) for s in api}
-    paths = {s.module for s in summaries}
-    parents = {path.rsplit(".", 1)[0] if "." in path else "" for path in paths if path}
-    modules = [s for s in summaries if s.kind != "api" and (s.module, s.phase) not in measured
-               and s.module not in parents]
-    return api + modules
+    rule = PoolRule({(s.kind, s.module, s.phase) for s in summaries})
+    return [s for s in summaries if s.kind == "api"] + [s for s in summaries if s.kind != "api" and rule.admits(s)]
+
+
+class PoolRule:
+    """ranked_pool's rule, from the (kind, module, phase) of every summary."""
+
+    def __init__(self, calls):
+        calls = set(calls)
+        self.api = any(kind == "api" for kind, _, _ in calls)
+        self.measured = {(module, phase) for kind, module, phase in calls if kind == "api"}
+        paths = {module for _, module, _ in calls}
+        self.parents = {path.rsplit(".", 1)[0] if "." in path else "" for path in paths if path}
+
+    def admits(self, call) -> bool:
+        if not self.api or call.kind == "api":
+            return True
+        return (call.module, call.phase) not in self.measured and call.module not in self.parents
+
+
+@dataclass
+class OpGroup:
+    """The calls of one op (module, op, index, phase, target) of one kind over every step
+    file, folded: what rank_top_ops shows of them."""
+
+    kind: str
+    module: str
+    phase: str
+    worst: Best = field(default_factory=Best)  # among the calls adding more than NEGLIGIBLE
+    first: tuple | None = None  # the earliest such call's ordinal
+    diverged_in: int = 0
+    where: int = 0  # bitsets of the places where such a call adds error / diverges
+    where_diverged: int = 0
+
+    def add(self, summary: OpSummary, ordinal: tuple, place: int) -> None:
+        if not summary.introduced > NEGLIGIBLE:
+            return
+        self.worst.offer((not _only_inherited(summary), summary.introduced, -summary.step, -summary.rank),
+                         ordinal, summary)
+        self.first = ordinal if self.first is None else min(self.first, ordinal)
+        self.where |= 1 << place
+        if summary.diverged:
+            self.diverged_in += 1
+            self.where_diverged |= 1 << place
+
+    def merge(self, other: "OpGroup") -> None:
+        self.worst.merge(other.worst)
+        if other.first is not None:
+            self.first = other.first if self.first is None else min(self.first, other.first)
+        self.diverged_in += other.diverged_in
+        self.where |= other.where
+        self.where_diverged |= other.where_diverged
+
+
+def add_summary(groups: dict, summary: OpSummary, ordinal: tuple, place: int) -> None:
+    """Fold one call's summary into {group key: OpGroup}."""
+    key = (summary.kind, summary.module, summary.op, summary.index, summary.phase, summary.target)
+    group = groups.get(key)
+    if group is None:
+        group = groups[key] = OpGroup(summary.kind, summary.module, summary.phase)
+    # ranked_pool lists API calls first: an API call is met before any module's
+    group.add(summary, (summary.kind != "api",) + ordinal, place)
+
+
+def merge_groups(groups: dict, other: dict) -> None:
+    for key, group in other.items():
+        groups.setdefault(key, OpGroup(group.kind, group.module, group.phase)).merge(group)
 
 
 def rank_top_ops(summaries: list[OpSummary], top: int) -> list[OpSummary]:
     """The ops that introduce the most error, each op once (ranked_pool: API calls, and the
-    modules that measure what API calls cannot).
+    modules that measure what API calls cannot); rank_groups says how."""
+    groups: dict = {}
+    places: dict = {}  # (step, rank) -> its number, in the order met
+    for number, summary in enumerate(summaries):
+        add_summary(groups, summary, (number,), places.setdefault((summary.step, summary.rank), len(places)))
+    return rank_groups(groups, list(places), top)
+
+
+def rank_groups(groups: dict, pairs, top: int) -> list[OpSummary]:
+    """Top ops from folded calls (OpGroup); pairs: place -> (step, rank).
 
     Calls are grouped by (module, op, index, phase) over steps and ranks; a group is shown by
     its worst call (the one adding the most error), with ``where`` = every step file in which
     the op adds error (in which it diverges, when its worst call diverges). Ranked by that worst error in tolerance units; ops whose divergence is
     only inherited come after every op that introduces error or stays within tolerance."""
-    pool = [s for s in ranked_pool(summaries) if s.introduced > NEGLIGIBLE]
-    groups: dict[tuple, list[OpSummary]] = {}
-    for summary in pool:
-        groups.setdefault((summary.module, summary.op, summary.index, summary.phase, summary.target),
-                          []).append(summary)
+    rule = PoolRule((group.kind, group.module, group.phase) for group in groups.values())
+    merged: dict = {}  # (module, op, index, phase, target) -> OpGroup, API calls first as ranked_pool lists them
+    for key, group in groups.items():
+        if group.first is None or not rule.admits(group):
+            continue
+        if key[1:] not in merged:
+            merged[key[1:]] = OpGroup(group.kind, group.module, group.phase)
+        merged[key[1:]].merge(group)
     ranked = []
-    for calls in groups.values():
-        worst = max(calls, key=lambda s: (not _only_inherited(s), s.introduced, -s.step, -s.rank))
+    for group in merged.values():
+        worst = group.worst.item
         # an op that diverges somewhere is shown where it diverges: a fault on rank 1 only is
         # not also "where" rank 0 merely rounds a little differently
-        shown = [s for s in calls if s.diverged] if worst.diverged else calls
-        ranked.append(replace(worst, where=sorted({(s.step, s.rank) for s in shown}),
-                              diverged_in=sum(1 for s in calls if s.diverged)))
-    ranked.sort(key=lambda s: (_only_inherited(s), -s.introduced, s.step, s.rank, s.key))
-    return ranked[:top]
+        bits = group.where_diverged if worst.diverged else group.where
+        ranked.append((group.first, replace(worst, where=where_pairs(bits, pairs), diverged_in=group.diverged_in)))
+    ranked.sort(key=lambda item: (_only_inherited(item[1]), -item[1].introduced, item[1].step, item[1].rank,
+                                  item[1].key, item[0]))
+    return [summary for _, summary in ranked[:top]]
 
 
 def _only_inherited(summary: OpSummary) -> bool:
@@ -479,7 +486,11 @@ def headline(summary: dict | None) -> str:
     measured = " as the baseline measured it" if summary.get("baseline") else ""
     gap = summary["largest_gap"]
     # an op's own error may reach FACTOR x its rounding (envelope.py): above 1x is still rounding
-    margin = f", within the {ENVELOPE_FACTOR:g}x margin an op's own rounding may take" if gap > 1 else ""
-    if gap > ENVELOPE_FACTOR:  # an output whose inputs' accepted differences explain it (amplified)
+    margin = f", within the {FACTOR:g}x margin an op's own rounding may take" if gap > 1 else ""
+    if gap > FACTOR:  # an output whose inputs' accepted differences explain it (amplified)
         margin = ", its inputs' accepted differences explaining the rest (amplified rounding)"
     return f"the runs differ by rounding only (largest difference {gap:.2g}x what rounding makes{measured}{margin}{uncertain})"
+
+
+#: the divergent records a result lists (JSON ``divergences``)
+MAX_DIVERGENT = 50

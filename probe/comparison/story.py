@@ -113,12 +113,13 @@ that counts, step verdicts, the headline ("PASS: the runs differ by rounding onl
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 from probe.comparison import result as R
 from probe.comparison.ops import is_gathering_collective
 from probe.comparison.records import is_param_slot, module_within, param_name
-from probe.comparison.result import count_rows
 from probe.comparison.rounding import ROUNDING
 from probe.comparison.structs import CHANGED_INPUT, CARRIERS, EXTERNAL, PARAM_INPUT, finite, rel_error, sci
 
@@ -296,52 +297,64 @@ def _source_params(row) -> list | None:
     return found
 
 
-def _differs_at_rounding(rows) -> bool:
+def differs_at_rounding(rows) -> bool:
+    """Some record within tolerance differs at all (the runs already differ at rounding level)."""
     tensors = [row for row in rows if row.status in R.WITHIN and row.metrics is not None
                and row.metrics.evidence != "value"]
     return any(rel_error(row) > 0 or row.metrics.bit_equal is False for row in tensors)
 
 
-def find_drift(first, verdict: str, steps_info: list[dict], rows: list) -> dict | None:
-    """{step, rank, text} when the compare's divergences are drift (see the module docstring)."""
-    if first is None or verdict != "diverged":
-        return None
-    rank = first.rank
-    steps = sorted({info["step"] for info in steps_info if info["rank"] == rank})
-    by_step: dict = {}
-    for row in rows:
-        if row.rank == rank:
-            by_step.setdefault(row.step, []).append(row)
-    if len(steps) < 2 or first.step == steps[0]:
-        return None
-    if not _differs_at_rounding(by_step.get(steps[0], [])):
-        return None  # identical before the divergence: something changed, not rounding
-    updates: dict = {}  # (step, parameter) -> largest difference of the optimizer's writes
+def update_sizes(rows) -> dict:
+    """{parameter: the largest difference of the optimizer's writes to it} of one step file
+    pair: what drift_facts of the rank's next step file checks its parameters against."""
+    updates: dict = {}
     for row in rows:
         if row.target and row.io == "out" and row.status in R.PAIRED:
-            key = (row.step, row.rank, row.target)
-            updates[key] = max(updates.get(key, 0.0), rel_error(row))
+            updates[row.target] = max(updates.get(row.target, 0.0), rel_error(row))
+    return updates
+
+
+def drift_facts(rows, previous: dict | None) -> tuple[bool, bool]:
+    """(whether an error is introduced in this step file pair, whether every such error enters
+    through parameters whose difference the previous step's update wrote). previous: the
+    update_sizes of the same rank's previous compared step file, None for its first."""
+    introduced = False
     for row in rows:
         if row.status != R.DIVERGED or row.origin != R.INTRODUCED:
             continue
         if row.divergence == R.PARAM and not row.slot.startswith("param."):
             continue  # an api call's input holding a parameter: judged at the parameter's record
+        introduced = True
         if row.divergence == R.PARAM:
             params = [(param_name(row.module, row.slot), rel_error(row))]
         elif row.divergence == R.OUTPUT:
             params = _source_params(row)
         else:
-            return None  # a changed argument, an external input, a precision finding
-        if not params:
-            return None  # an op that made its error from agreeing inputs
-        earlier = [step for step in steps if step < row.step] if row.rank == rank else []
-        if not earlier:
-            return None
+            return True, False  # a changed argument, an external input, a precision finding
+        if not params or previous is None:
+            return True, False  # an op that made its error from agreeing inputs; no earlier step
         for name, rel in params:
-            if updates.get((earlier[-1], row.rank, name), 0.0) * CARRIED_SHARE < rel:
-                return None  # the parameter jumped: not what its last update wrote
+            if previous.get(name, 0.0) * CARRIED_SHARE < rel:
+                return True, False  # the parameter jumped: not what its last update wrote
+    return introduced, True
+
+
+def find_drift(first, verdict: str, files: list[dict]) -> dict | None:
+    """{step, rank, text} when the compare's divergences are drift (see the module docstring).
+    files: one entry per compared pair of step files, {step, rank, differs, introduced, carried}
+    (differs_at_rounding and drift_facts of its rows)."""
+    if first is None or verdict != "diverged":
+        return None
+    rank = first.rank
+    own = sorted((info for info in files if info["rank"] == rank), key=lambda info: info["step"])
+    if len(own) < 2 or first.step == own[0]["step"]:
+        return None
+    if not own[0]["differs"]:
+        return None  # identical before the divergence: something changed, not rounding
+    if any(info["introduced"] and (info["rank"] != rank or not info["carried"]) for info in files):
+        return None
     text = (f"drift: the runs part through accumulated rounding; they already differ at rounding level at step "
-            f"{steps[0]} (within tolerance), and every divergence from step {first.step} on enters through "
+            f"{own[0]['step']} (within tolerance), and every divergence from step {first.step} on enters through "
             "parameters whose difference the previous step's optimizer update wrote; no op introduced an error "
             "(replay with --replay on tensor dumps checks that no op computes beyond rounding)")
     return {"step": first.step, "rank": rank, "text": text}
@@ -374,26 +387,54 @@ def within_envelopes(rows) -> bool:
     return True
 
 
-def settle_drift(drift: dict, rows, steps_info: list[dict], strict: bool) -> str | None:
-    """Explain the divergent rows of a drift that stays within the envelopes, and restate the
-    step files' counts and verdicts; the note saying so, or None (nothing changed)."""
-    if strict or drift is None or not within_envelopes(rows):
-        return None
-    settled = [row for row in rows if row.status == R.DIVERGED]
-    for row in settled:
-        envelope = row.envelope
-        within = f"; {envelope['text']}" if envelope else ""
-        row.explain(f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
-                     f"rounding{within}", ROUNDING)
-    by_file: dict = {}
-    for row in rows:
-        by_file.setdefault((row.step, row.rank), []).append(row)
-    for info in steps_info:
-        info["counts"] = count_rows(by_file.get((info["step"], info["rank"]), []))
-        info["verdict"] = None
+def settles(drift: dict | None, within: bool, strict: bool) -> bool:
+    """A drift whose every divergent record is within its envelope (within_envelopes over
+    every row: ``within``) is rounding, unless --strict."""
+    return not strict and drift is not None and within
+
+
+def settle_row(row) -> None:
+    """Explain one divergent row of a drift that stays within the envelopes."""
+    envelope = row.envelope
+    within = f"; {envelope['text']}" if envelope else ""
+    row.explain(f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
+                f"rounding{within}", ROUNDING)
+
+
+def settled_note(drift: dict, settled: int) -> str:
+    """The note of a drift settled within rounding; settled: the records it explained."""
     return (f"drift within rounding: the runs part through accumulated rounding from step {drift['step']} on "
-            f"({len(settled)} records beyond the fixed tolerance, each within its rounding envelope, grown over the "
+            f"({settled} records beyond the fixed tolerance, each within its rounding envelope, grown over the "
             "optimizer's updates); no op introduced an error. --strict judges by the fixed tolerance alone")
+
+
+def settled_copies(rows) -> list:
+    """Copies of divergent rows as drift within rounding explains them."""
+    copies = [restated(row) for row in rows]
+    for row in copies:
+        settle_row(row)
+    return copies
+
+
+def restated(row):
+    """A row to restate: its own lists, so that explain() leaves the original alone."""
+    twin = copy.copy(row)
+    twin.reasons, twin.notes = list(row.reasons), list(row.notes)
+    return twin
+
+
+def story_rows(rows) -> list:
+    """The rows story() reads of a pair: its first divergence and the first divergent output and
+    entry that introduced their error; first_divergence and likely_cause give the same answer
+    on them as on every row (in row order, as the rows hold them)."""
+    chosen = {id(first_divergence(rows)): None}
+    for kinds in ((R.OUTPUT, R.PRECISION), (R.PARAM, R.ARGUMENT, R.INPUT)):
+        found = min((row for row in rows if row.status == R.DIVERGED and row.divergence in kinds
+                     and row.origin == R.INTRODUCED), key=lambda row: row.order, default=None)
+        if found is not None:
+            chosen[id(found)] = None
+    return [row for row in rows if id(row) in chosen]
+
 
 
 # ---------------------------------------------------------------------------- entering

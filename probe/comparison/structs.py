@@ -54,6 +54,8 @@ PAIRED = (MATCH, CHANGED, EXPLAINED, DIVERGED)
 SIZE_UNKNOWN = "changed (checksum differs; statistics agree, size unknown)"
 #: the note of a device/placement argument that differs (record_rules.py): counted once per report
 PLACEMENT_NOTE = "placement argument"
+#: an op's own error must exceed its rounding envelope this many times to be called introduced
+FACTOR = 2.0
 #: the note of a record of memory nothing had written yet (record_rules.judge_uninitialized)
 UNINITIALIZED_NOTE = "not compared: memory nothing had written yet"
 # origin of a divergent record

@@ -14,7 +14,7 @@ import json
 
 from probe.comparison import result as R
 
-MAX_DIVERGENCES = 50
+MAX_DIVERGENCES = R.MAX_DIVERGENT
 
 
 def to_dict(result: R.CompareResult, rows: bool = False) -> dict:
@@ -23,9 +23,9 @@ def to_dict(result: R.CompareResult, rows: bool = False) -> dict:
     data = result.to_dict(rows=rows)
     # the terminal's first line, for logs and CI summaries
     data = {"verdict": data.pop("verdict"), "headline": verdict_line(result), **data}
-    divergent = [row for row in result.rows if row.status == R.DIVERGED]
-    data["divergences"] = [R.divergence_dict(row) for row in divergent[:MAX_DIVERGENCES]]
-    data["divergences_total"] = len(divergent)
+    divergent, total = result.first_divergences(MAX_DIVERGENCES)
+    data["divergences"] = [R.divergence_dict(row) for row in divergent]
+    data["divergences_total"] = total
     if result.replay is not None:
         _add_replay(result, data)
     return data

@@ -4,7 +4,7 @@ reported once, with the steps and ranks where it occurs (not once per step file)
 import json
 
 from probe.comparison import result as R
-from probe.comparison.assemble import assemble as _assemble
+from probe.comparison.api import assemble as _assemble
 from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances

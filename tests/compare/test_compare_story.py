@@ -3,7 +3,7 @@
 import numpy as np
 
 from probe.comparison import result as R
-from probe.comparison.assemble import assemble as _assemble
+from probe.comparison.api import assemble as _assemble
 from probe.comparison.api import compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances

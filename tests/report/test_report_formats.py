@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from probe.comparison import result as R
-from probe.comparison.assemble import assemble
-from probe.comparison.api import compare_step
+from probe.comparison.api import assemble, compare_step
 from probe.comparison.structs import StepInput
 from probe.comparison.tolerances import Tolerances
 from probe.errors import CompareError

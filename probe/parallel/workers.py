@@ -1,0 +1,123 @@
+"""``probe compare --jobs N``: a compare's units spread over N processes of this machine.
+
+A unit (a pair of step files; a sharded step's pairs, every rank of its group) is compared
+and reduced to its summary (comparison.result.Partial) in a worker process; this process
+merges the summaries as they come back. Units of one chain (a rank's steps: each hands on
+what A's step file carries, comparison/load.py UnitPlan.chains) run one after the other, the
+chain's state travelling with them; chains run side by side, the longest first. The merge
+does not depend on the order, so the result is the one ``--jobs 1`` gives. At most two
+units per worker are in flight, so this process holds a few summaries at a time.
+
+Workers ignore Ctrl-C: this process stops them (Pool.terminate) and raises KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+
+from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
+from probe.comparison.api import Partial
+from probe.parallel import wire
+
+#: fork on Linux: a worker starts in milliseconds, with probe.comparison imported, and does not
+#: import the caller's main module again (spawn and forkserver run an unguarded script's
+#: top level in every worker). This process holds no open step file when it forks; a worker
+#: opens its own. Elsewhere spawn.
+_START = "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def default_jobs() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class LocalRunner:
+    """api.compare's runner for ``--jobs N``. ``done``/``total``: units compared so far, of all."""
+
+    def __init__(self, jobs: int | None = None):
+        self.jobs = default_jobs() if jobs is None else jobs
+        self.done = 0
+        self.total = 0
+
+    def __call__(self, job: CompareJob, context: Context, progress=None) -> Partial:
+        chains = context.plan.chains()
+        self.total = len(context.plan.units)
+        if self.jobs <= 1 or len(chains) <= 1:
+            partial = run_units(job, context, self._counting(progress))
+            self.done = self.total
+            return partial
+        return self._spread(job, context, sorted(chains, key=len, reverse=True), progress)
+
+    def share_exit(self, code):
+        """The exit code every process of the compare returns (one process here)."""
+        return code
+
+    def _counting(self, progress):
+        def report(fraction, read):
+            self.done = int(fraction * self.total)  # units wholly compared
+            if progress is not None:
+                progress(fraction, read)
+        return report
+
+    def _spread(self, job: CompareJob, context: Context, chains: list, progress) -> Partial:
+        units = context.plan.units
+        partial = Partial(budget=job.keep_rows)
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+        workers = min(self.jobs, len(chains))
+        pool = None
+        waiting = list(range(len(chains)))  # chains not started, longest first
+        read = 0
+
+        def submit(chain: int, step: int, state: bytes | None) -> None:
+            pool.apply_async(_compare, (units[chains[chain][step]], state, partial.cutoff),
+                             callback=lambda answer: answers.put((chain, step, answer, None)),
+                             error_callback=lambda error: answers.put((chain, step, None, error)))
+
+        try:  # a Ctrl-C while the pool starts stops the workers started so far too
+            pool = multiprocessing.get_context(_START).Pool(workers, initializer=_start_worker, initargs=(job,))
+            for _ in range(min(2 * workers, len(waiting))):
+                submit(waiting.pop(0), 0, None)
+            while self.done < self.total:
+                chain, step, answer, error = answers.get()
+                if error is not None:
+                    raise error
+                summary, state, unit_read = answer
+                partial.merge(wire.decode(summary))
+                self.done += 1
+                read += unit_read
+                if progress is not None:
+                    progress(self.done / self.total, read)
+                if step + 1 < len(chains[chain]):
+                    submit(chain, step + 1, state)
+                elif waiting:
+                    submit(waiting.pop(0), 0, None)
+        except BaseException:
+            if pool is not None:
+                pool.terminate()
+            raise
+        pool.close()
+        pool.join()
+        return partial
+
+
+_CONTEXT: Context | None = None
+
+
+def _start_worker(job: CompareJob) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers on Ctrl-C
+    global _CONTEXT
+    _CONTEXT = Context.of(job)
+
+
+def _compare(unit: list, state: bytes | None, cutoff) -> tuple[bytes, bytes, int]:
+    """One unit in a worker: (its Partial, its chain's state after it, tensor bytes read)."""
+    chain = wire.decode(state) if state is not None else Chain()
+    partial, read = compare_unit(_CONTEXT, unit, chain, None, cutoff)
+    return wire.encode(partial), wire.encode(chain), read

@@ -1,0 +1,153 @@
+"""A compare at the scale of a job: each step-and-rank unit reduced before the next (memory
+does not grow with the rank files), the same report from any number of processes, and from
+torchrun's processes."""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+
+import pytest
+import torch
+
+import probe
+
+from probe.comparison.api import compare, run_units
+from probe.comparison.structs import RecordRow
+from tests import rounding_pairs as P
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _nudge(model):
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.001)  # a divergence for the report to tell
+
+
+def _small():
+    return P.DeepStack(depth=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two 2-step statistics runs of a two-block DeepStack, B with a nudged weight: {ranks: (A,
+    B)} for 2, 4, 16 and 64 rank files per step."""
+    root = tmp_path_factory.mktemp("scale")
+    one = (P.run(root / "a1", _small, steps=2, task="statistics"),
+           P.run(root / "b1", _small, steps=2, task="statistics", fault=_nudge))
+    return {ranks: tuple(P.rank_files(side, str(root / f"{name}{ranks}x"), ranks) for name, side in zip("ab", one))
+            for ranks in (2, 4, 16, 64)}
+
+
+def _peak_live_rows(a, b, monkeypatch) -> int:
+    """The most RecordRows alive at the end of any unit of compare(a, b), keeping no rows for a
+    report's tables past the first step file's."""
+    made_rows: list = []  # a weak reference to every RecordRow made
+    made = RecordRow.__init__
+
+    def tracked(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        made_rows.append(weakref.ref(self))
+
+    monkeypatch.setattr(RecordRow, "__init__", tracked)
+    peak, seen = [0], [-1]
+
+    def runner(job, context, progress=None):
+        units = len(context.plan.units)
+
+        def counting(fraction, read):
+            if int(fraction * units) != seen[0]:  # a unit has ended: what is left of it is its summary
+                seen[0] = int(fraction * units)
+                gc.collect()
+                peak[0] = max(peak[0], sum(1 for row in made_rows if row() is not None))
+
+        return run_units(job, context, counting, None)
+
+    compare(a, b, keep_rows=0, runner=runner)
+    monkeypatch.undo()
+    return peak[0]
+
+
+def test_the_rows_alive_during_a_compare_do_not_grow_with_the_rank_files(runs, monkeypatch):
+    """Each unit is reduced to its summary before the next: 4 rank files hold no more rows alive
+    than 2 (every unit's rows kept would hold 2x)."""
+    two, four = _peak_live_rows(*runs[2], monkeypatch), _peak_live_rows(*runs[4], monkeypatch)
+    assert two > 0
+    assert four <= 1.5 * two, (two, four)
+
+
+def _summary_rows(a, b) -> int:
+    """The rows the merged summary of compare(a, b)'s step 0 holds (the first step file's kept for
+    a report's tables among them)."""
+    partials = []
+
+    def runner(job, context, progress=None):
+        partials.append(run_units(job, context, progress, None))
+        return partials[-1]
+
+    compare(a, b, keep_rows=0, steps=[0], runner=runner)
+    return len(partials[0].rows())
+
+
+def test_the_summary_of_a_step_holds_as_many_rows_for_16_ranks_as_for_2(runs):
+    """What the story, the first divergences and the changes read of a step is chosen as the
+    units merge, not kept per rank file."""
+    assert _summary_rows(*runs[16]) == _summary_rows(*runs[2]) > 0
+
+
+def test_the_report_covers_every_unit_whatever_rows_it_keeps(runs):
+    """Counts, verdicts and the story do not depend on how many rows the result keeps."""
+    kept, every = compare(*runs[2], keep_rows=0), compare(*runs[2], keep_rows=None)
+    assert kept.counts == every.counts and len(kept.steps) == len(every.steps) == 4
+    assert kept.first_divergence.key == every.first_divergence.key and kept.verdict == every.verdict == "diverged"
+    assert len(kept.rows) < len(every.rows)
+
+
+def _cli(*arguments, launcher=(sys.executable, "-m", "probe")):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([*launcher, "compare", *arguments], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=REPO)
+
+
+def test_jobs_2_gives_the_json_report_of_jobs_1_byte_for_byte(runs):
+    a, b = runs[2]  # two chains of two steps: one to each worker
+    one, two = _cli(a, b, "--json", "--rows", "--jobs", "1"), _cli(a, b, "--json", "--rows", "--jobs", "2")
+    assert one.returncode == two.returncode == 1, two.stderr
+    assert one.stdout == two.stdout and '"verdict": "diverged"' in one.stdout
+
+
+def test_a_two_process_torchrun_compare_of_a_four_rank_dump_prints_the_jobs_1_report_on_rank_0(runs):
+    a, b = runs[4]
+    alone = subprocess.CompletedProcess((), 1, probe.compare(a, b, jobs=1).to_json(), "")
+    spread = _cli(a, b, "--json", launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                            "--nproc_per_node", "2", "-m", "probe"))
+    # rank 0 exits 1 (diverged), and torchrun turns a rank's non-zero exit into its own failure
+    assert spread.returncode != 0 and "diverged" in alone.stdout, spread.stderr[-3000:]
+    assert spread.stdout == alone.stdout, spread.stderr[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the workers from /proc")
+def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(runs):
+    a, b = runs[64]  # 128 units: seconds of work, stopped as soon as the workers run
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-m", "probe", "compare", a, b, "--jobs", "2"], env=env, cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = f"/proc/{process.pid}/task/{process.pid}/children"
+    workers = ""
+    while process.poll() is None and not workers:  # the workers are comparing
+        with open(children, encoding="ascii") as handle:
+            workers = handle.read().split()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and out == "", err
+    assert err.startswith("probe: interrupted after comparing ") and "of 128 units" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while [pid for pid in workers if os.path.exists(f"/proc/{pid}")] and time.monotonic() < deadline:
+        time.sleep(0.05)  # a worker the command stopped may take a moment to be gone
+    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+
