@@ -273,7 +273,7 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     partial.figures["unwritten"] += sum(1 for row in rows if any(note.startswith(UNINITIALIZED_NOTE)
                                                                    for note in row.notes))
     partial.figures["moves"] += len({row.key for row in lonely if row.op in MOVE_OPS and row.io == "out"})
-    for row in R.sharded_only_rows(lonely):
+    for row in R.sharded_only_rows(rows):  # their call-0 partners are among the paired rows
         if row.slot.startswith("param_grad."):
             partial.figures["reduced_a" if row.status == R.ONLY_A else "reduced_b"] += 1
     for row in rows:
