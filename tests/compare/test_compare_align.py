@@ -232,10 +232,12 @@ def test_a_bert_layer_whose_gelu_becomes_gelu_new_is_named_at_its_activation_mod
     """transformers' GELUActivation against NewGELUActivation in one layer of a tiny BERT: the
     module calls pair across the class change and the change is named there, not at the next
     Linear that reads what the unpaired inner calls made."""
-    pytest.importorskip("transformers", reason="the BERT pair needs transformers: pip install -e '.[test]'")
     import probe
     from tests import rounding_pairs as P
     from tests.real_models import hf_model, lm_loss, token_batch
+    from tests.torch_versions import transformers_or_skip
+
+    transformers_or_skip()
 
     def gelu_new(model):
         from transformers.activations import ACT2FN

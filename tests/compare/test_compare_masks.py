@@ -26,8 +26,10 @@ def _padded(count):
 
 @pytest.fixture(scope="module", params=["statistics", "tensor"])
 def masked(request, tmp_path_factory):
-    pytest.importorskip("transformers", reason="the Llama pair needs transformers: pip install -e '.[test]'")
     from tests.real_models import hf_model
+    from tests.torch_versions import transformers_or_skip
+
+    transformers_or_skip()
 
     root = tmp_path_factory.mktemp(f"masks-{request.param}")
     options = dict(batch=_ids, steps=1, task=request.param)

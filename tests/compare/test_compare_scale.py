@@ -130,7 +130,7 @@ def test_a_two_process_torchrun_compare_of_a_four_rank_dump_prints_the_jobs_1_re
     assert spread.stdout == alone.stdout, spread.stderr[-3000:]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the workers from /proc")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker processes left behind through /proc, which only Linux has")
 def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(runs):
     a, b = runs[64]  # 128 units: seconds of work, stopped as soon as the workers run
     env = dict(os.environ, OMP_NUM_THREADS="1")

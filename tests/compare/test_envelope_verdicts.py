@@ -234,8 +234,10 @@ def attention_kernels(request, tmp_path_factory):
     """A tiny bfloat16 Llama trained 2 steps twice, with eager attention and with sdpa: the same
     attention computed by two kernels, which round differently; AdamW carries it into step 1.
     (run options, eager dump, sdpa dump, their compare)"""
-    pytest.importorskip("transformers", reason="the Llama pair needs transformers: pip install -e '.[test]'")
     from tests.real_models import hf_model, lm_loss, token_batch
+    from tests.torch_versions import transformers_or_skip
+
+    transformers_or_skip()
 
     root = tmp_path_factory.mktemp(f"kernels-{request.param}")
     options = dict(batch=token_batch, steps=2, task=request.param, dtype=torch.bfloat16, loss=lm_loss)
