@@ -9,6 +9,9 @@ does not depend on the order, so the result is the one ``--jobs 1`` gives. At mo
 units per worker are in flight, so this process holds a few summaries at a time.
 
 Workers ignore Ctrl-C: this process stops them (Pool.terminate) and raises KeyboardInterrupt.
+Python drops a KeyboardInterrupt raised inside a weakref or garbage-collector callback
+("Exception ignored in ..."), and a Ctrl-C can land there while this process waits for the
+workers: the Ctrl-C is also remembered (_CtrlC) and raised again at the next unit.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
 from probe.comparison.api import Partial
@@ -49,24 +53,26 @@ class LocalRunner:
     def __call__(self, job: CompareJob, context: Context, progress=None) -> Partial:
         chains = context.plan.chains()
         self.total = len(context.plan.units)
-        if self.jobs <= 1 or len(chains) <= 1:
-            partial = run_units(job, context, self._counting(progress))
-            self.done = self.total
-            return partial
-        return self._spread(job, context, sorted(chains, key=len, reverse=True), progress)
+        with _CtrlC() as ctrl_c:
+            if self.jobs <= 1 or len(chains) <= 1:
+                partial = run_units(job, context, self._counting(progress, ctrl_c))
+                self.done = self.total
+                return partial
+            return self._spread(job, context, sorted(chains, key=len, reverse=True), progress, ctrl_c)
 
     def share_exit(self, code):
         """The exit code every process of the compare returns (one process here)."""
         return code
 
-    def _counting(self, progress):
+    def _counting(self, progress, ctrl_c):
         def report(fraction, read):
+            ctrl_c.check()
             self.done = int(fraction * self.total)  # units wholly compared
             if progress is not None:
                 progress(fraction, read)
         return report
 
-    def _spread(self, job: CompareJob, context: Context, chains: list, progress) -> Partial:
+    def _spread(self, job: CompareJob, context: Context, chains: list, progress, ctrl_c) -> Partial:
         units = context.plan.units
         partial = Partial(budget=job.keep_rows)
         answers: queue.SimpleQueue = queue.SimpleQueue()
@@ -85,7 +91,11 @@ class LocalRunner:
             for _ in range(min(2 * workers, len(waiting))):
                 submit(waiting.pop(0), 0, None)
             while self.done < self.total:
-                chain, step, answer, error = answers.get()
+                ctrl_c.check()
+                try:
+                    chain, step, answer, error = answers.get(timeout=_WAKE_S)
+                except queue.Empty:
+                    continue
                 if error is not None:
                     raise error
                 summary, state, unit_read = answer
@@ -105,6 +115,38 @@ class LocalRunner:
         pool.close()
         pool.join()
         return partial
+
+
+#: how often the wait for the workers' answers looks for a Ctrl-C Python dropped
+_WAKE_S = 0.2
+
+
+class _CtrlC:
+    """While a compare runs: Ctrl-C raises KeyboardInterrupt as usual and is remembered, so
+    that check() raises it again if Python dropped it (raised inside a weakref callback).
+    Only the main thread can handle signals; elsewhere nothing changes."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous = None
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._on_ctrl_c)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_ctrl_c(self, signum, frame) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
 
 
 _CONTEXT: Context | None = None
