@@ -449,10 +449,23 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
+def holds_records(path) -> bool:
+    """True when some step file of the dump at ``path`` holds a record (a run that recorded
+    nothing leaves nothing for later runs to be compared with)."""
+    from probe.dump.reader import load
+
+    dump = load(os.fspath(path))
+    for step, rank in dump.files:
+        with dump.open(step, rank) as step_file:
+            if len(step_file.records):
+                return True
+    return False
+
+
 def nothing_recorded(reports: list[RankReport]) -> bool:
     """True when no run recorded a single record: a check that looked at nothing."""
     return not any(report.recorded for report in reports)
 
 
 __all__ = ["bit_compare", "compare_files", "advice", "format_report", "RankReport", "DiffCall",
-           "RankedOp", "RANDOM_OPS", "nothing_recorded", "describe_difference", "hash_seed_line"]
+           "RankedOp", "RANDOM_OPS", "holds_records", "nothing_recorded", "describe_difference", "hash_seed_line"]

@@ -21,7 +21,7 @@ import click
 
 from probe.commands.run import check_executable, build_env, run_child
 from probe.config import Config, load, load_with_keys
-from probe.analysis.determinism import bit_compare, format_report, nothing_recorded
+from probe.analysis.determinism import bit_compare, format_report, holds_records, nothing_recorded
 from probe.command_config import ENV_NOTES, read_notes
 from probe.errors import DumpFormatError, NothingRecordedError, ProbeError
 
@@ -95,7 +95,14 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, model_class, no_att
     folder = os.path.abspath(dump_dir) if dump_dir else tempfile.mkdtemp(prefix="probe-determinism-")
     launch = _Launch(command, base, keys, folder, runs, hash_seed, model_class, not no_attach)
     try:
-        dumps = [launch.run(run) for run in range(1, runs + 1)]
+        dumps = [launch.run(1)]
+        # a first run that recorded nothing leaves nothing to check: the other runs would only
+        # cost their time
+        if not holds_records(dumps[0]):
+            later = "run 2 was" if runs == 2 else f"runs 2 to {runs} were"
+            raise NothingRecordedError(_nothing_recorded_message(
+                base, f"run 1's step files hold 0 records ({later} not started)"))
+        dumps += [launch.run(run) for run in range(2, runs + 1)]
         notes = launch.notes(1)
         reports = [report for run in range(2, runs + 1)
                    for report in bit_compare(dumps[0], dumps[run - 1], 1, run)]
@@ -103,11 +110,8 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, model_class, no_att
         if not dump_dir:
             shutil.rmtree(folder, ignore_errors=True)
     if nothing_recorded(reports):
-        raise NothingRecordedError(
-            f"determinism: nothing was recorded: the step files of all {runs} runs hold 0 records, "
-            f"so nothing was checked; the config's scope {list(base.scope)} and list "
-            f"{list(base.list)} select no call of the script's model (check them for typos), or "
-            "start() is not called around the steps")
+        raise NothingRecordedError(_nothing_recorded_message(base, f"the step files of all {runs} runs hold "
+                                                     "0 records"))
     identical = all(report.identical for report in reports)
     if as_json:
         click.echo(json.dumps({
@@ -129,6 +133,12 @@ def determinism(config_path, runs, dump_dir, top, hash_seed, model_class, no_att
             lines.append(f"dumps: {' '.join(dumps)}")
         click.echo("\n".join(lines))
     return 0 if identical else 1
+
+
+def _nothing_recorded_message(base: Config, what: str) -> str:
+    return (f"determinism: nothing was recorded: {what}, so nothing was checked; the config's scope "
+            f"{list(base.scope)} and list {list(base.list)} select no call of the script's model "
+            "(check them for typos), or start() is not called around the steps")
 
 
 class _Launch:

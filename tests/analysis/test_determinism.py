@@ -204,13 +204,15 @@ def test_the_innermost_recorded_call_is_named_at_every_level(tmp_path, level, na
     assert [(op.module, op.op) for op in report.ops] == [named]
 
 
-def test_a_scope_that_matches_nothing_exits_2_saying_nothing_was_recorded(tmp_path):
+def test_a_scope_that_matches_nothing_exits_2_after_one_run_saying_nothing_was_recorded(tmp_path):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"scope": ["no_such_module"]}))
+    config.write_text(json.dumps({"scope": ["no_such_module"], "writer": "inline"}))
     done = determinism("-c", config, "--", sys.executable, SCRIPT, "--steps", "1", timeout=180)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "bit-identical" not in done.stdout
-    assert "nothing was recorded" in done.stderr.strip().splitlines()[-1]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "nothing was recorded: run 1's step files hold 0 records (run 2 was not started)" in last
+    assert "run 2 of 2" not in done.stderr  # the second run would only have cost its time
 
 
 def test_runs_sharing_one_hash_seed_are_told_hash_order_cannot_show():

@@ -5,6 +5,7 @@ recompile."""
 
 import contextlib
 import io
+import os
 import warnings
 
 import pytest
@@ -136,12 +137,42 @@ def _paired_both_ways(result) -> bool:
         and counts["matched"] >= 0.95 * (counts["matched"] + counts["only_b"])
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Trainings that several tests of this module read, each made once, on first use:
+    shared(name, *args, **kwargs) is _train's result for that name."""
+    folder = tmp_path_factory.mktemp("plain_compiled")
+    made = {}
+
+    def train(name, *args, **kwargs):
+        if name not in made:
+            made[name] = _train(folder, name, *args, **kwargs)
+        return made[name]
+
+    return train
+
+
+def _eager(shared, scale=None):
+    """The eager reference: with a scale, its step 0 (the change alters every later step's
+    parameters); without, its step 1, the step the compiled runs capture first."""
+    if scale is None:
+        return shared("eager", steps=2, captured=(1,))[0]
+    return shared(f"eager {scale}", scale=scale, steps=1, captured=(0,))[0]
+
+
+def _captured(shared, compile_model):
+    """Four compiled steps, steps 1 and 3 captured: (step 1's file, graphs, breaks, messages,
+    runnable)."""
+    last, *rest = shared(f"captured {compile_model.__name__}", compile_model, steps=4, captured=(1, 3))
+    return (os.path.join(os.path.dirname(os.path.dirname(last)), "step1", os.path.basename(last)),
+            *rest)
+
+
 @pytest.mark.parametrize("compile_model", COMPILES, ids=lambda f: f.__name__)
-def test_a_plain_compiled_model_pairs_with_eager_op_by_op(tmp_path, compile_model):
-    eager = _train(tmp_path, "eager")[0]
-    compiled, _, breaks, messages, _ = _train(tmp_path, "compiled", compile_model)
+def test_a_plain_compiled_model_pairs_with_eager_op_by_op(shared, compile_model):
+    compiled, _, breaks, messages, _ = _captured(shared, compile_model)
     assert breaks == 0 and not messages, messages
-    result = probe.compare(eager, compiled)
+    result = probe.compare(_eager(shared), compiled)
     assert result.verdict == "pass"
     assert _paired_both_ways(result), result.counts
     keys = {row["key"] for row in result.to_dict(rows=True)["rows"] if row["status"] == "match"}
@@ -154,22 +185,19 @@ def test_a_plain_compiled_model_pairs_with_eager_op_by_op(tmp_path, compile_mode
 @pytest.mark.parametrize("compile_model", COMPILES, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("scale, module", [("before LayerNorm", "blocks.1.ln2.0"),
                                            ("after LayerNorm", "blocks.1.ln1.1")])
-def test_a_compile_only_change_is_named_at_its_module_and_op(tmp_path, compile_model, scale,
+def test_a_compile_only_change_is_named_at_its_module_and_op(tmp_path, shared, compile_model, scale,
                                                               module):
-    # the change alters the gradients, so every later step's parameters: compare step 0
-    eager = _train(tmp_path, "eager", scale=scale, steps=1, captured=(0,))[0]
     compiled = _train(tmp_path, "compiled", compile_model, scale, steps=1, captured=(0,))[0]
-    first = probe.compare(eager, compiled).to_dict()["first_divergence"]
+    first = probe.compare(_eager(shared, scale), compiled).to_dict()["first_divergence"]
     assert first is not None
     assert (first["module"], first["op"], first["origin"]) == (module, "Tensor.mul", "introduced")
 
 
 @pytest.mark.parametrize("compile_model", COMPILES, ids=lambda f: f.__name__)
 def test_captured_steps_compile_the_tapped_graphs_once_and_the_steps_between_none(
-        tmp_path, compile_model):
+        tmp_path, shared, compile_model):
     plain_graphs = _train(tmp_path, "plain", compile_model, steps=4, captured=())[1]
-    _, graphs, breaks, messages, runnable = _train(tmp_path, "captured", compile_model,
-                                                   steps=4, captured=(1, 3))
+    _, graphs, breaks, messages, runnable = _captured(shared, compile_model)
     assert breaks == 0 and not messages, messages
     user_graphs = plain_graphs[-1]
     assert plain_graphs == [user_graphs] * 4
@@ -191,8 +219,8 @@ def _compiled_callables(runnable):
 
 
 @pytest.mark.parametrize("scale, module", [(None, None), ("after LayerNorm", "blocks.1.ln1.1")])
-def test_dynamic_shapes_tap_the_forward_and_name_a_compile_only_change(tmp_path, scale, module):
-    eager = _train(tmp_path, "eager", scale=scale, steps=1, captured=(0,))[0]
+def test_dynamic_shapes_tap_the_forward_and_name_a_compile_only_change(tmp_path, shared, scale, module):
+    eager = _train(tmp_path, "eager", steps=1, captured=(0,))[0] if scale is None else _eager(shared, scale)
     compiled, _, breaks, messages, _ = _train(tmp_path, "compiled", whole_dynamic, scale,
                                               steps=1, captured=(0,))
     # dynamo restarts its analysis of a dynamic graph from inside the backend: the taps let
