@@ -16,6 +16,10 @@ PYTEST_PARALLEL ?= -n auto --dist loadfile
 # torch versions `make test-matrix` runs the suite on, each in its own venv, deleted after use
 MATRIX ?= 2.4.1 2.8.0 2.12.0 2.15.0
 BIN := $(VENV)/bin
+# Bytecode caches (__pycache__, ignored by git) are written even where the environment sets
+# PYTHONDONTWRITEBYTECODE: each test process collects every test file, and compiling them and
+# rewriting their asserts again in every process costs seconds each time.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup demo test test-matrix bench clean
 
@@ -47,7 +51,8 @@ demo: setup
 
 # pytest exit code 5 means "no tests were collected": that is a failure here, not a pass.
 # Then the capture tests again with PROBE_DEVICE_PATH=1: CPU tensors take the accelerator's
-# path (statistics read once per step from a device bucket), so it is held without a GPU.
+# path (statistics read once per step from a device bucket), so it is held without a GPU;
+# in one process (a few seconds of tests: a second process would only collect them again).
 DEVICE_PATH_TESTS ?= tests/capture/test_capture_api.py tests/capture/test_capture_module.py \
 	tests/capture/test_capture_stats.py tests/capture/test_capture_values.py \
 	tests/capture/test_capture_records_stable.py tests/capture/test_capture_tensor_mode.py \
@@ -57,7 +62,7 @@ test: setup
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
 	echo "== the capture tests on the device path (PROBE_DEVICE_PATH=1)" >&2; \
-	PROBE_DEVICE_PATH=1 $(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS) $(DEVICE_PATH_TESTS); rc=$$?; \
+	PROBE_DEVICE_PATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS) $(DEVICE_PATH_TESTS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc  # PYTEST_ARGS's -k may select none of them
 
 # The suite on each torch version of MATRIX, one after another, each in a fresh .venv-<version>

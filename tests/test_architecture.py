@@ -2,6 +2,7 @@
 module is imported. Every ``import`` counts, at module level or inside a function."""
 
 import ast
+import functools
 import os
 
 import pytest
@@ -37,6 +38,7 @@ COMPARE_STAGES = [
 ]
 
 
+@functools.cache
 def _modules() -> dict[str, str]:
     found = {}
     for folder, _, files in os.walk(ROOT):
@@ -55,16 +57,16 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
             for statement in node.body for inner in ast.walk(statement)}
 
 
-def _imports(modules: dict[str, str], annotations: bool = False) -> dict[str, set[str]]:
+@functools.cache
+def _imports(annotations: bool = False) -> dict[str, set[str]]:
     """module -> the probe modules it imports (a name imported from a package counts as the
     submodule when there is one of that name, else as the package). annotations: only the
     imports made under ``if TYPE_CHECKING:`` (for annotations; never run), instead of the rest."""
-    graph = {}
-    for module, path in modules.items():
+    modules, graph = _modules(), {}
+    for module, tree in _trees().items():
+        path = modules[module]
         package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
         targets = set()
-        with open(path, encoding="utf-8") as handle:
-            tree = ast.parse(handle.read(), path)
         typing_only = _type_checking_only(tree)
         for node in ast.walk(tree):
             if (id(node) in typing_only) != annotations:
@@ -86,10 +88,18 @@ def _imports(modules: dict[str, str], annotations: bool = False) -> dict[str, se
     return graph
 
 
-MODULES = _modules()
-GRAPH = _imports(MODULES)
-#: the imports made for annotations only: they may close a circle (never run), not cross a layer or stage
-ANNOTATION_GRAPH = _imports(MODULES, annotations=True)
+# The source is parsed when a test first asks (not when the file is collected: every test
+# process of a parallel run collects every file, and only one runs these tests).
+
+
+def _graph() -> dict[str, set[str]]:
+    return _imports()
+
+
+def _annotation_graph() -> dict[str, set[str]]:
+    """The imports made for annotations only: they may close a circle (never run), not cross a
+    layer or stage."""
+    return _imports(annotations=True)
 
 
 def _top(module: str) -> str:
@@ -142,19 +152,19 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def _package_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for module, targets in GRAPH.items():
+    for module, targets in _graph().items():
         graph.setdefault(_top(module), set()).update(_top(t) for t in targets if _top(t) != _top(module))
     return graph
 
 
 def test_the_walk_sees_the_compare_pipeline_imports():
     # the walk itself: a test that reads no edge would pass whatever the code does
-    assert "probe.comparison.judge" in GRAPH["probe.comparison.api"]
-    assert "probe.comparison.result" in GRAPH["probe.report.terminal"]
+    assert "probe.comparison.judge" in _graph()["probe.comparison.api"]
+    assert "probe.comparison.result" in _graph()["probe.report.terminal"]
 
 
 def test_no_module_of_probe_imports_itself_back_through_others():
-    circle = _cycle(GRAPH)
+    circle = _cycle(_graph())
     assert not circle, "import circle: " + " -> ".join(circle)
 
 
@@ -165,15 +175,15 @@ def test_no_package_of_probe_imports_itself_back_through_others():
 
 def test_no_module_imports_from_a_higher_layer():
     wrong = [f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
-             for graph in (GRAPH, ANNOTATION_GRAPH)
+             for graph in (_graph(), _annotation_graph())
              for module, targets in sorted(graph.items()) for target in sorted(targets)
              if _layer(target) > _layer(module)]
     assert not wrong, "\n".join(wrong)
 
 
 def test_compare_stages_import_only_earlier_stages():
-    inside = {m: {t for graph in (GRAPH, ANNOTATION_GRAPH) for t in graph[m] if t.startswith("probe.comparison")}
-              for m in GRAPH if m.startswith("probe.comparison")}
+    inside = {m: {t for graph in (_graph(), _annotation_graph()) for t in graph[m] if t.startswith("probe.comparison")}
+              for m in _graph() if m.startswith("probe.comparison")}
     wrong = [f"{module} ({COMPARE_STAGES[_stage(module)][0]}) imports {target} ({COMPARE_STAGES[_stage(target)][0]})"
              for module, targets in sorted(inside.items()) for target in sorted(targets)
              if _stage(target) > _stage(module)]
@@ -185,7 +195,7 @@ def test_compare_stages_import_only_earlier_stages():
 def test_lower_layers_never_reach_the_higher_one(lower, higher):
     """result.py renders nothing and the compare never runs the replay: the renderers and
     the replay import the comparison, not the reverse."""
-    reached = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if _top(m) == lower
+    reached = sorted(f"{m} -> {t}" for m, targets in _graph().items() if _top(m) == lower
                      for t in targets if _top(t) == higher)
     assert not reached, reached
 
@@ -195,15 +205,14 @@ def test_lower_layers_never_reach_the_higher_one(lower, higher):
 STDLIB_PRIVATE = {"_getframe", "_fields"}
 
 
+@functools.cache
 def _trees() -> dict[str, ast.AST]:
     trees = {}
-    for module, path in MODULES.items():
+    for module, path in _modules().items():
         with open(path, encoding="utf-8") as handle:
             trees[module] = ast.parse(handle.read(), path)
     return trees
 
-
-TREES = _trees()
 
 
 def _private(name: str) -> bool:
@@ -214,7 +223,7 @@ def _probe_private_names() -> set[str]:
     """Every private name probe itself defines: functions, classes, variables, attributes
     it sets (``self._x = ...``) and slot names."""
     names = set()
-    for module, tree in TREES.items():
+    for module, tree in _trees().items():
         if module == "probe.compat":  # what compat names is torch's
             continue
         for node in ast.walk(tree):
@@ -234,19 +243,19 @@ def _probe_private_names() -> set[str]:
 
 def test_no_module_imports_or_reads_another_modules_private_names():
     wrong = []
-    for module, tree in TREES.items():
+    for module, tree in _trees().items():
         imported_modules = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("probe"):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
-                    if full in MODULES:
+                    if full in _modules():
                         imported_modules[alias.asname or alias.name] = full
                     elif _private(alias.name) and node.module != module:
                         wrong.append(f"{module}: from {node.module} import {alias.name}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
-                    if alias.name in MODULES and alias.asname:
+                    if alias.name in _modules() and alias.asname:
                         imported_modules[alias.asname] = alias.name
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
@@ -260,7 +269,7 @@ def test_private_torch_api_is_used_in_compat_only():
     checked there. Elsewhere a private attribute must be one probe defines itself."""
     own = _probe_private_names() | STDLIB_PRIVATE
     wrong = []
-    for module, tree in TREES.items():
+    for module, tree in _trees().items():
         if module == "probe.compat":
             continue
         for node in ast.walk(tree):
@@ -291,7 +300,7 @@ def test_the_root_of_probe_shows_the_layers_in_at_most_nine_files():
 def test_capture_wings_import_one_way(wing, never):
     """compiled/ names its calls with eager/'s naming; eager/ never needs compiled/, and
     numbers/ turns tensors into numbers without knowing who asked (docs/architecture.md)."""
-    reached = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith(f"probe.capture.{wing}.")
+    reached = sorted(f"{m} -> {t}" for m, targets in _graph().items() if m.startswith(f"probe.capture.{wing}.")
                      for t in targets if t.split(".")[2:3] and t.split(".")[2] in never)
     assert not reached, reached
 
@@ -317,13 +326,14 @@ MODULE_LINES = 520
 
 
 def test_the_compare_pipeline_has_at_most_22_modules():
-    found = sorted(m for m in MODULES if m.startswith("probe.comparison.") and not MODULES[m].endswith("__init__.py"))
+    modules = _modules()
+    found = sorted(m for m in modules if m.startswith("probe.comparison.") and not modules[m].endswith("__init__.py"))
     assert len(found) <= COMPARISON_MODULES, f"{len(found)} modules: {found}"
 
 
 def test_no_module_of_probe_is_over_520_lines():
     long = {}
-    for module, path in MODULES.items():
+    for module, path in _modules().items():
         with open(path, encoding="utf-8") as handle:
             lines = sum(1 for _ in handle)
         if lines > MODULE_LINES:
@@ -332,7 +342,7 @@ def test_no_module_of_probe_is_over_520_lines():
 
 
 def _function(module: str, name: str) -> ast.FunctionDef:
-    return next(node for node in ast.walk(TREES[module]) if isinstance(node, ast.FunctionDef) and node.name == name)
+    return next(node for node in ast.walk(_trees()[module]) if isinstance(node, ast.FunctionDef) and node.name == name)
 
 
 def test_compare_step_takes_at_most_4_parameters():
@@ -347,12 +357,12 @@ def test_op_summaries_are_made_once_and_never_written_by_hand():
     """An op summary is frozen, made in one place (result.summarize_call, after the last rule)
     and never copied with another origin or diverged flag inside the compare or its reports
     (the float64 replay, a later stage with its own evidence, is the one that may)."""
-    summary = next(node for node in ast.walk(TREES["probe.comparison.result"])
+    summary = next(node for node in ast.walk(_trees()["probe.comparison.result"])
                    if isinstance(node, ast.ClassDef) and node.name == "OpSummary")
     assert any(isinstance(d, ast.Call) and any(k.arg == "frozen" and getattr(k.value, "value", False) for k in d.keywords)
                for d in summary.decorator_list), "OpSummary must be a frozen dataclass"
     made, rewritten = [], []
-    for module, tree in TREES.items():
+    for module, tree in _trees().items():
         if not module.startswith(("probe.comparison", "probe.report")):
             continue
         for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
@@ -377,7 +387,7 @@ OP_SPELLINGS = ("torch._foreach_", "torch._fused_", "_foreach_", "_fused_", "dis
 def _op_names() -> set[str]:
     """Every op name comparison/ops.py keeps a spec or an alias under (read from its source)."""
     names = set()
-    for node in ast.walk(TREES["probe.comparison.ops"]):
+    for node in ast.walk(_trees()["probe.comparison.ops"]):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_specs":
             names.update(node.args[1].value.split())
         elif isinstance(node, ast.Dict):
@@ -391,7 +401,7 @@ def test_what_compare_knows_of_an_op_is_in_ops_py_alone():
     names = _op_names()
     assert {"linear", "addcdiv", "sum", "sqrt", "vector_norm"} <= names  # the walk reads the table
     found = []
-    for module, tree in TREES.items():
+    for module, tree in _trees().items():
         if not module.startswith("probe.comparison.") or module == "probe.comparison.ops":
             continue
         docstrings = {id(node.body[0].value) for node in ast.walk(tree)
@@ -408,7 +418,7 @@ def test_nothing_outside_capture_imports_its_wings():
     """Code outside probe/capture reaches capture through its face (probe/capture/__init__.py),
     never through eager/, compiled/ or numbers/: one place says what capture offers."""
     wings = ("probe.capture.eager", "probe.capture.compiled", "probe.capture.numbers")
-    reached = sorted(f"{module} -> {target}" for module, targets in GRAPH.items()
+    reached = sorted(f"{module} -> {target}" for module, targets in _graph().items()
                      if not module.startswith("probe.capture")
                      for target in targets if target.startswith(wings))
     assert not reached, reached
