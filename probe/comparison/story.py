@@ -118,6 +118,7 @@ import copy
 import math
 
 from probe.comparison import result as R
+from probe.comparison.op_envelopes import LOW_PRECISION, unit_roundoff
 from probe.comparison.ops import is_gathering_collective
 from probe.comparison.records import is_param_slot, module_within, param_name
 from probe.comparison.rounding import ROUNDING
@@ -444,15 +445,14 @@ def story_rows(rows) -> list:
 ENTERING_UNITS = 1.0
 #: an op makes the error itself when its output differs this many times more than its inputs
 AMPLIFICATION = 10.0
-_UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float8_e4m3fn": 2.0 ** -4, "float8_e4m3fnuz": 2.0 ** -4,
-         "float8_e5m2": 2.0 ** -3, "float8_e5m2fnuz": 2.0 ** -3}
 #: where an error enters a call (input kinds, structs.py), and what carries one made upstream
 _SOURCES = (PARAM_INPUT, EXTERNAL, CHANGED_INPUT)
 
 
 def entering_reason(row) -> str | None:
     """Why the error enters at this output row, or None when it does not (module docstring)."""
-    unit = _UNIT.get(row.tol_dtype)
+    # only where two correct kernels round apart (16-bit and 8-bit floats)
+    unit = unit_roundoff(row.tol_dtype) if row.tol_dtype in LOW_PRECISION else None
     if unit is None or row.kind != "api" or row.io != "out" or row.status not in R.PAIRED:
         return None
     if row.metrics is None or row.metrics.evidence == "value":
