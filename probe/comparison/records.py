@@ -166,7 +166,8 @@ class Records:
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
         columns = {name: table.column(name).tolist() for name in schema.COLUMN_NAMES}
-        for name in (_PLACEMENT, _UNINITIALIZED):  # a DTensor's place (shards.py); unwritten memory
+        for name in (_PLACEMENT, _UNINITIALIZED, schema.BUFFER):  # a DTensor's place (shards.py); unwritten
+            # memory; the model buffer a record holds
             if name in getattr(table, "columns", ()):
                 columns[name] = table.column(name).tolist()
         sketches = table.sketches() if hasattr(table, "sketches") else None  # schema 2
@@ -183,6 +184,8 @@ class Records:
             columns[_PLACEMENT] = [row.get(_PLACEMENT, "") for row in rows]
         if any(_UNINITIALIZED in row for row in rows):
             columns[_UNINITIALIZED] = [bool(row.get(_UNINITIALIZED)) for row in rows]
+        if any(schema.BUFFER in row for row in rows):
+            columns[schema.BUFFER] = [row.get(schema.BUFFER, "") for row in rows]
         if any(schema.SKETCH in row for row in rows):  # optional sketches
             columns[schema.SKETCH] = [row.get(schema.SKETCH) for row in rows]
         return cls(columns, source)
