@@ -7,7 +7,8 @@ their policies sample other actions and the data part too.
 * ``fault=("weight", step)``: after the optimizer step of ``step`` the policy's middle
   Linear weight is multiplied by 1.001 (a per-optimizer post-hook, which torch runs before
   the global one that takes the fingerprint): one parameter, one step.
-* ``fault=("eps", 0)``: Adam's eps is 1e-6 instead of 1e-8 from the first step.
+* ``fault=("eps", step)``: Adam's eps is 1e-6 instead of 1e-8 from the optimizer step of
+  ``step`` on (a changed argument).
 * ``fault=("tanh", step)``: from ``step`` on, the value network's first Tanh computes
   tanh(x) * 1.001 (a forward bug that begins mid-run).
 """
@@ -40,7 +41,12 @@ def train(dump_path: str, updates: int, lr: float = 3e-3, other: bool = False, f
         env = make_env()
         tracker = EpisodeTracker(env, SEED)
         model = ActorCritic()
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-6 if kind == "eps" else 1e-8)
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        if kind == "eps":
+            def wider(optimizer, args, kwargs):
+                if debugger.current_step >= at:
+                    optimizer.param_groups[0]["eps"] = 1e-6
+            optimizer.register_step_pre_hook(wider)
         if kind == "weight":
             def bug(optimizer, args, kwargs):
                 if debugger.current_step == at:
