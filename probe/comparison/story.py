@@ -20,8 +20,8 @@ those data, and once they part (differ beyond tolerance) through ops amplifying 
 inputs already differ by; nothing else enters (no changed argument, no data a dataset gave,
 no precision finding, no op amplifying agreeing inputs). A fault jumps instead and is named
 where it enters, also after the runs drifted: what drift explains is not the story there
-(drift_facts marks it, drifted takes it back). When it is drift, no op is "introduced", the
-likely cause is None and ``result.drift`` holds {step, rank, text}.
+(drift_facts marks it, drifted takes it back). When it is drift, no op is "introduced" and
+the likely cause is None.
 
 Drift within rounding: such a pair exits 0 as rounding only when every divergent output is
 within its rounding envelope ("within", or "unbounded" while no op introduced an error), or,
@@ -30,21 +30,17 @@ once the data the model made parted, when drift explains every step file's intro
 explained, origin ``rounding``, so that counts, step verdicts, the headline and ``--json``
 tell the same; ``--strict`` keeps the verdict diverged.
 
-Shard entry: a parameter shard that differs on entry on one rank (FSDP2 gathers it for every
-rank) makes the collective look at fault on the ranks whose inputs agree. ``shard_entry``
-judges the ranks of a step together: a gathering collective whose input differs on some ranks,
-made by nothing recorded, while it agrees on others, is inherited on every rank, and the story
+Shard entry: a gathering collective whose input (an FSDP2 parameter shard) differs on some
+ranks, made by nothing recorded, and agrees on others is inherited on every rank; the story
 starts at the first differing parameter record under its module on the first such rank.
 
-Entering: in a bfloat16 model a fault smaller than the tolerance (a weight off by 0.5%)
-passes where it enters and the first op beyond tolerance downstream took the blame. Two
-correct kernels differ by well under one unit roundoff u, so in the step file of the first
-divergence and before it, the first API call judged at a 16-bit or coarser tolerance that
-differs by at least ENTERING_UNITS x u and either takes that difference from a source (a
-parameter, an external input, a tensor changed in between) at least as large as what its
-produced inputs carry, or makes it itself (more than AMPLIFICATION x what they carry, and
-the rounding flips that causes, sqrt(carried x u)), becomes the likely cause, unless an op
-introduced its error at or before it. Float32 and float64 keep the compare's rules.
+Entering: in a bfloat16 model a fault under the tolerance passes where it enters, and the
+first op beyond it downstream took the blame. Two correct kernels differ by well under one
+unit roundoff u, so in the step file of the first divergence and before it, the first API
+call judged at a 16-bit or coarser tolerance that differs by ENTERING_UNITS x u or more and
+takes that from a source (a parameter, an external input, a tensor changed in between) at
+least as large as its produced inputs carry, or makes it itself (over AMPLIFICATION x that,
+and over sqrt(carried x u)), is the likely cause unless an op introduced its error before.
 """
 
 from __future__ import annotations
@@ -414,8 +410,11 @@ def settles(drift: dict | None, within: bool, strict: bool) -> bool:
 
 
 def settle_row(row) -> None:
-    """Explain one divergent row of a drift that stays within the envelopes."""
-    envelope = row.envelope
+    """Explain one divergent row of a drift within the envelopes, or from data it made (none)."""
+    envelope = row.envelope or {}
+    if row.divergence == R.INPUT or (row.io == "out" and envelope.get("verdict") not in _SETTLED):
+        return row.explain("drift: follows from the data the drifted model made (other samples, other actions)",
+                           ROUNDING)
     within = f"; {envelope['text']}" if envelope else ""
     row.explain(f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
                 f"rounding{within}", ROUNDING)
@@ -424,8 +423,9 @@ def settle_row(row) -> None:
 def settled_note(drift: dict, settled: int) -> str:
     """The note of a drift settled within rounding; settled: the records it explained."""
     return (f"drift within rounding: the runs part through accumulated rounding from step {drift['step']} on "
-            f"({settled} records beyond the fixed tolerance, each within its rounding envelope, grown over the "
-            "optimizer's updates); no op introduced an error. --strict judges by the fixed tolerance alone")
+            f"({settled} records beyond the fixed tolerance, each within its rounding envelope or following from data "
+            "the drifted model made, grown over the optimizer's updates); no op introduced an error. --strict judges "
+            "by the fixed tolerance alone")
 
 
 def settled_copies(rows) -> list:
