@@ -52,7 +52,7 @@ from probe.capture.eager.naming import Namer
 from probe.capture.eager.values import SourceLocator, describe_value, flatten
 from probe.config import Config
 from probe.capture.eager import unwritten
-from probe.dump.schema import COLUMN_NAMES, UNINITIALIZED
+from probe.dump.schema import BUFFERS, COLUMN_NAMES, UNINITIALIZED
 from probe.errors import DumpError, ProbeError
 
 _version_of = compat.tensor_version  # bumped by every in-place write
@@ -173,6 +173,8 @@ class Recorder:
         #: keys of this step's records of such memory (the step file's root attribute
         #: uninitialized, see end_attrs)
         self.uninitialized: list[str] = []
+        #: id -> (tensor, name) of the model's buffers (know_buffers); record key -> buffer name
+        self._buffers, self.buffer_reads = {}, {}
 
     # ------------------------------------------------------------------ rows
     #
@@ -205,6 +207,10 @@ class Recorder:
         if call[7] == BY_KEY and not self.filter.key_wanted(call[2], call[8] + slot):
             return
         if isinstance(value, Tensor):
+            if self._buffers:
+                found = self._buffers.get(id(value))
+                if found is not None and found[0] is value:
+                    self.buffer_reads[call[8] + slot] = found[1]
             if self.unwritten and unwritten.holds(self.unwritten, value):
                 self._add_unwritten(call, slot, io, value)
                 return
@@ -446,10 +452,15 @@ class Recorder:
                              "", found[0], NAN, NAN, NAN, NAN, 0, 0, 0, "", -1, source,
                              found[1], "", None))
 
+    def know_buffers(self, model) -> None:
+        """The model's registered buffers, known by identity: a record of one is named in the
+        step file (``buffers``), for compare to say "buffer rope.cos"."""
+        self._buffers = {id(buffer): (buffer, name) for name, buffer in model.named_buffers()}
+
     def end_attrs(self) -> dict:
         """Root attributes of the step file known only at its end: ``uninitialized``, the keys
-        of the records of memory nothing had written yet ([] when there is none)."""
-        return {UNINITIALIZED: list(self.uninitialized)}
+        of the records of memory nothing had written yet; ``buffers``, of buffers, named."""
+        return {UNINITIALIZED: list(self.uninitialized), BUFFERS: dict(self.buffer_reads)}
 
     def cost(self) -> dict:
         """What capturing this step cost (the step file's ``cost`` attribute): device-to-host

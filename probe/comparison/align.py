@@ -299,6 +299,12 @@ def _pair_rows(pair: CallPair, number: int, records_a: Records, records_b: Recor
     return out
 
 
+def _buffer(records, row) -> str:
+    """The model buffer a record holds, where its file names it (root attribute buffers)."""
+    names = records.columns.get(schema.BUFFER) if row is not None else None
+    return names[row] if names is not None and row < len(names) else ""
+
+
 def _own_slot(call, slot: str) -> bool:
     return call.element <= 0 or slot not in call.shared
 
@@ -335,6 +341,7 @@ def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, positio
         cols = records_b.columns
         row.key_b, row.seq_b = cols["key"][row_b], int(cols["seq"][row_b])
         row.dtype_b, row.shape_b = cols["dtype"][row_b], cols["shape"][row_b]
+    row.buffer = _buffer(records_a, row_a) or _buffer(records_b, row_b)
     if status == R.ONLY_A:
         row.reasons.append("no partner in B")
     elif status == R.ONLY_B:

@@ -45,7 +45,7 @@ from probe.comparison.result import INTRODUCED, MAX_DIVERGENT, add_summary
 from probe.comparison.rounding import measured_envelopes
 from probe.comparison.story import (
     apply_drift, differs_at_rounding, drift_facts, entering_cause, entering_reason, first_divergence, likely_cause,
-    restated, settled_copies, shard_entries, story_rows, update_sizes, within_envelopes,
+    restated, settled_copies, shard_entries, story_rows, update_sizes, within_envelopes, DATA_PARTED,
 )
 from probe.comparison.structs import UNINITIALIZED_NOTE, Carry, StepInput, StepOutcome
 from probe.comparison.tolerances import Tolerances
@@ -254,14 +254,15 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     counts = outcome.counts()
     info["counts"] = counts
     diverged = [row for row in rows if row.status == R.DIVERGED]
-    introduced, carried = drift_facts(rows, previous.get(outcome.rank))
-    previous[outcome.rank] = update_sizes(rows)
+    introduced, carried = drift_facts(rows, sizes := previous.get(outcome.rank))
+    previous[outcome.rank] = update_sizes(rows, sizes)
+    parted = DATA_PARTED in previous[outcome.rank]  # what follows from parted data has no envelope
     entering = next((row for row in rows if entering_reason(row) is not None), None)
     lonely = [row for row in rows if row.status in (R.ONLY_A, R.ONLY_B)]
     facts = FileFacts(
         position=position, info=info, diverged=len(diverged), differs=differs_at_rounding(rows),
         differs_settled=differs_at_rounding(rows) or differs_at_rounding(settled_copies(diverged)),
-        introduced=introduced, carried=carried, within=not diverged or within_envelopes(diverged),
+        introduced=introduced, carried=carried, within=not diverged or within_envelopes(diverged) or (parted and carried),
         fails=unpaired_fails(counts, strict), story=story_rows(rows) if diverged else None,
         entering=entering, lonely=min(lonely, key=lambda row: row.order) if lonely else None,
         devices=dict(outcome.devices), precision=outcome.precision,
@@ -408,20 +409,21 @@ class Partial:
 
     def prune(self) -> None:
         """Drop what no story can read: the story rows of every pair but those story() can
-        choose in the earliest step with a divergence (_story_files) and the earliest pair with
-        an introduced error (story's likely cause of a later step); the entering rows and
-        pending summaries of pairs that cannot hold the first divergence (all but those chosen
-        and the first pair failing for records without partner). What is kept does not grow
-        with the ranks."""
+        choose in the earliest step with a divergence (_story_files), the earliest pair with an
+        introduced error and the earliest whose error drift does not explain (a later step's
+        likely cause); the entering rows and pending summaries of pairs that cannot hold the
+        first divergence (all but those chosen and the first failing for records without
+        partner). What is kept does not grow with the ranks."""
         steps = [facts.info["step"] for facts in self.files.values() if facts.diverged]
         step = min(steps, default=None)
         failing = min((p for p, facts in self.files.items() if facts.fails), default=None)
         later = min((p for p, facts in self.files.items()
                      if facts.story and any(row.origin == INTRODUCED for row in facts.story)), default=None)
-        chosen = self._story_files(step)
+        fault = min((p for p, facts in self.files.items() if facts.story and not facts.carried), default=None)
+        chosen = self._story_files(step) | {later, fault}
         for position, facts in self.files.items():
             first_here = position in chosen or position == failing
-            if facts.story is not None and position not in chosen and position != later:
+            if facts.story is not None and position not in chosen:
                 facts.story = None
             if not first_here:
                 facts.entering = None

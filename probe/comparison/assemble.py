@@ -42,7 +42,7 @@ from probe.comparison.metrics import Best
 from probe.comparison.result import PrecisionTally, RecordRow, StepOutcome, merge_groups, rank_groups
 from probe.comparison.sketch import sketch_note
 from probe.comparison.story import (
-    apply_drift, entering_cause, find_drift, settle_row, settled_note, settles, story,
+    apply_drift, drifted, drifting_ranks, entering_cause, find_drift, settle_row, settled_note, settles, story,
 )
 from probe.comparison.structs import sci
 
@@ -261,11 +261,13 @@ def finish(partial, table, path_a, path_b, missing, notes, top, strict, baseline
     where = {(facts.info["step"], facts.info["rank"]): facts for facts in files}
     head = partial.head or {}
     notes = list(notes) + list(head.get("notes", ())) + list(partial.plan_notes)
-    first, cause = story([_View(f.info["step"], f.info["rank"], f.story) for f in files if f.story],
-                         {step: entry for step, entry in partial.entered.items()})
-    told_first = first
     drift_files = [{"step": f.info["step"], "rank": f.info["rank"], "differs": f.differs,
                     "introduced": f.introduced, "carried": f.carried} for f in files]
+    drift_ranks = drifting_ranks(drift_files)  # what drift explains there is not the story
+    first, cause = story([_View(f.info["step"], f.info["rank"], drifted(f.story) if f.info["rank"] in drift_ranks
+                                else f.story) for f in files if f.story],
+                         {step: entry for step, entry in partial.entered.items()})
+    told_first = first
     drifting = find_drift(first, "diverged", drift_files)
     # drift that stays within every op's rounding envelope is rounding: settled before any
     # verdict is counted; then nothing diverges, and there is no story

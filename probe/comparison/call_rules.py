@@ -364,8 +364,10 @@ def _unused_inputs(rows, outputs, kinds) -> bool:
                             f"{coarser}, where every output agrees within {coarser}'s tolerance: the difference of "
                             f"values computed from {coarser} ones", "")
             else:
+                what = f"buffer {row.buffer}" if row.buffer else "a buffer such as BatchNorm's running statistics " \
+                    "in training mode"
                 row.explain(f"differs (rel L2 {sci(rel_error(row))}) but every output of this call agrees: it has "
-                            f"no effect here (a buffer such as BatchNorm's running statistics in training mode)", "")
+                            f"no effect here ({what})", "")
             found = True
     return found
 
@@ -406,6 +408,7 @@ def input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> 
         "slot": f"forward.{row.slot}" if kind == FORWARD else row.slot,
         "source": kind,
         "producer": producer.key if producer is not None else None,
+        "buffer": row.buffer or None,
         "status": row.status,
         "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
         "max_abs": row.metrics.max_abs if row.metrics is not None else None,
@@ -437,7 +440,10 @@ def cause_text(changed_args, sources, kinds, producers, amplified, carriers, out
                      else f"parameter {names} differs ({_size(worst)})")
     for row in sources:
         kind = kinds[id(row)]
-        if kind in _ENTERS:
+        if kind == EXTERNAL and row.buffer:
+            parts.append(f"input {row.slot} ({_size(row)}) differs and no recorded op produced it in this step: "
+                         f"it is buffer {row.buffer}, which the model registered")
+        elif kind in _ENTERS:
             producer = producers.get(id(row))
             text = _ENTERS[kind].format(producer=producer.key if producer is not None else "the op")
             parts.append(f"input {row.slot} ({_size(row)}) {text}")
@@ -471,7 +477,8 @@ def inherited_cause(worst: R.RecordRow, kind: str, producer: R.RecordRow | None,
         origin = ("made after the backward began by something not recorded (a parameter gradient accumulated by "
                   "autograd, optimizer state)")
     elif kind == EXTERNAL:
-        origin = "read from outside the recorded ops (data, a buffer), within tolerance"
+        origin = (f"buffer {worst.buffer}, which the model registered, within tolerance" if worst.buffer
+                  else "read from outside the recorded ops (data, a buffer), within tolerance")
     elif kind == FORWARD:
         return (f"forward {worst.slot} of this call {_carries(worst)} (rel L2 {sci(rel_error(worst))}, "
                 f"output {sci(out_rel)}); the backward computes from the values its forward saw")

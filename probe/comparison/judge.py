@@ -429,8 +429,8 @@ def _finding(row, side: str, low: str, high: str, read=None) -> str:
     """B computes fc1 functional.linear in bfloat16 where A uses float32."""
     other = "A" if side == "B" else "B"
     if read is not None:
-        return (f"{side} reads {row.module or '<root>'} {row.op}'s {read.slot} (no recorded op made it: a buffer, "
-                f"data) in {low} where {other} reads {high}")
+        what = f"buffer {read.buffer}" if read.buffer else "no recorded op made it: a buffer, data"
+        return f"{side} reads {row.module or '<root>'} {row.op}'s {read.slot} ({what}) in {low} where {other} reads {high}"
     return f"{side} computes {row.module or '<root>'} {row.op} in {low} where {other} uses {high}"
 
 

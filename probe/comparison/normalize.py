@@ -278,7 +278,7 @@ def name_targets(calls: list[Call], records: Records) -> None:
                 decisive[id(call)] = call.target
             for slot, row in call.slots.items():
                 if cols["io"][row] == "out" or slot == "input.0":
-                    mark = tensor_print(cols, row)
+                    mark = _param_print(cols, row)
                     if mark is not None:
                         made[mark].add(call.target)
     _vote_in_bodies([c for c in region if c.element < 0], records, decisive)
@@ -298,7 +298,7 @@ def _linked(call: Call, records: Records, names: dict, made: dict) -> set:
     cols = records.columns
     direct, produced = [], []
     for row in call.slots.values():
-        mark = tensor_print(cols, row)
+        mark = _param_print(cols, row)
         if mark is None:
             continue
         if names.get(mark):
@@ -371,6 +371,12 @@ def _share_in_blocks(region: list[Call]) -> None:
                 call.target = call.target or next(iter(named))
 
 
+def _param_print(cols: dict, row: int):
+    """tensor_print, a one-element tensor with a dimension included: a [1] bias (a value
+    head's) is a parameter as much as a matrix is."""
+    return tensor_print(cols, row, one_element=True)
+
+
 def _parameter_prints(records: Records) -> dict:
     """fingerprint -> names of the parameters whose value or gradient it is."""
     cols = records.columns
@@ -378,7 +384,7 @@ def _parameter_prints(records: Records) -> dict:
     for row, slot in enumerate(cols["slot"]):
         if not (is_param_slot(slot) or slot.startswith("param_grad.")):
             continue
-        mark = tensor_print(cols, row)
+        mark = _param_print(cols, row)
         if mark is None:
             continue
         name = slot.split(".", 1)[1]

@@ -189,7 +189,7 @@ SPECS: dict[str, OpSpec] = {
     "square": OpSpec(ELEMENTWISE, SQUARE),
     "pow": OpSpec(ELEMENTWISE, POW, amplifies=True),
     "exp": OpSpec(ELEMENTWISE, EXP, amplifies=True, replay=lambda r: np.exp(r.x)),
-    "lerp": OpSpec(ELEMENTWISE, LERP, replay=_lerp),
+    "lerp": OpSpec(ELEMENTWISE, LERP, amplifies=True, replay=_lerp),  # a + w (b - a): b - a cancels
     "neg": OpSpec(ELEMENTWISE, replay=lambda r: np.negative(r.x)),
     "abs": OpSpec(ELEMENTWISE, replay=lambda r: np.abs(r.x)),
     **_specs(ELEMENTWISE, "relu clamp clamp_min clamp_max where masked_fill maximum minimum relu6 leaky_relu "

@@ -166,7 +166,8 @@ class Records:
     def from_table(cls, table, source: str = "") -> "Records":
         """From probe.dump.reader's RecordTable (numpy columns)."""
         columns = {name: table.column(name).tolist() for name in schema.COLUMN_NAMES}
-        for name in (_PLACEMENT, _UNINITIALIZED):  # a DTensor's place (shards.py); unwritten memory
+        for name in (_PLACEMENT, _UNINITIALIZED, schema.BUFFER):  # a DTensor's place (shards.py); unwritten
+            # memory; the model buffer a record holds
             if name in getattr(table, "columns", ()):
                 columns[name] = table.column(name).tolist()
         sketches = table.sketches() if hasattr(table, "sketches") else None  # schema 2
@@ -183,6 +184,8 @@ class Records:
             columns[_PLACEMENT] = [row.get(_PLACEMENT, "") for row in rows]
         if any(_UNINITIALIZED in row for row in rows):
             columns[_UNINITIALIZED] = [bool(row.get(_UNINITIALIZED)) for row in rows]
+        if any(schema.BUFFER in row for row in rows):
+            columns[schema.BUFFER] = [row.get(schema.BUFFER, "") for row in rows]
         if any(schema.SKETCH in row for row in rows):  # optional sketches
             columns[schema.SKETCH] = [row.get(schema.SKETCH) for row in rows]
         return cls(columns, source)
@@ -302,14 +305,16 @@ def parameter_major(block: list[list[Call]]) -> list[Call]:
     return [elements[i] for i in range(len(block[0])) for elements in block]
 
 
-def tensor_print(cols: dict, row: int):
-    """A tensor's identity within one step file: its stored id, else its statistics."""
+def tensor_print(cols: dict, row: int, one_element: bool = False):
+    """A tensor's identity within one step file: its stored id, else its statistics (of a
+    one-element tensor only with one_element, and never of a 0-dim one)."""
     if cols["dtype"][row] == "":
         return None
     if cols["tensor_id"][row] >= 0:
         return ("id", cols["tensor_id"][row])
     numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
-    if all(math.isnan(value) for value in numbers) or cols["numel"][row] <= 1:
+    single = cols["numel"][row] <= 1 and not (one_element and cols["shape"][row] not in ("", "[]"))
+    if all(math.isnan(value) for value in numbers) or single:
         return None  # a scalar (a step counter) says nothing about which parameter it is
     return ("stats", cols["dtype"][row], cols["shape"][row], *map(repr, numbers), cols["checksum"][row])
 

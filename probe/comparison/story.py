@@ -3,118 +3,49 @@ over every step file that restate an origin before the result exists: a paramete
 that differs on entry on one rank, where a low-precision error entered within tolerance, and
 drift (correct runs parting over steps; within every op's rounding envelope, rounding).
 They write rows only; the op summaries are made from the rows after the last of them
-(assemble.py). Torch-free.
+(assemble.py). Torch-free. docs/compare-rules.md gives each rule with its measurements.
 
-Story
------
+Story: the first divergence is the earliest divergent output record in A's execution order;
+records on one side only are counted, never a pass or a divergence. The likely cause is the
+first divergent output that introduced its error (story()).
 
-* The first divergence is the earliest divergent output record in A's execution order
-  (seq; forward and backward as they ran). Records that exist on one side only are never
-  a pass and never a divergence: they are counted as only_a / only_b.
-* The likely cause is the first divergent output that introduced its error (story()).
+Drift: two correct runs that differ only in summation order agree within tolerance at their
+first step, yet AdamW turns rounding-noise gradients into lr-sized updates and later steps
+differ beyond it, entering through parameters as a weight bug would. Drift is told by its
+growth: the runs differ at rounding level at the first compared step; every divergence that
+is not inherited enters through parameters whose difference the previous step's recorded
+update already wrote (at least 1/CARRIED_SHARE of it), or, where the model makes its own
+data (a policy's rollouts: inputs no recorded op made already differ within tolerance), through
+those data, and once they part (differ beyond tolerance) through ops amplifying what their
+inputs already differ by; nothing else enters (no changed argument, no data a dataset gave,
+no precision finding, no op amplifying agreeing inputs). A fault jumps instead and is named
+where it enters, also after the runs drifted: what drift explains is not the story there
+(drift_facts marks it, drifted takes it back). When it is drift, no op is "introduced" and
+the likely cause is None.
 
-Drift
------
+Drift within rounding: such a pair exits 0 as rounding only when every divergent output is
+within its rounding envelope ("within", or "unbounded" while no op introduced an error), or,
+once the data the model made parted, when drift explains every step file's introduced errors
+(what follows from different samples has no rounding envelope). The settled rows are
+explained, origin ``rounding``, so that counts, step verdicts, the headline and ``--json``
+tell the same; ``--strict`` keeps the verdict diverged.
 
-Drift: two correct runs that part over steps through accumulated rounding, no op at fault.
+Shard entry: a gathering collective whose input (an FSDP2 parameter shard) differs on some
+ranks, made by nothing recorded, and agrees on others is inherited on every rank; the story
+starts at the first differing parameter record under its module on the first such rank.
 
-Two runs that differ only in summation order (thread count, kernel library) agree within
-tolerance at their first step, yet AdamW turns a rounding-noise gradient (a conv bias before
-BatchNorm) into an lr-sized update, and some steps later the parameters, and what is computed
-from them, are beyond tolerance. Compare then finds ops whose parameter "differs": error
-entering through a parameter, which is how a weight bug looks too. The growth pattern tells
-them apart:
-
-* drift starts at rounding level at the first compared step: the runs already differ there
-  (records not bit-identical) while everything is within tolerance;
-* every divergence that is not inherited enters through parameters whose difference the
-  recorded optimizer update of the previous step already wrote (the update's output for that
-  parameter differs by at least 1/CARRIED_SHARE of the parameter's difference): it grew
-  there, step by step;
-* nothing else enters: no changed argument, no external or unpartnered input, no precision
-  finding, no op that amplifies agreeing inputs on its own.
-
-A fault jumps instead: a weight scaled before step 3 differs at step 3 by far more than the
-optimizer of step 2 wrote, and identical runs are bit-identical before it. Then the verdict
-stays as it was. When it is drift, no op is named "introduced": the likely cause is None, the
-origins that said "introduced" say "inherited" with the reason, and ``result.drift`` holds
-{step, rank, text}.
-
-Entering
---------
-
-The likely cause of a low-precision model: where the error entered, even within tolerance.
-
-In a bfloat16 model the tolerance is about two roundings (rel L2 8e-3). A fault smaller than
-that (a weight off by 0.5%, a gradient scaled inside one block) passes at the op where it
-enters, grows downstream, and the first op beyond tolerance (a backward o_proj, a later
-LayerNorm, an embedding's gradient) takes the blame, or the report says no single op
-introduced the error. Two correct kernels of one computation differ by well under one unit
-roundoff u of the dtype (each result is rounded once, to within u/2); an error entering at
-an op is a different thing when it stands far above that level.
-
-So, in the step file of the first divergence and before it, the first API call whose output
-is judged at a 16-bit or coarser tolerance and
-
-* differs by at least ENTERING_UNITS x u of that dtype, and
-* either takes that difference from a source (a parameter, an external input or a tensor
-  changed after its producer made it; not a tensor made by a call the other run does not
-  have: different kernels round differently), at least as large as what its produced inputs
-  carry, or makes it itself: more than AMPLIFICATION x what its produced inputs carry (and
-  the rounding flips that carry causes, sqrt(carried x u)),
-
-becomes the likely cause ("introduced", with the reason), unless an op introduced its error
-at or before it. Float32 and float64 records keep the compare's rules (their tolerance is far
-above their rounding).
-
-Shard entry
------------
-
-A parameter shard that differs on entry on one rank.
-
-FSDP2 gathers a module's parameters from every rank's shard (an all-gather) before the
-module's forward. When one rank's shard differs (a rank-local edit, a bad checkpoint shard,
-a corrupted copy), that rank's all-gather input differs while no recorded op made it, the
-other ranks' inputs agree, and every rank's gathered output differs. Judged rank by rank,
-the collective on rank 0 looks as if it introduced the error: its own inputs agree.
-
-``find`` judges the ranks of one step file set together (``apply``: of every step). A collective call whose input
-differs on some ranks, where nothing recorded made it, and agrees on the others:
-
-* on the other ranks that call's outputs are inherited (they gather the differing input);
-* the story's cause is the first differing parameter record under the collective's module on
-  the first rank where the input differs, introduced: that parameter, on that rank;
-  where no parameter record differs, the collective's differing input on that rank.
-
-Where every rank's input differs, or the inputs agree everywhere (a faulty collective), the
-rank-by-rank verdicts stand.
-
-Drift within rounding
----------------------
-
-Drift that stays within every op's rounding envelope passes.
-
-Two correct runs that round differently (another device, thread count or attention kernel)
-part over the optimizer's steps: AdamW turns rounding-noise gradients into lr-sized updates,
-and a step later the parameters and what is computed from them differ beyond the fixed
-tolerance. ``assemble.find_drift`` recognises that pattern (every divergence enters through
-parameters the previous update wrote; nothing else enters). Such a pair exits 0 as rounding
-only when, besides, every divergent output is within its rounding envelope: its own error
-(what its inputs' differences do not explain) is no more than what its arithmetic may add
-(verdict "within"), or its inputs' share is unbounded by what was recorded while no op of the
-compare introduced an error ("unbounded"). A divergent output without an envelope (an op the
-model does not know), a divergent record that is not inherited, or ``--strict`` keeps the
-verdict diverged.
-
-The settled rows are explained, origin ``rounding``, with the drift named in their cause, so
-that counts, step verdicts, the headline ("PASS: the runs differ by rounding only") and
-``--json`` all tell the same. Torch-free.
+Entering: in a bfloat16 model a fault under the tolerance passes where it enters, and the
+first op beyond it downstream took the blame. Two correct kernels differ by well under one
+unit roundoff u, so in the step file of the first divergence and before it, the first API
+call judged at a 16-bit or coarser tolerance that differs by ENTERING_UNITS x u or more and
+takes that from a source (a parameter, an external input, a tensor changed in between) at
+least as large as its produced inputs carry, or makes it itself (over AMPLIFICATION x that,
+and over sqrt(carried x u)), is the likely cause unless an op introduced its error before.
 """
 
 from __future__ import annotations
 
 import copy
-
 import math
 
 from probe.comparison import result as R
@@ -278,14 +209,18 @@ def _inherit(call, ranks: dict, by_rank: dict) -> None:
 CARRIED_SHARE = 10.0
 
 
-def _source_params(row) -> list | None:
-    """[(parameter name, rel L2)] of the divergent sources of an introduced output, or None
-    when any source is not a parameter recorded as one (external data, a changed argument)."""
-    found = []
+def _source_params(row, data: bool) -> tuple[list, bool] | None:
+    """([(parameter name, rel L2)] of the divergent sources of an introduced output, whether
+    some source is data the model made), or None when any source is neither a parameter
+    recorded as one nor such data (a changed argument, data a dataset gave)."""
+    found, made = [], False
     for item in row.input_errors:
         if item.get("status") != R.DIVERGED or item.get("source") in CARRIERS:
             continue
         producer = item.get("producer") or ""
+        if item.get("source") == EXTERNAL and data:
+            made = True  # data the drifted model made (a policy's rollouts)
+            continue
         if item.get("source") != "param":
             return None
         if item["slot"].startswith("param."):  # a module's own parameter
@@ -295,7 +230,7 @@ def _source_params(row) -> list | None:
             found.append((param_name(module, "param." + producer.rsplit("/param.", 1)[1]), item.get("rel_l2") or 0.0))
         else:
             return None
-    return found
+    return found, made
 
 
 def differs_at_rounding(rows) -> bool:
@@ -305,39 +240,101 @@ def differs_at_rounding(rows) -> bool:
     return any(rel_error(row) > 0 or row.metrics.bit_equal is False for row in tensors)
 
 
-def update_sizes(rows) -> dict:
+#: update_sizes' entry that says the rank's data are made by its model (model_made_data)
+MODEL_DATA = "\0data the model makes"
+#: ... and that those data have parted (an input no recorded op made differs beyond tolerance)
+DATA_PARTED = "\0data parted"
+
+
+def model_made_data(rows) -> bool:
+    """Whether the step's data are made by the model: in a step file that records the model's
+    parameters, an input no recorded op made (data) differs, within tolerance. Data a model
+    that rounds otherwise computed (a policy's rollouts: their log-probabilities, advantages)
+    differ so from the start; data a dataset gives are the same in both runs until something
+    changes them."""
+    if not any(row.kind == "param" for row in rows):
+        return False  # an api-level dump: its weights are inputs no recorded op made
+    return any(item.get("source") == EXTERNAL and item.get("status") in R.WITHIN and finite(item.get("rel_l2")) > 0
+               for row in rows if row.io == "out" for item in row.input_errors)
+
+
+def _composed(row, rows) -> bool:
+    """A module's output whose api calls inside were recorded and differ (level mix): what
+    they computed, each judged on its own."""
+    if row.kind != "module" or row.io != "out":
+        return False
+    return any(other.kind == "api" and other.io == "out" and other.phase == row.phase
+               and other.status == R.DIVERGED and module_within(other.module, row.module) for other in rows)
+
+
+def _from_divergent(row) -> bool:
+    """An output some input of which differs beyond tolerance, or by a tenth of the output's
+    difference or more (a record not compared, its values stale, still measures it): what the
+    op amplified."""
+    out = finite(rel_error(row))
+    return any(item.get("status") == R.DIVERGED or finite(item.get("rel_l2")) * AMPLIFICATION >= out
+               for item in row.input_errors)
+
+
+def update_sizes(rows, previous: dict | None = None) -> dict:
     """{parameter: the largest difference of the optimizer's writes to it} of one step file
-    pair: what drift_facts of the rank's next step file checks its parameters against."""
+    pair: what drift_facts of the rank's next step file checks its parameters against; with
+    MODEL_DATA once some step file of the rank (previous: the update_sizes before) showed
+    data the model makes."""
     updates: dict = {}
     for row in rows:
         if row.target and row.io == "out" and row.status in R.PAIRED:
             updates[row.target] = max(updates.get(row.target, 0.0), rel_error(row))
+    if (previous or {}).get(MODEL_DATA) or model_made_data(rows):
+        updates[MODEL_DATA] = True
+        if (previous or {}).get(DATA_PARTED) or any(row.status == R.DIVERGED and row.divergence == R.INPUT
+                                                    for row in rows):
+            updates[DATA_PARTED] = True  # the data the model made differ beyond tolerance from here on
     return updates
 
 
 def drift_facts(rows, previous: dict | None) -> tuple[bool, bool]:
-    """(whether an error is introduced in this step file pair, whether every such error enters
-    through parameters whose difference the previous step's update wrote). previous: the
-    update_sizes of the same rank's previous compared step file, None for its first."""
-    introduced = False
+    """(whether an error is introduced in this step file pair, whether drift explains every
+    such error: it enters through parameters whose difference the previous step's update
+    wrote, or through data the drifted model made). Each introduced row drift explains is
+    marked (row.drifting). previous: the update_sizes of the rank's previous compared step
+    file, None for its first."""
+    data = previous is not None and (bool(previous.get(MODEL_DATA)) or model_made_data(rows))
+    parted = data and bool(update_sizes(rows, previous).get(DATA_PARTED))
+    introduced, carried = False, True
     for row in rows:
         if row.status != R.DIVERGED or row.origin != R.INTRODUCED:
+            continue
+        if _composed(row, rows):
+            row.drifting = True
             continue
         if row.divergence == R.PARAM and not row.slot.startswith("param."):
             continue  # an api call's input holding a parameter: judged at the parameter's record
         introduced = True
-        if row.divergence == R.PARAM:
-            params = [(param_name(row.module, row.slot), rel_error(row))]
-        elif row.divergence == R.OUTPUT:
-            params = _source_params(row)
-        else:
-            return True, False  # a changed argument, an external input, a precision finding
-        if not params or previous is None:
-            return True, False  # an op that made its error from agreeing inputs; no earlier step
-        for name, rel in params:
-            if previous.get(name, 0.0) * CARRIED_SHARE < rel:
-                return True, False  # the parameter jumped: not what its last update wrote
-    return introduced, True
+        row.drifting = previous is not None and _drifts(row, previous, data, parted)
+        carried = carried and row.drifting
+    return introduced, carried
+
+
+def _drifts(row, previous: dict, data: bool, parted: bool) -> bool:
+    """Whether drift explains one introduced row (drift_facts)."""
+    if row.divergence == R.INPUT:
+        return data  # data the drifted model made; an op that reads it is judged on its own
+    if row.divergence == R.PARAM:
+        params, made = [(param_name(row.module, row.slot), rel_error(row))], False
+    elif row.divergence == R.OUTPUT:
+        found = _source_params(row, data)
+        if found is None:
+            return False  # a source that is neither a carried parameter nor the model's data
+        params, made = found
+    else:
+        return False  # a changed argument, a precision finding
+    if not params and not made:
+        # an op that made its error itself: from agreeing inputs never; once the data parted,
+        # amplifying what its inputs already differ by (different samples, different actions)
+        return parted and _from_divergent(row)
+    # a parameter whose difference jumped is not what its last update wrote
+    return all(previous.get(name, 0.0) * CARRIED_SHARE >= rel for name, rel in params)
 
 
 def find_drift(first, verdict: str, files: list[dict]) -> dict | None:
@@ -356,9 +353,28 @@ def find_drift(first, verdict: str, files: list[dict]) -> dict | None:
         return None
     text = (f"drift: the runs part through accumulated rounding; they already differ at rounding level at step "
             f"{own[0]['step']} (within tolerance), and every divergence from step {first.step} on enters through "
-            "parameters whose difference the previous step's optimizer update wrote; no op introduced an error "
+            "parameters whose difference the previous step's optimizer update wrote, or through data the drifted "
+            "model made (a policy's rollouts); no op introduced an error "
             "(replay with --replay on tensor dumps checks that no op computes beyond rounding)")
     return {"step": first.step, "rank": rank, "text": text}
+
+
+def drifting_ranks(files: list[dict]) -> set:
+    """The ranks whose runs differ at rounding level at their first compared step file
+    (find_drift's facts): there, what drift explains (drift_facts) is not the story, and a
+    fault after the runs drifted (and their data parted) is named where it enters."""
+    firsts: dict = {}
+    for info in files:
+        if info["rank"] not in firsts or info["step"] < firsts[info["rank"]]["step"]:
+            firsts[info["rank"]] = info
+    return {rank for rank, info in firsts.items() if info["differs"]}
+
+
+def drifted(rows: list) -> list:
+    """A step file's story rows, copies of those drift explains with "introduced" taken back."""
+    copies = [restated(row) if row.drifting else row for row in rows]
+    apply_drift({}, [row for row in copies if row.drifting])
+    return copies
 
 
 def apply_drift(found: dict, rows: list) -> None:
@@ -395,8 +411,11 @@ def settles(drift: dict | None, within: bool, strict: bool) -> bool:
 
 
 def settle_row(row) -> None:
-    """Explain one divergent row of a drift that stays within the envelopes."""
-    envelope = row.envelope
+    """Explain one divergent row of a drift within the envelopes, or from data it made (none)."""
+    envelope = row.envelope or {}
+    if row.divergence == R.INPUT or (row.io == "out" and envelope.get("verdict") not in _SETTLED):
+        return row.explain("drift: follows from the data the drifted model made (other samples, other actions)",
+                           ROUNDING)
     within = f"; {envelope['text']}" if envelope else ""
     row.explain(f"drift within its rounding envelope: grown over the earlier steps' optimizer updates from "
                 f"rounding{within}", ROUNDING)
@@ -405,8 +424,9 @@ def settle_row(row) -> None:
 def settled_note(drift: dict, settled: int) -> str:
     """The note of a drift settled within rounding; settled: the records it explained."""
     return (f"drift within rounding: the runs part through accumulated rounding from step {drift['step']} on "
-            f"({settled} records beyond the fixed tolerance, each within its rounding envelope, grown over the "
-            "optimizer's updates); no op introduced an error. --strict judges by the fixed tolerance alone")
+            f"({settled} records beyond the fixed tolerance, each within its rounding envelope or following from data "
+            "the drifted model made, grown over the optimizer's updates); no op introduced an error. --strict judges "
+            "by the fixed tolerance alone")
 
 
 def settled_copies(rows) -> list:
@@ -430,10 +450,12 @@ def story_rows(rows) -> list:
     on them as on every row (in row order, as the rows hold them)."""
     chosen = {id(first_divergence(rows)): None}
     for kinds in ((R.OUTPUT, R.PRECISION), (R.PARAM, R.ARGUMENT, R.INPUT)):
-        found = min((row for row in rows if row.status == R.DIVERGED and row.divergence in kinds
-                     and row.origin == R.INTRODUCED), key=lambda row: row.order, default=None)
-        if found is not None:
-            chosen[id(found)] = None
+        for drift in (True, False):  # and the first that drift does not explain (drifted)
+            found = min((row for row in rows if row.status == R.DIVERGED and row.divergence in kinds
+                         and row.origin == R.INTRODUCED and (drift or not row.drifting)),
+                        key=lambda row: row.order, default=None)
+            if found is not None:
+                chosen[id(found)] = None
     return [row for row in rows if id(row) in chosen]
 
 

@@ -247,6 +247,8 @@ class RecordRow:
     source: str = ""
     paired_by: str = ""  # how the call pair was made (align.SEQUENCE / NAME / KEY, foreach.FOREACH)
     target: str = ""  # the parameter an optimizer call updates ("fc1.weight"), "" elsewhere
+    buffer: str = ""  # the model's registered buffer the record holds ("rope.cos"), where capture knew it
+    drifting: bool = False  # an introduced error drift explains (story.drift_facts)
     stale: str = ""  # "A" / "B": that run's record holds pre-write values, not compared (record_rules.StaleRecords)
     #: the norm of what this tensor was reduced from (a cancelling sum: a bias gradient), 0 if none
     scale_norm: float = 0.0

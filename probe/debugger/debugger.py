@@ -199,6 +199,7 @@ class PrecisionDebugger:
             targets = None  # the model's modules (compiled_regions.targets), when it has one
             recorder.copy_when_recorded(self._model_is_sharded())
             if self._model is not None:
+                recorder.know_buffers(self._model)
                 version_gaps.warn_sharded_capture_gap(self._model)
                 targets = region_targets(self._model)  # one walk of the model for every part
                 if level in ("api", "mix"):

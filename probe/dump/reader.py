@@ -69,7 +69,7 @@ class RecordTable:
     """
 
     def __init__(self, group: h5py.Group, path: str, count: int, handle: h5py.File | None = None,
-                 uninitialized=None):
+                 uninitialized=None, buffers=None):
         self._group = group
         self._handle = handle
         self._strings: np.ndarray | None = None
@@ -86,6 +86,10 @@ class RecordTable:
         self._uninitialized = None if uninitialized is None else frozenset(uninitialized)
         if self._uninitialized is not None:
             self.columns += (schema.UNINITIALIZED,)
+        #: record key -> the model buffer it holds (root attribute buffers): a str column "buffer"
+        self._buffers = buffers
+        if buffers is not None:
+            self.columns += (schema.BUFFER,)
 
     def sketches(self) -> np.ndarray | None:
         """The /records/sketch dataset as a (records, k) float64 array; None when absent."""
@@ -111,6 +115,11 @@ class RecordTable:
     def __repr__(self) -> str:
         return f"RecordTable({self._count} records from {self._path})"
 
+    def _keep(self, name: str, values: np.ndarray) -> np.ndarray:
+        values.setflags(write=False)
+        self._cache[name] = values
+        return values
+
     def column(self, name: str) -> np.ndarray:
         if name in self._cache:
             return self._cache[name]
@@ -118,19 +127,18 @@ class RecordTable:
             raise KeyError(f"no record column {name!r}; columns are {', '.join(self.columns)}")
         if not self._group.id.valid:
             raise ValueError(f"{self._path} was closed; reopen it to read records")
+        # columns made from a root attribute that names records by key
         if name == schema.UNINITIALIZED and self._uninitialized is not None:
             keys = self._uninitialized
-            values = np.fromiter((key in keys for key in self.column("key")), dtype=bool,
-                                 count=self._count)
-            values.setflags(write=False)
-            self._cache[name] = values
-            return values
+            return self._keep(name, np.fromiter((key in keys for key in self.column("key")), dtype=bool,
+                                                count=self._count))
+        if name == schema.BUFFER and self._buffers is not None:
+            return self._keep(name, np.array([self._buffers.get(key, "") for key in self.column("key")],
+                                             dtype=object))
         if name in _ABSENT and name not in self._group:  # an older file: the column's default
             values = np.empty(self._count, dtype=object if isinstance(_ABSENT[name], str) else None)
             values[:] = _ABSENT[name]
-            values.setflags(write=False)
-            self._cache[name] = values
-            return values
+            return self._keep(name, values)
         try:
             dataset = self._group[name]
             if h5py.check_string_dtype(dataset.dtype) is not None:  # variable-length strings
@@ -144,9 +152,7 @@ class RecordTable:
                 f"cannot read record column {name!r} of {self._path}: {_reason(error)} "
                 "(truncated or corrupt file)"
             ) from error
-        values.setflags(write=False)
-        self._cache[name] = values
-        return values
+        return self._keep(name, values)
 
     def _decode_codes(self, name: str, codes: np.ndarray) -> np.ndarray:
         strings = self._string_table()
@@ -358,7 +364,12 @@ def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable
                                           and all(isinstance(key, str) for key in uninitialized)):
         raise DumpFormatError(f"{path} root attribute {schema.UNINITIALIZED!r} is not a list of "
                               "record keys")
-    return RecordTable(group, path, count, handle, uninitialized)
+    buffers = attrs.get(schema.BUFFERS)
+    if buffers is not None and not (isinstance(buffers, dict) and all(
+            isinstance(key, str) and isinstance(name, str) for key, name in buffers.items())):
+        raise DumpFormatError(f"{path} root attribute {schema.BUFFERS!r} is not a map of record keys to "
+                              "buffer names")
+    return RecordTable(group, path, count, handle, uninitialized, buffers)
 
 
 def _wait_for_writes(path: str) -> None:

@@ -210,12 +210,19 @@ ROOT_ATTRS = {
     "yet (an empty-family allocation, or a view of one, read before its first write): dtype, shape and "
     "device only, statistics NaN and counts -1, no sketch, checksum or tensor; never compared. "
     "[] when there is none; absent in older files",
+    "buffers": "JSON (optional on read): {key: name, ...}, the records whose tensor is a buffer the model "
+    "registered (model.named_buffers(), by identity), with the buffer's name (\"rope.cos\"); {} when no "
+    "record is one; absent in older files (not known)",
 }
 #: the root attribute listing the records of memory nothing had written yet
 UNINITIALIZED = "uninitialized"
+#: the root attribute naming the records of the model's registered buffers (and the reader's
+#: column of those names)
+BUFFERS = "buffers"
+BUFFER = "buffer"
 #: root attributes a reader must not require: absent in files of older schema versions.
-OPTIONAL_ATTRS = ("run_id", "autocast", "cost", UNINITIALIZED)
-JSON_ATTRS = ("config", "seed_report", "determinism", "autocast", "cost", UNINITIALIZED)
+OPTIONAL_ATTRS = ("run_id", "autocast", "cost", UNINITIALIZED, BUFFERS)
+JSON_ATTRS = ("config", "seed_report", "determinism", "autocast", "cost", UNINITIALIZED, BUFFERS)
 
 #: How tensor dtypes without a numpy equivalent are stored bit-exact: same-width unsigned
 #: integers holding the raw bits; the "dtype" attribute says how to read them.

@@ -26,7 +26,7 @@ import numpy as np
 
 from probe.config import KEYS
 from probe.errors import CompareError
-from probe.fingerprint import envelope
+from probe.fingerprint import envelope, inherit
 from probe.fingerprint.file import Fingerprints
 
 
@@ -79,6 +79,10 @@ class FingerprintResult:
     series: list = field(default_factory=list)  # Series
     config_a: dict = field(default_factory=dict)
     config_b: dict = field(default_factory=dict)
+    #: the first step where a tensor grew by more than rounding allows in one step from what
+    #: it read that had already parted (inherit.py: no jump), and those tensors
+    inherited_step: int | None = None
+    inherited: list = field(default_factory=list)
     #: the dtypes autocast computed each run's steps in ({"a": [...], "b": [...]}: "" off),
     #: what the rounding allowed was sized from; empty lists where the files do not say
     compute: dict = field(default_factory=dict)
@@ -123,6 +127,8 @@ class FingerprintResult:
                 "tensors": [asdict(t) for t in self.parting_tensors[:10]]},
             "first_jump": None if self.jump_step is None else {
                 "step": self.jump_step, "tensors": [asdict(t) for t in self.jumped]},
+            "first_inherited": None if self.inherited_step is None else {
+                "step": self.inherited_step, "tensors": [asdict(t) for t in self.inherited[:10]]},
             "counts": {"steps": len(self.steps), "tensors": len(self.series),
                        "only_a": len(self.only_a_tensors), "only_b": len(self.only_b_tensors),
                        "only_a_steps": len(self.only_a_steps), "only_b_steps": len(self.only_b_steps),
@@ -192,7 +198,8 @@ def compare(a: Fingerprints, b: Fingerprints, rank: int = 0) -> FingerprintResul
         outside = gaps.outside
         jumped &= present
         outside &= present
-        series.append((name, entry["kind"], gaps, limit, outside, jumped))
+        series.append([name, entry["kind"], gaps, limit, outside, jumped])
+    _inherit(series, [a.tensors[a.index[name]].get("param", "") for name in names])
     result = FingerprintResult(
         a=a.path, b=b.path, rank=rank, steps=common, parting_step=None, parting_kind=None,
         parting_tensors=[], jump_step=None, jumped=[],
@@ -211,9 +218,28 @@ def compare(a: Fingerprints, b: Fingerprints, rank: int = 0) -> FingerprintResul
     if first_jump is not None:
         result.jump_step = common[first_jump]
         result.jumped = _at(series, first_jump, 5, common, by_ratio=True)
+    first_inherited = _first(series, 6)
+    if first_inherited is not None:
+        result.inherited_step = common[first_inherited]
+        result.inherited = _at(series, first_inherited, 6, common, by_ratio=True)
     result.series = [Series(name, kind, _floats(gaps.estimate), _floats(limit), _floats(gaps.fresh))
-                     for name, kind, gaps, limit, _, _ in series]
+                     for name, kind, gaps, limit, *_ in series]
     return result
+
+
+def _inherit(series: list, params: list) -> None:
+    """Moves the jumps a step inherits from what it read (inherit.py) out of each entry's
+    jumped flags into a column of their own (the entry's seventh)."""
+    if not series:
+        return
+    kinds = [entry[1] for entry in series]
+    outside = np.stack([entry[4] for entry in series], axis=1)
+    jumped = np.stack([entry[5] for entry in series], axis=1)
+    nonfinite = np.stack([entry[2].nonfinite for entry in series], axis=1)
+    passed_on = inherit.inherited(kinds, params, outside, jumped, nonfinite, inherit.parted_before(kinds, outside))
+    for column, entry in enumerate(series):
+        entry[5] = jumped[:, column] & ~passed_on[:, column]
+        entry.append(passed_on[:, column])
 
 
 def _compute(prints: Fingerprints) -> np.ndarray:

@@ -30,6 +30,8 @@ more than a few times its recent maximum in one step; an injected change of one 
 grows it from nothing (within the floor) to 1e-4 and more.
 
 A NaN or Inf count that differs between the runs is a jump at once (the gap is infinite).
+Once the runs' weights have parted, growth a tensor inherits from what it read is no jump
+(inherit.py).
 """
 
 from __future__ import annotations

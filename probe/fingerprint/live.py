@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probe.fingerprint import envelope
+from probe.fingerprint import envelope, inherit
 from probe.fingerprint.file import Follower, find_file
 
 
@@ -37,6 +37,7 @@ class LiveReference:
         self._say = say
         self._follower: Follower | None = None
         self._tracker = envelope.Tracker()
+        self._parted = False  # some parameter has left its envelope at a compared step
         self._said_end = False
         self._missing_run: tuple[int, int] | None = None  # (first, last) of missing steps
         self._unknown: set[str] = set()
@@ -62,6 +63,7 @@ class LiveReference:
         self.compared += 1
         result = LiveStep(step)
         computed = envelope.compute_units(found.compute_unit, compute_unit)
+        judged = []  # (name, description, gaps, outside, jumped, allowed)
         for name, numbers, sketch in rows:
             theirs = found.tensors.get(name)
             if theirs is None:
@@ -73,7 +75,8 @@ class LiveReference:
             recent = self._tracker.recent_norm(name, float(theirs[0][3]))
             gaps = envelope.measure(theirs[0], theirs[1], np.asarray(numbers), np.asarray(sketch),
                                     entry["dtype"], int(entry["numel"]), np.asarray([recent]), computed)
-            outside, jumped, allowed = self._tracker.judge(name, gaps)
+            judged.append((name, entry, gaps, *self._tracker.judge(name, gaps)))
+        for (name, _, gaps, outside, _, allowed), jumped in zip(judged, self._not_inherited(judged)):
             if outside:
                 result.outside.append((name, float(gaps.estimate[0]), allowed))
             if jumped:
@@ -83,6 +86,20 @@ class LiveReference:
         if result.outside and self.parted_at is None:
             self.parted_at = step
         return result
+
+    def _not_inherited(self, judged: list) -> list:
+        """Each tensor's jump, less those inherited from what it read (inherit.py, as the
+        offline compare judges them); remembers whether some parameter has left its envelope."""
+        if not judged:
+            return []
+        kinds = [entry.get("kind", "") for _, entry, *_ in judged]
+        params = [entry.get("param", "") for _, entry, *_ in judged]
+        outside = np.array([[row[3] for row in judged]])
+        jumped = np.array([[row[4] for row in judged]])
+        nonfinite = np.array([[bool(row[2].nonfinite[0]) for row in judged]])
+        passed_on = inherit.inherited(kinds, params, outside, jumped, nonfinite, np.array([self._parted]))
+        self._parted = self._parted or bool(inherit.weights_outside(kinds, outside)[0])
+        return list(jumped[0] & ~passed_on[0])
 
     def _note_missing(self, step: int, last: int | None) -> None:
         if last is None or step > last:

@@ -73,6 +73,7 @@ def terminal(result: FingerprintResult) -> str:
         lines.append(f"loss at step {step}: A {_g(result.loss_a[position])}  B {_g(result.loss_b[position])}")
     elif result.parting_step is not None:
         lines.append("No jump: this is what summing in another order does to a training run (verdict pass).")
+    lines += _inherited_lines(result)
     configs = result.dump_configs()
     if configs is not None:
         step = result.jump_step if result.jump_step is not None else result.parting_step
@@ -92,6 +93,18 @@ def terminal(result: FingerprintResult) -> str:
         lines += [""] + [f"note: {note}" for note in notes]
     lines.append(f"verdict: {result.verdict}")
     return "\n".join(lines) + "\n"
+
+
+def _inherited_lines(result: FingerprintResult) -> list[str]:
+    """Where tensors grew faster than rounding from what had already parted (no jump)."""
+    if result.inherited_step is None or (result.jump_step is not None and result.jump_step <= result.inherited_step):
+        return []
+    first = result.inherited[0]
+    times = "inf" if first.ratio == math.inf else f"{first.ratio:.0f}"
+    return [f"From step {result.inherited_step} some tensors grow by more than rounding allows in one step "
+            f"({first.name} x{times}, {len(result.inherited)} in all), each from what it read that had "
+            "already parted: a gradient from parted weights (and the data a parted model made), a state "
+            "from such a gradient, a parameter from such a state. Inherited, not a jump."]
 
 
 def as_json(result: FingerprintResult) -> str:

@@ -142,7 +142,8 @@ def _came_from(item: dict) -> str:
         "param_update": "a parameter, read after the backward began (an optimizer update)",
         "carried": "state carried over from the previous step",
         "unrecorded": "made after the backward began by something not recorded (a .grad)",
-        "external": "external: no recorded op made it (data, a buffer, a weight)",
+        "external": (f"buffer {item['buffer']}: no recorded op made it" if item.get("buffer")
+                     else "external: no recorded op made it (data, a buffer, a weight)"),
         "changed": f"changed after {producer or 'the op that made it'} made it",
         "unpaired": f"made by {producer or 'a call'}, which the other run does not have",
     }.get(item["source"], item["source"])

@@ -72,3 +72,24 @@ def test_a_cancelling_sum_is_judged_against_the_scale_of_its_summands():
     bias = _row(outcome, "fc/functional.linear#0/backward/grad_input.2")
     assert bias.metrics.rel_l2 > 1e-2 and bias.scale_norm > 100 * bias.metrics.ref_norm
     assert bias.status in (R.MATCH, R.EXPLAINED) and not outcome.diverged
+
+
+def test_adams_first_moment_lerp_that_cancels_amplifies_what_its_inputs_differ_by():
+    """exp_avg.lerp_(grad, 0.1) where the gradient turns against the moment, 0.9 m + 0.1 g
+    near 0: a + w (b - a) subtracts, so inputs that already differ (rel 1e-3) make an output
+    that differs far more than 10x: amplified by the op's conditioning, not introduced."""
+    rng = np.random.default_rng(0)
+    m = rng.uniform(500, 1000, 32).astype(np.float32)
+    g = (-9 * m + rng.uniform(-1, 1, 32)).astype(np.float32)
+    runs = []
+    for side in (0, 1):
+        run = SyntheticRun(task="tensor")
+        mm, gg = (m, g) if not side else ((m * 1.001).astype(np.float32), (g * 1.001).astype(np.float32) + 1)
+        run.call("", "torch.exp", {"output.0": mm})
+        run.call("", "torch.exp", {"output.0": gg})
+        out = (mm + np.float32(0.1) * (gg - mm)).astype(np.float32)
+        run.call("", "Tensor.lerp_", {"input.0": mm, "input.1": gg, "input.2": 0.1, "output.0": out})
+        runs.append(run)
+    lerp = _row(_outcome(*runs), "/Tensor.lerp_#0/forward/output.0")
+    assert lerp.metrics.rel_l2 > 10 * 1.1e-3
+    assert lerp.origin == R.AMPLIFIED, lerp.cause

@@ -18,6 +18,7 @@ from tests import rounding_pairs as P
 from tests.verdict_models import TinyAttention, tokens
 
 ROUNDING_ONLY = "PASS: the runs differ by rounding only (largest difference "
+STATISTICS = {"task": "statistics", "level": "mix"}
 
 
 # ---------------------------------------------------------------------------- the model
@@ -353,33 +354,12 @@ def test_probe_run_perturb_computes_the_command_with_other_device_rounding(tmp_p
 def test_ppo_over_15_updates_each_dumped_against_other_device_rounding_passes_by_rounding_only(tmp_path):
     """The scenario probe exists for: PPO on CartPole trained twice, the second time with
     another device's rounding; every update step dumped."""
-    import contextlib
-
-    gym = pytest.importorskip("gymnasium", reason="the PPO example needs gymnasium: pip install -e '.[examples]'")
-    from examples.reinforcement_learning.ppo import (
-        ActorCritic, EpisodeTracker, PPOSettings, collect, minibatches, update_step,
-    )
-    from probe.perturb import other_rounding
+    pytest.importorskip("gymnasium", reason="the PPO example needs gymnasium: pip install -e '.[examples]'")
+    from tests import ppo_runs
 
     def train(path, perturb):
-        probe.seed_all(1234)
-        settings = PPOSettings(rollout_steps=32, epochs=1, minibatch=32)
-        model = ActorCritic()
-        optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-        tracker = EpisodeTracker(gym.make("CartPole-v1"), 1234)
-        debugger = probe.PrecisionDebugger({"task": "statistics", "level": "mix", "dump_path": str(path),
-                                            "seed": 1234})
-        try:
-            with other_rounding() if perturb else contextlib.nullcontext():
-                for _ in range(15):
-                    for batch in minibatches(collect(model, tracker, settings, torch.device("cpu")), settings):
-                        debugger.start(model)
-                        update_step(model, optimizer, batch, settings)
-                        debugger.stop()
-                        debugger.step()
-        finally:
-            debugger.close()
-        return tracker.returns
+        return ppo_runs.train(str(path), 15, other=perturb, config=STATISTICS, rollout_steps=32, epochs=1,
+                              minibatch=32)
 
     assert train(tmp_path / "a", False) == train(tmp_path / "b", True)
     result = probe.compare(tmp_path / "a", tmp_path / "b")
