@@ -9,6 +9,7 @@ import re
 
 import click
 
+from probe.comparison.structs import json_safe
 from probe.dump import formats, reader
 
 _TABLE_COLUMNS = ("seq", "key", "dtype", "shape", "min", "max", "mean", "norm", "nan", "inf")
@@ -26,17 +27,6 @@ def key_matcher(pattern: str | None):
             raise click.BadParameter(f"{pattern[3:]!r} is not a valid regular expression: {error}", param_hint="--key")
         return lambda key: compiled.search(key) is not None
     return lambda key: pattern in key
-
-
-def _json_safe(value):
-    """NaN/Inf -> None so the output is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {name: _json_safe(item) for name, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
 
 
 def _number(value) -> str:
@@ -201,7 +191,7 @@ def inspect(dump, step, rank, key, limit, as_json):
             "records_not_shown": hidden,
             "mixed_runs": mixed or None,
         }
-        click.echo(json.dumps(_json_safe(payload), allow_nan=False, ensure_ascii=False))
+        click.echo(json.dumps(json_safe(payload, nan=None, infinite=False), allow_nan=False, ensure_ascii=False))
         return 0
 
     click.echo(f"{dump}: {len(loaded.files)} step file(s), steps {loaded.steps}, ranks {loaded.ranks}")

@@ -461,18 +461,19 @@ def sharded_only_rows(rows) -> list:
             and (row.step, row.rank, row.module, row.slot) in paired))]
 
 
-def json_safe(value):
-    """Replace non-finite floats by strings, recursively (JSON has no Infinity/NaN)."""
+def json_safe(value, nan: object = "nan", infinite: bool = True):
+    """Non-finite floats replaced, recursively (JSON has no Infinity/NaN): NaN by ``nan``, an
+    infinity by "inf" / "-inf" (by ``nan`` too when ``infinite`` is False)."""
     if isinstance(value, float):
         if math.isnan(value):
-            return "nan"
+            return nan
         if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
+            return ("inf" if value > 0 else "-inf") if infinite else nan
         return value
     if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item, nan, infinite) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
+        return [json_safe(item, nan, infinite) for item in value]
     return value
 
 

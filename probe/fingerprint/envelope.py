@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from probe.comparison import op_envelopes
 from probe.comparison import sketch as sketch_estimate
 
 #: a jump: the gap's low end above GROWTH x the high end of its recent maximum
@@ -54,11 +55,16 @@ FRESH_ULPS = 4.0
 #: bf16 Llama training, an RMSNorm eps 10x larger reached 16 and more (docs/fingerprints.md)
 COMPUTE_ULPS = 8.0
 
-_UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+#: the dtypes a fingerprint names by their unit roundoff (op_envelopes holds every dtype's)
+_NAMED = ("float64", "float32", "float16", "bfloat16")
 
 
 def unit_roundoff(dtype: str) -> float:
-    return _UNIT.get(dtype, 2.0 ** -24 if dtype.startswith("float") else 0.0)
+    """A dtype's unit roundoff; float32's for a float dtype no table knows, 0 for integers."""
+    found = op_envelopes.unit_roundoff(dtype)
+    if found is not None:
+        return found
+    return 2.0 ** -24 if dtype.startswith("float") else 0.0
 
 
 @dataclass
@@ -127,8 +133,8 @@ def compute_units(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def dtype_of_unit(unit: float) -> str:
     """The dtype name of a unit roundoff ("bfloat16"); "" for 0 (none) or NaN (not known)."""
-    for name, value in _UNIT.items():
-        if unit == value:
+    for name in _NAMED:
+        if unit == op_envelopes.unit_roundoff(name):
             return name
     return "" if not unit or unit != unit else f"a dtype of unit roundoff {unit:.1e}"
 

@@ -11,6 +11,7 @@ import html
 import json
 import math
 
+from probe.comparison.structs import json_safe
 from probe.fingerprint import envelope
 from probe.fingerprint.compare import FingerprintResult, config_text
 
@@ -108,18 +109,8 @@ def _inherited_lines(result: FingerprintResult) -> list[str]:
 
 
 def as_json(result: FingerprintResult) -> str:
-    return json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) + "\n"
-
-
-def _finite(value):
-    """JSON has no inf or NaN: an infinite gap (NaN/Inf on one side) is "inf", NaN null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
+    # an infinite gap (NaN/Inf on one side) is "inf", a NaN null
+    return json.dumps(json_safe(result.to_dict(), nan=None), indent=2, allow_nan=False) + "\n"
 
 
 def _shown_series(result: FingerprintResult) -> list:
