@@ -38,6 +38,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from probe.dump import schema
 from probe.errors import CompareError
 
@@ -312,6 +314,42 @@ def tensor_print(cols: dict, row: int):
     if all(math.isnan(value) for value in numbers) or cols["numel"][row] <= 1:
         return None  # a scalar (a step counter) says nothing about which parameter it is
     return ("stats", cols["dtype"][row], cols["shape"][row], *map(repr, numbers), cols["checksum"][row])
+
+
+def content_key(cols: dict, row: int) -> int | None:
+    """A tensor's values, comparable across step files: its checksum when recorded, else its
+    statistics (None when neither is known)."""
+    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
+    if cols["checksum"][row]:
+        return hash(head + (cols["checksum"][row],))
+    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
+    if all(math.isnan(value) for value in numbers):
+        return None
+    # NaN hashes by identity: spell it out so equal statistics give equal keys
+    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
+    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
+
+
+#: the statistics of a record that an in-place write check compares (record_rules.StaleRecords)
+STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
+
+
+def row_facts(records: Records) -> tuple[list, list]:
+    """(statistics, content_key) of every record, in one pass over the columns. Statistics: the
+    values STATS names, a NaN spelled "nan" (None for a plain value, or a tensor with no
+    statistics)."""
+    cols = records.columns
+    numbers = np.array([cols[name] for name in STATS[:4]], dtype=np.float64).reshape(4, len(records))
+    nan = np.isnan(numbers)
+    some, every = nan.any(axis=0).tolist(), nan.all(axis=0).tolist()
+    stats, keys = [], []
+    for row, values in enumerate(zip(*(cols[name] for name in STATS))):
+        if some[row]:
+            values = tuple("nan" if isinstance(value, float) and math.isnan(value) else value for value in values)
+        head = (values[9], values[8], values[6])
+        keys.append(hash(head + (values[7],)) if values[7] else None if every[row] else hash(head + values[:6]))
+        stats.append(None if every[row] or values[9] == "" else values)
+    return stats, keys
 
 
 ALLOWED_KEYS = ("modules", "ops")
