@@ -37,7 +37,9 @@ from probe.comparison.envelope import Operand
 from probe.comparison.metrics import (
     Metrics, Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
-from probe.comparison.records import Call, Records, is_param_slot, param_name, parse_shape, row_facts
+from probe.comparison.records import (
+    Call, Records, is_param_slot, param_name, parse_shape, row_facts, unknown_statistics,
+)
 from probe.comparison.sketch import raw_errors, refine as refine_with_sketch, statistics_columns
 from probe.comparison.structs import (
     ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, MeasuredStep, Measurement, RecordRow,
@@ -405,7 +407,10 @@ class Provenance:
         cols = records.columns
         self._cols = cols
         self._keys = keys  # row_facts' content keys
-        self._prints: dict[int, list] = {}
+        # every record's identity: its tensor_id when stored, else its checksum and statistics
+        statistics = zip(*(map(repr, cols[name]) for name in STAT_COLUMNS), cols["shape"])
+        self._prints = [[("id", tensor_id)] if tensor_id >= 0 else [] if empty else [("stats", values)]
+                        for tensor_id, empty, values in zip(cols["tensor_id"], unknown_statistics(records), statistics)]
         self.produced: dict = {}  # fingerprint -> (order, row) of its earliest output record
         self.params: dict = {}  # fingerprint -> row of a param.* record holding that tensor
         self.previous = previous or set()  # content keys of the previous step file's records
@@ -434,18 +439,7 @@ class Provenance:
 
     def fingerprints(self, row: int) -> list:
         """The tensor's identity: its tensor_id when stored, else its checksum and statistics."""
-        found = self._prints.get(row)
-        if found is not None:
-            return found
-        cols = self._cols
-        if cols["tensor_id"][row] >= 0:
-            marks = [("id", cols["tensor_id"][row])]
-        elif all(math.isnan(cols[name][row]) for name in ("min", "max", "mean", "norm")):
-            marks = []
-        else:
-            marks = [("stats", tuple(repr(cols[name][row]) for name in STAT_COLUMNS) + (cols["shape"][row],))]
-        self._prints[row] = marks
-        return marks
+        return self._prints[row]
 
     def _late_producer_ok(self, row: int, producer: int) -> bool:
         """A gradient flowing into a module (grad_output) is recorded by its module hook before

@@ -147,6 +147,7 @@ class Records:
         self.columns = columns
         self.source = source
         self._length = lengths.pop() if lengths else 0
+        self._prints: list = []  # tensor_print of the first rows, as tensor_prints read them
 
     def __len__(self) -> int:
         return self._length
@@ -156,6 +157,20 @@ class Records:
 
     def row(self, row: int) -> dict:
         return {name: values[row] for name, values in self.columns.items()}
+
+    def tensor_prints(self) -> list:
+        """tensor_print of every record, computed once, column by column (the normalize steps
+        ask for them many times; records added since the last call make it compute them anew)."""
+        if len(self._prints) != self._length:
+            cols = self.columns
+            blank = unknown_statistics(self)
+            numbers = zip(*(map(repr, cols[name]) for name in ("min", "max", "mean", "norm")))
+            self._prints = [
+                None if dtype == "" else ("id", tensor_id) if tensor_id >= 0 else None if empty or numel <= 1
+                else ("stats", dtype, shape, *reprs, checksum)
+                for dtype, tensor_id, empty, numel, shape, reprs, checksum in zip(
+                    cols["dtype"], cols["tensor_id"], blank, cols["numel"], cols["shape"], numbers, cols["checksum"])]
+        return self._prints
 
     def append_record(self, record: dict) -> int:
         """Add a derived record (a foreach call's per-element argument); returns its row."""
@@ -334,14 +349,23 @@ def content_key(cols: dict, row: int) -> int | None:
 STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
 
 
+def unknown_statistics(records: Records) -> list[bool]:
+    """Per record: min, max, mean and norm are all NaN (a plain value, or no statistics)."""
+    return _nan_statistics(records, all)
+
+
+def _nan_statistics(records: Records, which) -> list[bool]:
+    cols = records.columns
+    nan = np.isnan(np.array([cols[name] for name in STATS[:4]], dtype=np.float64).reshape(4, len(records)))
+    return (nan.all(axis=0) if which is all else nan.any(axis=0)).tolist()
+
+
 def row_facts(records: Records) -> tuple[list, list]:
     """(statistics, content_key) of every record, in one pass over the columns. Statistics: the
     values STATS names, a NaN spelled "nan" (None for a plain value, or a tensor with no
     statistics)."""
     cols = records.columns
-    numbers = np.array([cols[name] for name in STATS[:4]], dtype=np.float64).reshape(4, len(records))
-    nan = np.isnan(numbers)
-    some, every = nan.any(axis=0).tolist(), nan.all(axis=0).tolist()
+    some, every = _nan_statistics(records, any), _nan_statistics(records, all)
     stats, keys = [], []
     for row, values in enumerate(zip(*(cols[name] for name in STATS))):
         if some[row]:
