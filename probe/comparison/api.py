@@ -129,7 +129,8 @@ def compare(
     runner = runner or run_units
     finishes = getattr(runner, "finishes", True)  # False: another process finishes the compare (torchrun)
     notes = L.dump_notes(context.dump_a, context.dump_b) if finishes else []
-    partial = runner(job, context, progress)
+    with L.few_full_collections():
+        partial = runner(job, context, progress)
     if partial is None:
         return None
     return finish(partial, context.table, job.path_a, job.path_b, context.plan.missing, notes, top, strict,

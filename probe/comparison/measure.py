@@ -472,7 +472,11 @@ class Provenance:
                 return "produced", made[1]
             if self._late_producer_ok(row, made[1]):
                 return "produced", made[1]
-        param = next((self.params[mark] for mark in prints if mark in self.params), None)
+        param = None
+        for mark in prints:
+            if mark in self.params:
+                param = self.params[mark]
+                break
         if param is not None:
             # read once the backward began: the optimizer updating it; its difference, if
             # any, entered the step where the forward read it

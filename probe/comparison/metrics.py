@@ -21,6 +21,8 @@ caller reads it itself.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import threading
@@ -358,7 +360,15 @@ def limit_masked(ra: dict, rb: dict) -> list[str]:
 
 
 def parse_value(text: str):
-    """The Python value of a record's JSON value column ("" -> None)."""
+    """The Python value of a record's JSON value column ("" -> None). A statistics dump
+    repeats the same few argument texts thousands of times: each is parsed once, and a list or
+    dict handed out as a copy of its own."""
+    value = _parsed(text)
+    return copy.deepcopy(value) if isinstance(value, (list, dict)) else value
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(text: str):
     if text == "":
         return None
     try:

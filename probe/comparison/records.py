@@ -361,19 +361,20 @@ def _nan_statistics(records: Records, which) -> list[bool]:
 
 
 def row_facts(records: Records) -> tuple[list, list]:
-    """(statistics, content_key) of every record, in one pass over the columns. Statistics: the
-    values STATS names, a NaN spelled "nan" (None for a plain value, or a tensor with no
-    statistics)."""
+    """(statistics, content_key) of every record, column by column. Statistics: the values
+    STATS names, a NaN spelled "nan" (None for a plain value, or a tensor with no statistics)."""
     cols = records.columns
     some, every = _nan_statistics(records, any), _nan_statistics(records, all)
-    stats, keys = [], []
-    for row, values in enumerate(zip(*(cols[name] for name in STATS))):
-        if some[row]:
-            values = tuple("nan" if isinstance(value, float) and math.isnan(value) else value for value in values)
-        head = (values[9], values[8], values[6])
-        keys.append(hash(head + (values[7],)) if values[7] else None if every[row] else hash(head + values[:6]))
-        stats.append(None if every[row] or values[9] == "" else values)
-    return stats, keys
+    stats = list(zip(*(cols[name] for name in STATS)))
+    keys = [hash((dtype, shape, numel, checksum)) if checksum else hash((dtype, shape, numel, low, high, mean, norm,
+                                                                             nans, infs))
+            for low, high, mean, norm, nans, infs, numel, checksum, shape, dtype in stats]
+    for row in [row for row, nan in enumerate(some) if nan]:
+        # NaN hashes by identity: spell it out so equal statistics give equal keys
+        values = stats[row] = tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in stats[row])
+        if not values[7]:
+            keys[row] = None if every[row] else hash((values[9], values[8], values[6], *values[:6]))
+    return [None if empty or values[9] == "" else values for values, empty in zip(stats, every)], keys
 
 
 ALLOWED_KEYS = ("modules", "ops")
