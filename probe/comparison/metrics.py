@@ -113,14 +113,12 @@ def _ulp_chunk_max(bits_a: np.ndarray, bits_b: np.ndarray, magnitude_bits: int) 
     if bits_a.size == 0:
         return 0
     diff = bits_a - bits_b
-    cross = np.bitwise_xor(bits_a, bits_b) < 0
-    if not cross.any():
+    signs = np.bitwise_xor(bits_a, bits_b)
+    if int(signs.min()) >= 0:  # no pair across zero (a reduction, not a mask and a search)
         return max(int(diff.max()), -int(diff.min()))
-    best = 0
-    same = ~cross
-    if same.any():
-        kept = diff[same]
-        best = max(int(kept.max()), -int(kept.min()))
+    cross = signs < 0
+    kept = np.where(cross, 0, diff)  # a 0 among the same-sign distances changes no largest |distance|
+    best = max(int(kept.max()), -int(kept.min()))
     mask = (1 << magnitude_bits) - 1
     mags = (bits_a[cross].astype(np.int64) & mask).astype(np.uint64) + (bits_b[cross].astype(np.int64) & mask).astype(np.uint64)
     return max(best, int(mags.max()))
