@@ -41,7 +41,7 @@ _ULP_VIEWS = {"float16": np.int16, "float32": np.int32, "float64": np.int64}
 ULP_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-@dataclass
+@dataclass(slots=True)
 class Metrics:
     """Errors of one aligned pair. Fields that a kind of evidence cannot give are None."""
 
