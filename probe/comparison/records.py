@@ -43,7 +43,7 @@ import numpy as np
 from probe.dump import schema
 from probe.errors import CompareError
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """The records of one call: (module, op, index, phase), in execution order by seq."""
 
@@ -77,7 +77,7 @@ class Call:
         return (self.seq, self.first_row)
 
 
-@dataclass
+@dataclass(slots=True)
 class CallPair:
     """One call of A and its partner in B (either may be None: no partner)."""
 
