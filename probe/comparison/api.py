@@ -17,8 +17,7 @@ normalize step (a function NormalizedStep -> NormalizedStep) or an align refiner
 draws the stages.
 
 The result is data. ``probe.compare`` (probe/compare_and_replay.py) adds the replay and the
-renderers (to_text, to_json, write_csv, write_html). A is the reference: relative errors
-are relative to A.
+renderers (to_text, to_json, write_csv, write_html). A is the reference (relative errors).
 """
 
 from __future__ import annotations

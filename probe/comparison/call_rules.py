@@ -402,17 +402,16 @@ def _size(row: R.RecordRow) -> str:
 
 
 def input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
-    m = row.metrics
-    return {
+    return R.json_safe({
         "slot": f"forward.{row.slot}" if kind == FORWARD else row.slot,
         "source": kind,
         "producer": producer.key if producer is not None else None,
         "status": row.status,
-        "rel_l2": R.json_safe(m.rel_l2) if m is not None else None,
-        "max_abs": R.json_safe(m.max_abs) if m is not None else None,
-        "score": R.json_safe(row.score),
+        "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
+        "max_abs": row.metrics.max_abs if row.metrics is not None else None,
+        "score": row.score,
         "size_unknown": row.size_unknown,
-    }
+    })
 
 
 _ENTERS = {

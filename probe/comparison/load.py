@@ -393,9 +393,8 @@ class UnitPlan:
 
 
 def collect_rarely() -> tuple:
-    """Full garbage collections every 1,000 middle ones, not 10, while units are compared
-    (returns the thresholds before): a unit keeps tens of thousands of small objects, in no
-    reference cycle, and each full collection walked them all (a third of a statistics compare)."""
+    """Full garbage collections every 1,000 middle ones, not 10, while units are compared (the
+    thresholds before returned): a unit's objects form no cycle, and each full one walked them all."""
     before = gc.get_threshold()
     gc.set_threshold(before[0], before[1], max(before[2], 1000))
     return before

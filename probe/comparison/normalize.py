@@ -278,7 +278,7 @@ def name_targets(calls: list[Call], records: Records) -> None:
                 decisive[id(call)] = call.target
             for slot, row in call.slots.items():
                 if cols["io"][row] == "out" or slot == "input.0":
-                    mark = records.tensor_prints()[row]
+                    mark = tensor_print(cols, row)
                     if mark is not None:
                         made[mark].add(call.target)
     _vote_in_bodies([c for c in region if c.element < 0], records, decisive)
@@ -295,10 +295,10 @@ def _linked(call: Call, records: Records, names: dict, made: dict) -> set:
     """The parameters a call's tensors tie it to: a tensor that is one parameter's value or
     gradient decides; else one written by an optimizer call named before; else what every
     linked tensor agrees on (all-zero state of equal shape matches many parameters)."""
-    cols, prints = records.columns, records.tensor_prints()
+    cols = records.columns
     direct, produced = [], []
     for row in call.slots.values():
-        mark = prints[row]
+        mark = tensor_print(cols, row)
         if mark is None:
             continue
         if names.get(mark):

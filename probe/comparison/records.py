@@ -147,7 +147,6 @@ class Records:
         self.columns = columns
         self.source = source
         self._length = lengths.pop() if lengths else 0
-        self._prints: list = []  # tensor_print of the first rows, as tensor_prints read them
 
     def __len__(self) -> int:
         return self._length
@@ -157,20 +156,6 @@ class Records:
 
     def row(self, row: int) -> dict:
         return {name: values[row] for name, values in self.columns.items()}
-
-    def tensor_prints(self) -> list:
-        """tensor_print of every record, computed once, column by column (the normalize steps
-        ask for them many times; records added since the last call make it compute them anew)."""
-        if len(self._prints) != self._length:
-            cols = self.columns
-            blank = unknown_statistics(self)
-            numbers = zip(*(map(repr, cols[name]) for name in ("min", "max", "mean", "norm")))
-            self._prints = [
-                None if dtype == "" else ("id", tensor_id) if tensor_id >= 0 else None if empty or numel <= 1
-                else ("stats", dtype, shape, *reprs, checksum)
-                for dtype, tensor_id, empty, numel, shape, reprs, checksum in zip(
-                    cols["dtype"], cols["tensor_id"], blank, cols["numel"], cols["shape"], numbers, cols["checksum"])]
-        return self._prints
 
     def append_record(self, record: dict) -> int:
         """Add a derived record (a foreach call's per-element argument); returns its row."""
