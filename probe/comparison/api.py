@@ -17,8 +17,7 @@ normalize step (a function NormalizedStep -> NormalizedStep) or an align refiner
 draws the stages.
 
 The result is data. ``probe.compare`` (probe/compare_and_replay.py) adds the replay and the
-renderers (to_text, to_json, write_csv, write_html). A is the reference: relative errors
-are relative to A.
+renderers (to_text, to_json, write_csv, write_html). A is the reference (relative errors).
 """
 
 from __future__ import annotations
@@ -129,7 +128,8 @@ def compare(
     runner = runner or run_units
     finishes = getattr(runner, "finishes", True)  # False: another process finishes the compare (torchrun)
     notes = L.dump_notes(context.dump_a, context.dump_b) if finishes else []
-    partial = runner(job, context, progress)
+    with L.few_full_collections():
+        partial = runner(job, context, progress)
     if partial is None:
         return None
     return finish(partial, context.table, job.path_a, job.path_b, context.plan.missing, notes, top, strict,

@@ -1,9 +1,8 @@
 """Load stage: the two dumps, their step files paired by (step, rank), and their records.
 
-A and B are dump files or dump folders. Folders pair their step files by (step, rank);
-a step or rank found on one side only is an error (CompareError) unless allow_missing,
-which compares the common ones and lists the rest. Two files compare with each other
-whatever their step numbers.
+A and B are dump files or dump folders. Folders pair their step files by (step, rank); a step
+or rank found on one side only is an error (CompareError) unless allow_missing, which compares
+the common ones and lists the rest. Two files compare with each other whatever their steps.
 
 Run info
 --------
@@ -55,6 +54,7 @@ step are read together and merged (shards.merge_ranks) first:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -390,6 +390,23 @@ class UnitPlan:
         if self.sharded is None:
             return open_step_files(dump_a, dump_b, [self.pairs[position] for position in unit])
         return self.sharded.step_files([self.pairs[unit[0]][0][0]])
+
+
+def collect_rarely() -> tuple:
+    """Full garbage collections every 1,000 middle ones, not 10, while units are compared (the
+    thresholds before returned): a unit's objects form no cycle, and each full one walked them all."""
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], max(before[2], 1000))
+    return before
+
+
+@contextlib.contextmanager
+def few_full_collections():
+    before = collect_rarely()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def plan_units(dump_a, dump_b, path_a: str, path_b: str, allow_missing=False, steps=None, ranks=None) -> UnitPlan:

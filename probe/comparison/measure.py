@@ -37,8 +37,10 @@ from probe.comparison.envelope import Operand
 from probe.comparison.metrics import (
     Metrics, Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
-from probe.comparison.records import Call, Records, is_param_slot, param_name, parse_shape
-from probe.comparison.sketch import refine as refine_with_sketch
+from probe.comparison.records import (
+    Call, Records, is_param_slot, param_name, parse_shape, row_facts, unknown_statistics,
+)
+from probe.comparison.sketch import raw_errors, refine as refine_with_sketch, statistics_columns
 from probe.comparison.structs import (
     ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, MeasuredStep, Measurement, RecordRow,
 )
@@ -80,7 +82,8 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
     carries that dtype's rounding and is judged at its tolerance at least."""
     records_a = aligned.records_a
     cols_a, cols_b = records_a.columns, aligned.records_b.columns
-    provenance = Provenance(records_a, aligned.calls_a, previous)
+    (stats_a, keys_a), (stats_b, _) = row_facts(records_a), row_facts(aligned.records_b)
+    provenance = Provenance(records_a, aligned.calls_a, previous, keys_a)
     measurer = Measurer(records_a, aligned.records_b, fetch_a, fetch_b, tolerances)
     seqs = cols_a["seq"]
     paired = aligned.paired
@@ -93,6 +96,7 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
     mixed = None  # lowest precision where the runs' dtypes differ, once seen
     measurements = []
     measurer.start_prefetch(paired)
+    measurer.measure_statistics(paired)
     try:
         for done, slot in enumerate(paired, 1):
             row, row_a, row_b, number = slot.row, slot.a, slot.b, slot.number
@@ -114,10 +118,9 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
             row.stale = _unwritten_in(cols_a, row_a, cols_b, row_b)
             if number not in inputs:
                 first = firsts[number]
-                inputs[number] = None if None in first else (_in_place_stats(cols_a, first[0]),
-                                                             _in_place_stats(cols_b, first[1]))
+                inputs[number] = None if None in first else (stats_a[first[0]], stats_b[first[1]])
             measurements.append(_measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b,
-                                             inputs[number]))
+                                             inputs[number], (stats_a[row_a], stats_b[row_b]), keys_a[row_a]))
             if row.tol_dtype and row.tol_dtype != "exact":
                 effective[row_a] = row.tol_dtype
                 if row.phase == "forward":
@@ -134,22 +137,23 @@ def measure(aligned: AlignedStep, fetch_a: Fetch | None, fetch_b: Fetch | None, 
     if progress is not None and not paired:
         progress(1, 1, measurer.bytes_read)
     return MeasuredStep(aligned, measurements, provenance.backward_from, measurer.evidence, measurer.bytes_read,
-                        devices=_moved(paired, cols_a, cols_b), content_keys=content_keys(records_a),
+                        devices=_moved(paired, cols_a, cols_b), content_keys=content_keys(records_a, keys_a),
                         fetch_a=fetch_a, fetch_b=fetch_b)
 
 
-def _measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b, inputs) -> Measurement:
-    """A measured slot with what the later stages need of its records, read here once."""
+def _measurement(slot, kind, producer, order, what, metrics, tol, cols_a, cols_b, inputs, stats,
+                 key) -> Measurement:
+    """A measured slot with what the later stages need of its records, read here once (stats:
+    A's and B's row_facts statistics; key: A's content key)."""
     row, row_a, row_b = slot.row, slot.a, slot.b
     if row.io != "in":
         producer = None  # where an output's tensor came from says nothing about the call
     values = (None, None)
     if metrics is not None and metrics.evidence == "value":
         values = (parse_value(metrics.value_a or ""), parse_value(metrics.value_b or ""))
-    stats = (_in_place_stats(cols_a, row_a), _in_place_stats(cols_b, row_b))
     return Measurement(slot, kind, producer, order, what, metrics, tol, values=values,
                        texts=(cols_a["value"][row_a], cols_b["value"][row_b]),
-                       content_key=content_key(cols_a, row_a), param=_held_param(cols_a, row, kind, producer),
+                       content_key=key, param=_held_param(cols_a, row, kind, producer),
                        stats=stats, input_stats=inputs, operand=_operand(cols_a, row_a) if stats[0] else None)
 
 
@@ -162,31 +166,12 @@ def _held_param(cols: dict, row: RecordRow, kind: str, producer: int | None) -> 
     return None
 
 
-def content_key(cols: dict, row: int) -> int | None:
-    """A tensor's values, comparable across step files: its checksum when recorded, else its
-    statistics (None when neither is known)."""
-    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
-    if cols["checksum"][row]:
-        return hash(head + (cols["checksum"][row],))
-    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
-    if all(math.isnan(value) for value in numbers):
-        return None
-    # NaN hashes by identity: spell it out so equal statistics give equal keys
-    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
-    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
-
-
-def content_keys(records: Records) -> set:
-    """content_key of every tensor record of a step file (what the next step may carry over)."""
-    cols = records.columns
-    keys = {content_key(cols, row) for row in range(len(records)) if cols["dtype"][row] != ""}
-    keys.discard(None)
-    return keys
-
-
-#: the statistics of a record a Measurement holds (stats): what an in-place write check compares
-#: (record_rules.StaleRecords)
-STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
+def content_keys(records: Records, keys: list) -> set:
+    """The content keys (row_facts) of every tensor record of a step file: what the next step
+    file may carry over."""
+    found = {key for key, dtype in zip(keys, records.columns["dtype"]) if dtype != ""}
+    found.discard(None)
+    return found
 
 
 def _unwritten_in(cols_a: dict, row_a: int, cols_b: dict, row_b: int) -> str:
@@ -195,15 +180,6 @@ def _unwritten_in(cols_a: dict, row_a: int, cols_b: dict, row_b: int) -> str:
     name = schema.UNINITIALIZED
     return ("A" if name in cols_a and cols_a[name][row_a] else "") + \
         ("B" if name in cols_b and cols_b[name][row_b] else "")
-
-
-def _in_place_stats(cols: dict, row: int | None):
-    if row is None or cols["dtype"][row] == "":
-        return None
-    values = tuple(cols[name][row] for name in STATS)
-    if all(isinstance(v, float) and math.isnan(v) for v in values[:4]):
-        return None
-    return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values)
 
 
 def _operand(cols: dict, row: int) -> Operand:
@@ -236,6 +212,7 @@ class Measurer:
         self.evidence: set = set()
         self.bytes_read = 0
         self.prefetcher: Prefetcher | None = None
+        self.measured: dict = {}  # (row_a, row_b) -> Metrics of a statistics pair (measure_statistics)
 
     def start_prefetch(self, paired) -> None:
         """Read ahead the tensor pairs measure() will ask for in this order."""
@@ -253,6 +230,22 @@ class Measurer:
                 keys.append(key)
         if len(keys) > 1:
             self.prefetcher = Prefetcher(keys, self.fetch_a, self.fetch_b)
+
+    def measure_statistics(self, paired) -> None:
+        """The statistics and sketch metrics of every tensor pair with no stored tensors, column
+        by column (sketch.statistics_columns, raw_errors); metrics() hands each out once."""
+        a, b = self.a, self.b
+        stored = self.fetch_a is not None and self.fetch_b is not None
+        rows = [(slot.a, slot.b) for slot in paired if a["dtype"][slot.a] != "" and b["dtype"][slot.b] != ""
+                and not (stored and a["tensor_id"][slot.a] >= 0 and b["tensor_id"][slot.b] >= 0)]
+        rows_a, rows_b = [row for row, _ in rows], [row for _, row in rows]
+        found = statistics_columns(a, rows_a, b, rows_b)
+        sketched = [number for number, metrics in enumerate(found) if metrics is not None
+                    and not metrics.bit_equal] if "sketch" in a and "sketch" in b else []
+        raws = raw_errors([a["sketch"][rows_a[i]] for i in sketched], [b["sketch"][rows_b[i]] for i in sketched])
+        for number, raw in zip(sketched, raws):
+            refine_with_sketch(found[number], None, None, a["dtype"][rows_a[number]], b["dtype"][rows_b[number]], raw)
+        self.measured = {pair: metrics for pair, metrics in zip(rows, found) if metrics is not None}
 
     def close(self) -> None:
         if self.prefetcher is not None:
@@ -308,6 +301,11 @@ class Measurer:
             found = tensor_metrics(array_a, array_b, tol, a["dtype"][row_a], b["dtype"][row_b])
             del array_a, array_b
             self.memo[memo_key] = found
+            return found
+        found = self.measured.pop((row_a, row_b), None)
+        if found is not None:
+            if found.sketch is not None:
+                self.evidence.add("sketch")
             return found
         stats_a = {name: a[name][row_a] for name in STAT_COLUMNS}
         stats_b = {name: b[name][row_b] for name in STAT_COLUMNS}
@@ -405,10 +403,14 @@ class Provenance:
     parameter, state carried over from the previous step file, made after the backward began
     by something unrecorded, or none of these (external)."""
 
-    def __init__(self, records: Records, calls: list[Call], previous: set | None = None):
+    def __init__(self, records: Records, calls: list[Call], previous: set | None, keys: list):
         cols = records.columns
         self._cols = cols
-        self._prints: dict[int, list] = {}
+        self._keys = keys  # row_facts' content keys
+        # every record's identity: its tensor_id when stored, else its checksum and statistics
+        statistics = zip(*(map(repr, cols[name]) for name in STAT_COLUMNS), cols["shape"])
+        self._prints = [[("id", tensor_id)] if tensor_id >= 0 else [] if empty else [("stats", values)]
+                        for tensor_id, empty, values in zip(cols["tensor_id"], unknown_statistics(records), statistics)]
         self.produced: dict = {}  # fingerprint -> (order, row) of its earliest output record
         self.params: dict = {}  # fingerprint -> row of a param.* record holding that tensor
         self.previous = previous or set()  # content keys of the previous step file's records
@@ -437,18 +439,7 @@ class Provenance:
 
     def fingerprints(self, row: int) -> list:
         """The tensor's identity: its tensor_id when stored, else its checksum and statistics."""
-        found = self._prints.get(row)
-        if found is not None:
-            return found
-        cols = self._cols
-        if cols["tensor_id"][row] >= 0:
-            marks = [("id", cols["tensor_id"][row])]
-        elif all(math.isnan(cols[name][row]) for name in ("min", "max", "mean", "norm")):
-            marks = []
-        else:
-            marks = [("stats", tuple(repr(cols[name][row]) for name in STAT_COLUMNS) + (cols["shape"][row],))]
-        self._prints[row] = marks
-        return marks
+        return self._prints[row]
 
     def _late_producer_ok(self, row: int, producer: int) -> bool:
         """A gradient flowing into a module (grad_output) is recorded by its module hook before
@@ -481,13 +472,17 @@ class Provenance:
                 return "produced", made[1]
             if self._late_producer_ok(row, made[1]):
                 return "produced", made[1]
-        param = next((self.params[mark] for mark in prints if mark in self.params), None)
+        param = None
+        for mark in prints:
+            if mark in self.params:
+                param = self.params[mark]
+                break
         if param is not None:
             # read once the backward began: the optimizer updating it; its difference, if
             # any, entered the step where the forward read it
             return ("param_update" if order[0] > self.backward_from else "param"), param
         forward = self._cols["phase"][row] == "forward"
-        if forward and self.previous and content_key(self._cols, row) in self.previous:
+        if forward and self.previous and self._keys[row] in self.previous:
             return "carried", None
         if order[0] > self.backward_from:
             return "unrecorded", None

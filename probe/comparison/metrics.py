@@ -21,6 +21,8 @@ caller reads it itself.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import threading
@@ -39,7 +41,7 @@ _ULP_VIEWS = {"float16": np.int16, "float32": np.int32, "float64": np.int64}
 ULP_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-@dataclass
+@dataclass(slots=True)
 class Metrics:
     """Errors of one aligned pair. Fields that a kind of evidence cannot give are None."""
 
@@ -111,14 +113,12 @@ def _ulp_chunk_max(bits_a: np.ndarray, bits_b: np.ndarray, magnitude_bits: int) 
     if bits_a.size == 0:
         return 0
     diff = bits_a - bits_b
-    cross = np.bitwise_xor(bits_a, bits_b) < 0
-    if not cross.any():
+    signs = np.bitwise_xor(bits_a, bits_b)
+    if int(signs.min()) >= 0:  # no pair across zero (a reduction, not a mask and a search)
         return max(int(diff.max()), -int(diff.min()))
-    best = 0
-    same = ~cross
-    if same.any():
-        kept = diff[same]
-        best = max(int(kept.max()), -int(kept.min()))
+    cross = signs < 0
+    kept = np.where(cross, 0, diff)  # a 0 among the same-sign distances changes no largest |distance|
+    best = max(int(kept.max()), -int(kept.min()))
     mask = (1 << magnitude_bits) - 1
     mags = (bits_a[cross].astype(np.int64) & mask).astype(np.uint64) + (bits_b[cross].astype(np.int64) & mask).astype(np.uint64)
     return max(best, int(mags.max()))
@@ -358,7 +358,15 @@ def limit_masked(ra: dict, rb: dict) -> list[str]:
 
 
 def parse_value(text: str):
-    """The Python value of a record's JSON value column ("" -> None)."""
+    """The Python value of a record's JSON value column ("" -> None). A statistics dump
+    repeats the same few argument texts thousands of times: each is parsed once, and a list or
+    dict handed out as a copy of its own."""
+    value = _parsed(text)
+    return copy.deepcopy(value) if isinstance(value, (list, dict)) else value
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(text: str):
     if text == "":
         return None
     try:

@@ -38,10 +38,12 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from probe.dump import schema
 from probe.errors import CompareError
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """The records of one call: (module, op, index, phase), in execution order by seq."""
 
@@ -75,7 +77,7 @@ class Call:
         return (self.seq, self.first_row)
 
 
-@dataclass
+@dataclass(slots=True)
 class CallPair:
     """One call of A and its partner in B (either may be None: no partner)."""
 
@@ -317,6 +319,52 @@ def tensor_print(cols: dict, row: int, one_element: bool = False):
     if all(math.isnan(value) for value in numbers) or single:
         return None  # a scalar (a step counter) says nothing about which parameter it is
     return ("stats", cols["dtype"][row], cols["shape"][row], *map(repr, numbers), cols["checksum"][row])
+
+
+def content_key(cols: dict, row: int) -> int | None:
+    """A tensor's values, comparable across step files: its checksum when recorded, else its
+    statistics (None when neither is known)."""
+    head = (cols["dtype"][row], cols["shape"][row], cols["numel"][row])
+    if cols["checksum"][row]:
+        return hash(head + (cols["checksum"][row],))
+    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
+    if all(math.isnan(value) for value in numbers):
+        return None
+    # NaN hashes by identity: spell it out so equal statistics give equal keys
+    numbers = tuple("nan" if math.isnan(value) else value for value in numbers)
+    return hash(head + numbers + (cols["nan_count"][row], cols["inf_count"][row]))
+
+
+#: the statistics of a record that an in-place write check compares (record_rules.StaleRecords)
+STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "shape", "dtype")
+
+
+def unknown_statistics(records: Records) -> list[bool]:
+    """Per record: min, max, mean and norm are all NaN (a plain value, or no statistics)."""
+    return _nan_statistics(records, all)
+
+
+def _nan_statistics(records: Records, which) -> list[bool]:
+    cols = records.columns
+    nan = np.isnan(np.array([cols[name] for name in STATS[:4]], dtype=np.float64).reshape(4, len(records)))
+    return (nan.all(axis=0) if which is all else nan.any(axis=0)).tolist()
+
+
+def row_facts(records: Records) -> tuple[list, list]:
+    """(statistics, content_key) of every record, column by column. Statistics: the values
+    STATS names, a NaN spelled "nan" (None for a plain value, or a tensor with no statistics)."""
+    cols = records.columns
+    some, every = _nan_statistics(records, any), _nan_statistics(records, all)
+    stats = list(zip(*(cols[name] for name in STATS)))
+    keys = [hash((dtype, shape, numel, checksum)) if checksum else hash((dtype, shape, numel, low, high, mean, norm,
+                                                                             nans, infs))
+            for low, high, mean, norm, nans, infs, numel, checksum, shape, dtype in stats]
+    for row in [row for row, nan in enumerate(some) if nan]:
+        # NaN hashes by identity: spell it out so equal statistics give equal keys
+        values = stats[row] = tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in stats[row])
+        if not values[7]:
+            keys[row] = None if every[row] else hash((values[9], values[8], values[6], *values[:6]))
+    return [None if empty or values[9] == "" else values for values, empty in zip(stats, every)], keys
 
 
 ALLOWED_KEYS = ("modules", "ops")

@@ -116,7 +116,7 @@ def _proven_bound(m) -> float:
     rel = m.stat_rel or {}
     numel = max(int(m.numel), 1)
     rms = m.ref_norm / math.sqrt(numel) if m.ref_norm else 0.0
-    extremes = max((rel.get(name) or 0.0) * rms for name in ("min", "max"))
+    extremes = max((rel.get("min") or 0.0) * rms, (rel.get("max") or 0.0) * rms)
     # a float32 sum of n values errs by lambda sqrt(n) u sum|x| (sum|x| <= sqrt(n) ||x||): the
     # mean times sqrt(n) by lambda sqrt(n) u ||x||, the norm (a sum of squares, rooted) by half that
     own = LAMBDA * math.sqrt(numel) * UNIT_ROUNDOFF["float32"] * (m.ref_norm + m.other_norm)
@@ -125,12 +125,14 @@ def _proven_bound(m) -> float:
     return min(proven, m.err_l2) if math.isfinite(proven) else 0.0
 
 
-def operand(recorded: Operand | None, row: R.RecordRow) -> Operand | None:
+def operand(recorded: Operand | None, row: R.RecordRow, found=False) -> Operand | None:
     """A's recorded tensor (recorded: its statistics as measure read them, None when A has no
-    record) with the high end of B's difference (what may propagate), in the dtype it is judged in."""
+    record) with the high end of B's difference (what may propagate), in the dtype it is judged
+    in. found: the row's error_band, when the caller has it."""
     if recorded is None or row.metrics is None or row.metrics.evidence == "value":
         return None
-    found = error_band(row)
+    if found is False:
+        found = error_band(row)
     err = found[2] if found is not None else math.inf
     dtype = tolerance_dtype(row.dtype_a, row.dtype_b) if row.dtype_a and row.dtype_b else recorded.dtype
     return Operand(recorded.numel, recorded.norm, recorded.min, recorded.max, recorded.mean, recorded.shape, dtype, err)
@@ -238,7 +240,7 @@ class _Call:
 
     def envelope(self, head, row, recorded, found, baseline) -> tuple[Envelope | None, dict | None]:
         """(its envelope, what the row reports of it) of one output; (None, None): none."""
-        out = operand(recorded, row)
+        out = operand(recorded, row, found)
         if out is None:
             return None, None
         measured = baseline.get(row.key_a) if baseline is not None else None

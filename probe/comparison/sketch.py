@@ -27,13 +27,20 @@ identical runs, threads 1 vs 2, float32 vs float64 stay PASS). For float32 the f
 How compare uses it (``refine``): for statistics and checksum evidence the error becomes the
 larger of the statistics' lower bound and this estimate; the estimate (not the bound) is
 what usually decides. Full tensors, when both sides have them, still decide exactly.
-This module imports neither torch nor numpy.
+``raw_errors`` computes the estimates of many record pairs at once, and ``statistics_columns``
+their statistics' lower bounds (metrics.statistics_metrics), column by column with numpy: a
+statistics dump's compare measures a step file in a few array passes, not record by record.
+This module never imports torch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
+
+from probe.comparison.metrics import Metrics
 
 #: two-sided confidence of the band reports give
 CONFIDENCE = 0.95
@@ -179,23 +186,15 @@ class SketchEstimate:
 
 
 def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dtype_b: str,
-             numel: int = 0) -> SketchEstimate | None:
+             numel: int = 0, measured=None) -> SketchEstimate | None:
     """The estimate from two sketches (sequences of floats), or None when either is missing,
     empty or not finite (a NaN/Inf in the tensor: the NaN/Inf counts speak then). Sketches
-    of two sizes compare on their common prefix (capture/numbers/sketch.py keeps prefixes stable)."""
-    if sketch_a is None or sketch_b is None:
+    of two sizes compare on their common prefix (capture/numbers/sketch.py keeps prefixes stable).
+    measured: what raw_errors found for this pair ((k, raw error) or None), when it ran."""
+    found = _raw_error(sketch_a, sketch_b) if measured is None else measured
+    if not found:
         return None
-    k = min(len(sketch_a), len(sketch_b))
-    if k == 0:
-        return None
-    total = 0.0
-    # Python floats: a numpy row yields numpy scalars one at a time, several times slower
-    for x, y in zip(_floats(sketch_a[:k]), _floats(sketch_b[:k])):
-        x, y = float(x), float(y)
-        if not (math.isfinite(x) and math.isfinite(y)):
-            return None
-        total += (x - y) * (x - y)
-    raw = math.sqrt(total / k)
+    k, raw = found
     norm_a = norm_a if math.isfinite(norm_a) else 0.0
     norm_b = norm_b if math.isfinite(norm_b) else 0.0
     floor = rounding_floor(dtype_a, norm_a, dtype_b, norm_b, numel)
@@ -208,20 +207,39 @@ def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dty
     return SketchEstimate(k=k, err_l2=err, rel_l2=rel, raw_err=raw, floor=floor, low=err * low, high=err * high)
 
 
+def _raw_error(sketch_a, sketch_b) -> tuple[int, float] | bool:
+    """(k, sqrt(mean_j (y_a - y_b)_j^2)) of two sketches; False when there is no estimate."""
+    if sketch_a is None or sketch_b is None:
+        return False
+    k = min(len(sketch_a), len(sketch_b))
+    if k == 0:
+        return False
+    total = 0.0
+    # Python floats: a numpy row yields numpy scalars one at a time, several times slower
+    for x, y in zip(_floats(sketch_a[:k]), _floats(sketch_b[:k])):
+        x, y = float(x), float(y)
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return False
+        total += (x - y) * (x - y)
+    return k, math.sqrt(total / k)
+
+
 def _floats(values):
     return values.tolist() if hasattr(values, "tolist") else values
 
 
-def refine(metrics, sketch_a, sketch_b, dtype_a: str, dtype_b: str):
+def refine(metrics, sketch_a, sketch_b, dtype_a: str, dtype_b: str, measured=None):
     """Statistics or checksum metrics -> the same metrics measured by the sketches.
 
     The error becomes max(statistics lower bound, sketch estimate), so a schema-1 dump (no
     sketches) keeps its lower bounds and a sketch never hides what the statistics prove.
     ``metrics.sketch`` records the estimate (JSON: metrics.sketch); bit-equal checksums
-    stay exactly zero. Returns metrics (changed in place)."""
+    stay exactly zero. measured: raw_errors' answer for this pair, when it ran. Returns metrics
+    (changed in place)."""
     if metrics.evidence not in ("statistics", "checksum") or metrics.bit_equal:
         return metrics
-    found = estimate(sketch_a, sketch_b, metrics.ref_norm, metrics.other_norm, dtype_a, dtype_b, metrics.numel)
+    found = estimate(sketch_a, sketch_b, metrics.ref_norm, metrics.other_norm, dtype_a, dtype_b, metrics.numel,
+                     measured)
     if found is None:
         return metrics
     data = found.to_dict()
@@ -244,3 +262,88 @@ def sketch_note(with_tensors: bool) -> str:
     return (f"{head}: errors are estimated from each tensor's sketch (k=16: \u00b1"
             f"{band_percent(16):.0f}% at {CONFIDENCE:.0%} confidence), or the statistics' lower bound where "
             "that is larger; differences within the sketch's rounding floor count as none")
+
+
+# ------------------------------------------------------------------ many record pairs at once
+
+
+def raw_errors(sketches_a: list, sketches_b: list) -> list:
+    """_raw_error of many sketch pairs: the pairs of one k in one numpy pass, summed over j in
+    the order _raw_error sums (the same bits)."""
+    found: list = [False] * len(sketches_a)
+    groups: dict[int, list[int]] = {}
+    for number, (x, y) in enumerate(zip(sketches_a, sketches_b)):
+        if x is not None and y is not None and min(len(x), len(y)):
+            groups.setdefault(min(len(x), len(y)), []).append(number)
+    for k, members in groups.items():
+        a = np.array([np.asarray(sketches_a[i][:k], dtype=np.float64) for i in members]).reshape(len(members), k)
+        b = np.array([np.asarray(sketches_b[i][:k], dtype=np.float64) for i in members]).reshape(len(members), k)
+        total = np.zeros(len(members))
+        with np.errstate(all="ignore"):
+            for j in range(k):
+                step = a[:, j] - b[:, j]
+                total += step * step
+            raw = np.sqrt(total / k)
+        finite = (np.isfinite(a).all(axis=1) & np.isfinite(b).all(axis=1)).tolist()
+        for number, ok, value in zip(members, finite, raw.tolist()):
+            if ok:
+                found[number] = (k, value)
+    return found
+
+
+_BOUNDS = ("norm", "mean", "min", "max")
+
+
+def statistics_columns(a: dict, rows_a: list, b: dict, rows_b: list) -> list:
+    """metrics.statistics_metrics of many record pairs (a, b: the runs' record columns; rows_a[i]
+    pairs with rows_b[i]), computed column by column with the same float64 operations. A pair
+    of two dtypes or with an infinity in A (a mask value the scalar rules set apart) is None:
+    the caller measures it alone."""
+    def column(cols, rows, name):
+        return np.asarray(cols[name], dtype=np.float64)[np.asarray(rows, dtype=np.int64)]
+
+    va, vb = ({name: column(cols, rows, name) for name in _BOUNDS} for cols, rows in ((a, rows_a), (b, rows_b)))
+    numel = column(a, rows_a, "numel")
+    with np.errstate(all="ignore"):
+        diffs = {name: np.where(np.isfinite(va[name]) & np.isfinite(vb[name]), np.abs(va[name] - vb[name]), np.nan)
+                 for name in _BOUNDS}
+        norm_known = np.isfinite(va["norm"])
+        rms = np.where((numel > 0) & norm_known, va["norm"] / np.sqrt(numel), np.nan)
+        mean_bound = np.where(numel > 0, diffs["mean"] * np.sqrt(numel), np.nan)
+        err = _largest_finite([diffs["norm"], mean_bound, diffs["max"], diffs["min"]])
+        norm_a = np.where(norm_known, va["norm"], 0.0)
+        rel = np.where(norm_a > 0, err / norm_a, np.where(err == 0, 0.0, np.inf))
+        stat_rel = {}
+        for name, diff in diffs.items():
+            scale = norm_a if name == "norm" else rms
+            value = np.where(diff == 0, 0.0, np.where((scale != 0) & np.isfinite(scale), diff / scale, np.inf))
+            stat_rel[name] = [v if ok else None for v, ok in zip(value.tolist(), np.isfinite(diff).tolist())]
+        max_abs = _largest_finite([diffs["max"], diffs["min"], diffs["mean"]])
+    other_norm = np.where(np.isfinite(vb["norm"]), vb["norm"], 0.0).tolist()
+    found: list = []
+    columns = zip(rows_a, rows_b, err.tolist(), norm_a.tolist(), other_norm, rel.tolist(), max_abs.tolist())
+    for number, (row_a, row_b, err_l2, ref_norm, other, rel_l2, largest) in enumerate(columns):
+        if a["dtype"][row_a] != b["dtype"][row_b] or int(a["inf_count"][row_a]):
+            found.append(None)
+            continue
+        checksum_a, checksum_b = a["checksum"][row_a], b["checksum"][row_b]
+        metrics = Metrics(
+            evidence="checksum" if checksum_a and checksum_b else "statistics", numel=int(a["numel"][row_a]),
+            err_l2=err_l2, ref_norm=ref_norm, other_norm=other, rel_l2=rel_l2, max_abs=largest,
+            nan_mismatch=abs(int(a["nan_count"][row_a]) - int(b["nan_count"][row_b])),
+            inf_mismatch=abs(int(a["inf_count"][row_a]) - int(b["inf_count"][row_b])),
+            stat_rel={name: stat_rel[name][number] for name in _BOUNDS})
+        if metrics.evidence == "checksum":
+            metrics.bit_equal = checksum_a == checksum_b
+            if metrics.bit_equal:  # identical bytes: the error is exactly zero
+                metrics.err_l2 = metrics.rel_l2 = metrics.max_abs = 0.0
+        found.append(metrics)
+    return found
+
+
+def _largest_finite(columns: list) -> np.ndarray:
+    """Per position, the largest finite value of the columns (0.0 where none is finite)."""
+    stacked = np.array(columns, dtype=np.float64).reshape(len(columns), -1)
+    stacked[~np.isfinite(stacked)] = np.nan
+    with np.errstate(all="ignore"):
+        return np.nan_to_num(np.fmax.reduce(stacked, axis=0), nan=0.0)

@@ -110,7 +110,7 @@ class NormalizedStep:
         return self.a, self.b
 
 
-@dataclass
+@dataclass(slots=True)
 class Slot:
     """One slot of a call pair: its RecordRow and the record rows of A and B (None: that run
     has no record for it)."""
@@ -145,7 +145,7 @@ class AlignedStep:
 TENSOR, VALUE, SCALAR, ABSENT, MIXED, SHAPE = "tensor", "value", "scalar", "absent", "mixed", "shape"
 
 
-@dataclass
+@dataclass(slots=True)
 class Measurement:
     """One paired slot, measured: how it compares, and what the judge needs of its records."""
 

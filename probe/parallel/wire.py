@@ -31,6 +31,8 @@ _CLASSES = {cls.__name__: cls for cls in (
     Best, Carry, Chain, ChangeFold, EnvelopeFold, FileFacts, KeptFile, Metrics, OpGroup, OpSummary, Partial,
     PrecisionTally, RecordRow, Tally)}
 _FIELDS = {name: tuple(field.name for field in dataclasses.fields(cls)) for name, cls in _CLASSES.items()}
+#: the types a message holds as they are, both ways (checked before any other, the common case)
+_AS_IS = frozenset({type(None), bool, int, float, str})
 #: the key that marks a tagged value: a tuple, set, dict with other keys, object or reference
 TAG = "\x00"
 
@@ -57,7 +59,7 @@ class _Encoder:
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, list):
-            return [self.plain(item) for item in value]
+            return [item if type(item) in _AS_IS else self.plain(item) for item in value]
         if isinstance(value, Counter):
             return {TAG: "counter", "v": [[self.plain(key), self.plain(item)] for key, item in value.items()]}
         if type(value) is dict:
@@ -77,7 +79,8 @@ class _Encoder:
         if number is not None:
             return {TAG: "ref", "v": number}
         self.seen[id(value)] = number = len(self.seen)
-        return {TAG: name, "n": number, "v": [self.plain(getattr(value, field)) for field in _FIELDS[name]]}
+        items = [getattr(value, field) for field in _FIELDS[name]]
+        return {TAG: name, "n": number, "v": [item if type(item) in _AS_IS else self.plain(item) for item in items]}
 
 
 class _Decoder:
@@ -86,7 +89,7 @@ class _Decoder:
 
     def value(self, data):
         if isinstance(data, list):
-            return [self.value(item) for item in data]
+            return [item if type(item) in _AS_IS else self.value(item) for item in data]
         if not isinstance(data, dict):
             return data
         tag = data.get(TAG)
@@ -106,5 +109,5 @@ class _Decoder:
         # made before its fields, so that a field may refer back to it
         made = self.made[data["n"]] = object.__new__(cls)
         for field, item in zip(_FIELDS[tag], data["v"], strict=True):
-            object.__setattr__(made, field, self.value(item))
+            object.__setattr__(made, field, item if type(item) in _AS_IS else self.value(item))
         return made

@@ -25,6 +25,7 @@ import threading
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
 from probe.comparison.api import Partial
+from probe.comparison.load import collect_rarely
 from probe.parallel import wire
 
 #: fork on Linux: a worker starts in milliseconds, with probe.comparison imported, and does not
@@ -155,6 +156,7 @@ _CONTEXT: Context | None = None
 def _start_worker(job: CompareJob) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers on Ctrl-C
     global _CONTEXT
+    collect_rarely()  # this process compares units until the pool ends
     _CONTEXT = Context.of(job)
 
 

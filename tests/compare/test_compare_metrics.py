@@ -155,3 +155,50 @@ def test_checksums_of_different_dtypes_say_nothing_about_bit_equality():
     stats = {**_stats(np.arange(4.0)), "checksum": "abc", "dtype": "float32"}
     m = statistics_metrics(stats, {**stats, "checksum": "abd", "dtype": "float64"}, "checksum")
     assert m.bit_equal is None and m.err_l2 == 0.0
+
+
+def _columns(rng, count: int, sketch_values) -> dict:
+    """Record columns of `count` float32 tensors: random statistics and sketches, with NaN,
+    infinity, empty tensors and checksums among them."""
+    norm = np.abs(rng.standard_normal(count)) * 10
+    columns = {"min": (-np.abs(rng.standard_normal(count))).tolist(), "max": np.abs(rng.standard_normal(count)).tolist(),
+               "mean": (rng.standard_normal(count) * 1e-2).tolist(), "norm": norm.tolist(),
+               "nan_count": [0] * count, "inf_count": [0] * count, "numel": rng.integers(0, 5000, count).tolist(),
+               "checksum": [""] * count, "dtype": ["float32"] * count, "sketch": list(sketch_values)}
+    columns["mean"][1] = columns["norm"][2] = math.nan  # statistics a NaN spoilt
+    columns["max"][3], columns["inf_count"][3] = math.inf, 2  # an infinity: measured alone
+    columns["numel"][4] = 0
+    columns["checksum"][5] = columns["checksum"][6] = "c5"
+    columns["dtype"][7] = "bfloat16"  # two dtypes (B's is float32): measured alone
+    columns["sketch"][8] = None
+    columns["nan_count"][9] = 1
+    return columns
+
+
+def test_column_wise_statistics_metrics_equal_the_per_record_ones_bit_for_bit():
+    from probe.comparison.measure import STAT_COLUMNS
+    from probe.comparison.sketch import raw_errors, refine, statistics_columns
+
+    rng = np.random.default_rng(5)
+    count = 64
+    sketches = rng.standard_normal((count, 16))
+    a = _columns(rng, count, sketches)
+    b = _columns(np.random.default_rng(5), count, sketches + rng.standard_normal((count, 16)) * 1e-3)
+    b["checksum"][6] = "c6"  # 5: the same bytes; 6: other bytes
+    b["dtype"][7] = "float32"
+    b["sketch"][10] = np.full(16, np.nan)
+    rows_a, rows_b = list(range(count)), list(rng.permutation(count))
+    rows_b[:11] = range(11)  # the edge cases paired with themselves
+    found = statistics_columns(a, rows_a, b, rows_b)
+    raws = raw_errors([a["sketch"][r] for r in rows_a], [b["sketch"][r] for r in rows_b])
+    for row_a, row_b, metrics, raw in zip(rows_a, rows_b, found, raws):
+        stats_a, stats_b = ({name: cols[name][row] for name in STAT_COLUMNS} for cols, row in ((a, row_a), (b, row_b)))
+        expected = statistics_metrics(stats_a, stats_b, "checksum" if stats_a["checksum"] and stats_b["checksum"]
+                                      else "statistics")
+        if row_a in (3, 7):
+            assert metrics is None
+            continue
+        assert metrics.to_dict() == expected.to_dict(), row_a
+        refine(expected, a["sketch"][row_a], b["sketch"][row_b], "float32", "float32")
+        refine(metrics, None, None, "float32", "float32", raw)
+        assert repr(metrics.to_dict()) == repr(expected.to_dict()), row_a

@@ -79,6 +79,32 @@ def test_the_rows_alive_during_a_compare_do_not_grow_with_the_rank_files(runs, m
     assert four <= 1.5 * two, (two, four)
 
 
+def test_units_are_compared_with_rare_full_collections_and_make_no_reference_cycles(runs):
+    """A full garbage collection walks every live object; while units are compared they run
+    every 1,000 middle collections (thresholds restored after). That is safe because a compare
+    leaves no garbage that only a collection frees: with the collector off, a 16-rank compare
+    leaves as little cyclic garbage as a 2-rank one."""
+    seen = []
+
+    def runner(job, context, progress=None):
+        seen.append(gc.get_threshold())
+        return run_units(job, context, progress, None)
+
+    before = gc.get_threshold()
+    cyclic = {}
+    gc.collect()
+    gc.disable()
+    try:
+        for ranks in (2, 16):
+            compare(*runs[ranks], runner=runner)
+            cyclic[ranks] = gc.collect()
+    finally:
+        gc.enable()
+    assert gc.get_threshold() == before
+    assert all(found[2] >= 1000 for found in seen), seen
+    assert cyclic[16] <= cyclic[2] + 10, cyclic
+
+
 def _summary_rows(a, b) -> int:
     """The rows the merged summary of compare(a, b)'s step 0 holds (the first step file's kept for
     a report's tables among them)."""
