@@ -66,7 +66,7 @@ from probe.comparison import result as R
 from probe.comparison.align import CLASS
 from probe.comparison.call_rules import AMPLIFICATION, judge_call
 from probe.comparison.measure import MASK_NOTE
-from probe.comparison.op_envelopes import LOW_PRECISION
+from probe.comparison.op_envelopes import LOW_PRECISION, UNIT_ROUNDOFF
 from probe.comparison.record_rules import judge_records
 from probe.comparison.rounding import ACCEPTED, REPLAYED_DIFFERENTLY, judge_envelopes, judge_untouched, recheck_amplified
 from probe.comparison.records import is_param_slot, module_within, param_name
@@ -330,10 +330,8 @@ def _forward_rows(pairs, per_pair, slots: bool = False) -> dict:
     return found
 
 
-#: machine epsilon by dtype name: which of two dtypes is coarser
-_EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7,
-        "float8_e4m3fn": 2.0 ** -3, "float8_e4m3fnuz": 2.0 ** -3, "float8_e5m2": 2.0 ** -2,
-        "float8_e5m2fnuz": 2.0 ** -2}
+#: unit roundoff by dtype name: which of two dtypes is coarser
+_EPS = UNIT_ROUNDOFF
 
 
 def _in_runs(seq, runs) -> str:
