@@ -76,7 +76,6 @@ HEAVY_FIRST = (
     "tests/examples/test_examples.py", "tests/capture/test_capture_plain_compiled.py",
     "tests/compare/test_envelope_verdicts.py", "tests/integrations/test_determinism_trainers.py",
     "tests/analysis/test_determinism.py", "tests/compare/test_compare_scale.py",
-    "tests/compare/test_drift_data.py",
     "tests/integrations/test_autoattach.py", "tests/dump/test_crash_safety.py",
     "tests/capture/test_sharded.py", "tests/examples/test_examples_reproducibility.py",
     "tests/fingerprint/test_fingerprint_runs.py", "tests/replay/test_replay.py",
