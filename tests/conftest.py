@@ -68,32 +68,6 @@ def _module_isolated():
     yield
     _restore(state)
 
-#: the test files that use the most CPU time (``pytest --cpu-durations=0`` sums them), heaviest
-#: first. They are collected first, and a parallel run hands them out first: the test
-#: processes then end together, instead of one running a long file alone at the end (by
-#: default pytest-xdist hands out the files with the most tests first, and these have few).
-HEAVY_FIRST = (
-    "tests/examples/test_examples.py", "tests/capture/test_capture_plain_compiled.py",
-    "tests/compare/test_envelope_verdicts.py", "tests/integrations/test_determinism_trainers.py",
-    "tests/analysis/test_determinism.py", "tests/compare/test_compare_scale.py",
-    "tests/integrations/test_autoattach.py", "tests/dump/test_crash_safety.py",
-    "tests/capture/test_sharded.py", "tests/examples/test_examples_reproducibility.py",
-    "tests/fingerprint/test_fingerprint_runs.py", "tests/replay/test_replay.py",
-    "tests/integrations/test_integrations_hf_compiled.py",
-    "tests/integrations/test_integrations_hf_fsdp2.py", "tests/capture/test_capture_compiled_hf.py",
-)
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: position for position, path in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
-
-
 # --cpu-durations=N: the N tests that used the most CPU time, their own process's and that of
 # the subprocesses they waited for (torchrun jobs, examples). Wall-clock --durations moves with
 # the machine's load; CPU time does not, so this is the list to read on a shared machine.
