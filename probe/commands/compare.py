@@ -133,18 +133,20 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     runner = _runner(jobs)
     bar = progress.Progress(sys.stderr) if getattr(runner, "finishes", True) else None
     try:
-        result = run_compare(
-            a, b, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, mapping=mapping,
-            allow_missing=allow_missing, steps=steps or None, ranks=ranks or None, top=top,
-            strict=strict, baseline=baseline, progress=bar, replay=replay, replay_budget=replay_budget,
-            replay_progress=_replay_progress if replay is not None else None,
-            keep_rows=keep_rows, runner=runner,
-        )
+        with _remembered_ctrl_c():
+            result = run_compare(
+                a, b, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, mapping=mapping,
+                allow_missing=allow_missing, steps=steps or None, ranks=ranks or None, top=top,
+                strict=strict, baseline=baseline, progress=bar, replay=replay, replay_budget=replay_budget,
+                replay_progress=_replay_progress if replay is not None else None,
+                keep_rows=keep_rows, runner=runner,
+            )
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
-        click.echo(f"probe: interrupted after comparing {runner.done} of {runner.total} units "
-                   "(step files, or a sharded step's group of ranks); no report written", err=True)
+        done = (f"after comparing {runner.done} of {runner.total} units (step files, or a sharded "
+                "step's group of ranks)" if runner.total else "before comparing (while the dumps were read)")
+        click.echo(f"probe: interrupted {done}; no report written", err=True)
         raise click.exceptions.Exit(EXIT_TROUBLE) from None
     finally:
         if bar is not None:
@@ -188,6 +190,14 @@ def _runner(jobs):
     from probe.parallel.workers import LocalRunner
 
     return LocalRunner(jobs)
+
+
+def _remembered_ctrl_c():
+    """A Ctrl-C that Python would drop while the dumps are read (raised in a weakref callback)
+    is raised again at the first unit compared."""
+    from probe.parallel.ctrl_c import RememberedCtrlC
+
+    return RememberedCtrlC()
 
 
 _NOT_GIVEN = object()

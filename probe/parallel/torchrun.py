@@ -24,6 +24,7 @@ from probe.comparison.api import CompareJob, Context, run_units
 from probe.comparison.api import Partial
 from probe.errors import CompareError
 from probe.parallel import wire
+from probe.parallel.ctrl_c import RememberedCtrlC
 
 
 def under_torchrun() -> bool:
@@ -65,6 +66,7 @@ class TorchrunRunner:
         self.total = len(numbers)
 
         def report(fraction, read):
+            RememberedCtrlC.check()  # a Ctrl-C Python dropped while the dumps were read
             self.done = int(fraction * self.total)
             if progress is not None:
                 progress(fraction, read)

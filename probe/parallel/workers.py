@@ -10,8 +10,9 @@ units per worker are in flight, so this process holds a few summaries at a time.
 
 Workers ignore Ctrl-C: this process stops them (Pool.terminate) and raises KeyboardInterrupt.
 Python drops a KeyboardInterrupt raised inside a weakref or garbage-collector callback
-("Exception ignored in ..."), and a Ctrl-C can land there while this process waits for the
-workers: the Ctrl-C is also remembered (_CtrlC) and raised again at the next unit.
+("Exception ignored in ..."), and a Ctrl-C can land there while the dumps are opened and the
+units planned, or while this process waits for the workers: the Ctrl-C is also remembered
+(RememberedCtrlC, around the whole compare command) and raised again at the next unit.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import os
 import queue
 import signal
 import sys
-import threading
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
 from probe.comparison.api import Partial
 from probe.comparison.load import collect_rarely
 from probe.parallel import wire
+from probe.parallel.ctrl_c import RememberedCtrlC
 
 #: fork on Linux: a worker starts in milliseconds, with probe.comparison imported, and does not
 #: import the caller's main module again (spawn and forkserver run an unguarded script's
@@ -54,7 +55,7 @@ class LocalRunner:
     def __call__(self, job: CompareJob, context: Context, progress=None) -> Partial:
         chains = context.plan.chains()
         self.total = len(context.plan.units)
-        with _CtrlC() as ctrl_c:
+        with RememberedCtrlC() as ctrl_c:
             if self.jobs <= 1 or len(chains) <= 1:
                 partial = run_units(job, context, self._counting(progress, ctrl_c))
                 self.done = self.total
@@ -110,6 +111,7 @@ class LocalRunner:
                 elif waiting:
                     submit(waiting.pop(0), 0, None)
         except BaseException:
+            RememberedCtrlC.caught()
             if pool is not None:
                 pool.terminate()
             raise
@@ -120,34 +122,6 @@ class LocalRunner:
 
 #: how often the wait for the workers' answers looks for a Ctrl-C Python dropped
 _WAKE_S = 0.2
-
-
-class _CtrlC:
-    """While a compare runs: Ctrl-C raises KeyboardInterrupt as usual and is remembered, so
-    that check() raises it again if Python dropped it (raised inside a weakref callback).
-    Only the main thread can handle signals; elsewhere nothing changes."""
-
-    def __init__(self) -> None:
-        self.pressed = False
-        self._previous = None
-
-    def __enter__(self) -> "_CtrlC":
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._previous = signal.signal(signal.SIGINT, self._on_ctrl_c)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-    def _on_ctrl_c(self, signum, frame) -> None:
-        self.pressed = True
-        raise KeyboardInterrupt
-
-    def check(self) -> None:
-        if self.pressed:
-            raise KeyboardInterrupt
 
 
 _CONTEXT: Context | None = None

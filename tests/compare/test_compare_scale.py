@@ -34,12 +34,12 @@ def _small():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two 2-step statistics runs of a two-block DeepStack, B with a nudged weight: {ranks: (A,
-    B)} for 2, 4, 16, 64 and 512 rank files per step (hard links: made in a moment)."""
+    B)} for 2, 4, 16, 64 and 256 rank files per step (hard links: made in a moment)."""
     root = tmp_path_factory.mktemp("scale")
     one = (P.run(root / "a1", _small, steps=2, task="statistics"),
            P.run(root / "b1", _small, steps=2, task="statistics", fault=_nudge))
     return {ranks: tuple(P.rank_files(side, str(root / f"{name}{ranks}x"), ranks) for name, side in zip("ab", one))
-            for ranks in (2, 4, 16, 64, 512)}
+            for ranks in (2, 4, 16, 64, 256)}
 
 
 def _peak_live_rows(a, b, monkeypatch) -> int:
@@ -166,9 +166,9 @@ def _runs_python(pid: str) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker processes left behind through /proc, which only Linux has")
 def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(runs):
-    # 1,024 units: many seconds of work, stopped as soon as the workers run (with 128, a fast
+    # 512 units: seconds of work, stopped as soon as the workers run (with 128, a fast
     # compare could end before the signal came, and rightly exit 1 with its report)
-    a, b = runs[512]
+    a, b = runs[256]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen([sys.executable, "-m", "probe", "compare", a, b, "--jobs", "2"], env=env, cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -182,7 +182,7 @@ def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(r
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
     assert process.returncode == 2 and out == "", err
-    assert err.startswith("probe: interrupted after comparing ") and "of 1024 units" in err and "Traceback" not in err
+    assert err.startswith("probe: interrupted after comparing ") and "of 512 units" in err and "Traceback" not in err
     deadline = time.monotonic() + 10
     while [pid for pid in workers if os.path.exists(f"/proc/{pid}")] and time.monotonic() < deadline:
         time.sleep(0.05)  # a worker the command stopped may take a moment to be gone
