@@ -14,6 +14,15 @@ from probe.parallel.ctrl_c import AGAIN_S, RememberedCtrlC
 pytestmark = pytest.mark.skipif(sys.platform.startswith("win"), reason="signal.raise_signal(SIGINT) ends the process")
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Ctrl-C as an interactive shell gives it: a shell that started the suite in the
+    background (``cmd &`` without job control) made every process ignore SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class _Held:
     pass
 

@@ -170,8 +170,11 @@ def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(r
     # compare could end before the signal came, and rightly exit 1 with its report)
     a, b = runs[256]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # SIGINT as an interactive shell gives it: a suite started in the background (``cmd &``
+    # without job control) passes on an ignored SIGINT, and the compare would rightly ignore it
     process = subprocess.Popen([sys.executable, "-m", "probe", "compare", a, b, "--jobs", "2"], env=env, cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     children = f"/proc/{process.pid}/task/{process.pid}/children"
     workers = ""
     while process.poll() is None and not workers:  # the workers are comparing
