@@ -8,10 +8,15 @@ import numpy as np
 import pytest
 
 from tests import ppo_runs as training
+from tests.torch_versions import ppo_rounding_parts_by_a_jump
 from probe.fingerprint import compare, file, report
 from probe.fingerprint.live import LiveReference
 
 pytest.importorskip("gymnasium", reason="the PPO runs need gymnasium: pip install -e '.[examples]'")
+
+#: where fingerprints still false-alarm: strict, so the test fails once they no longer do
+KNOWN_JUMP = pytest.mark.xfail(ppo_rounding_parts_by_a_jump() is not None, reason=str(ppo_rounding_parts_by_a_jump()),
+                               strict=True)
 
 LR = 3e-2
 UPDATES = 11  # 88 update steps: the rollouts part at update 10 (step 80) on torch 2.13
@@ -34,6 +39,7 @@ def _read(path):
     return file.read(file.find_file(path))
 
 
+@KNOWN_JUMP
 def test_rounding_only_ppo_at_lr_3e_2_drifts_and_what_grows_fast_after_is_inherited_not_a_jump(runs):
     result = compare.compare(_read(runs["plain"]), _read(runs["other"]))
     assert result.parting_kind == "drift", "the pair never parted: the test shows nothing"
@@ -42,6 +48,7 @@ def test_rounding_only_ppo_at_lr_3e_2_drifts_and_what_grows_fast_after_is_inheri
     assert "Inherited, not a jump." in report.terminal(result)
 
 
+@KNOWN_JUMP
 def test_a_weight_scaled_by_1_001_after_the_runs_drifted_jumps_at_exactly_that_step(runs):
     result = compare.compare(_read(runs["plain"]), _read(runs["weight"]))
     assert result.parting_step < FAULT_STEP and result.parting_kind == "drift"
@@ -70,6 +77,7 @@ def _live_jumps(reference: str, candidate: str) -> list:
     return jumps
 
 
+@KNOWN_JUMP
 def test_the_live_comparison_judges_inherited_growth_as_the_offline_compare_does(runs):
     assert _live_jumps(runs["plain"], runs["other"]) == []
     assert _live_jumps(runs["plain"], runs["weight"])[0] == (FAULT_STEP, "param/policy.2.weight")
