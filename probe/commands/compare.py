@@ -10,6 +10,7 @@ import sys
 import click
 
 from probe.comparison import KEEP_ROWS
+from probe.parallel.ctrl_c import RememberedCtrlC
 
 EXIT_PASS, EXIT_DIVERGED, EXIT_TROUBLE = 0, 1, 2
 
@@ -133,7 +134,7 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     runner = _runner(jobs)
     bar = progress.Progress(sys.stderr) if getattr(runner, "finishes", True) else None
     try:
-        with _remembered_ctrl_c():
+        with RememberedCtrlC():  # a Ctrl-C Python drops (in a weakref callback) is raised again
             result = run_compare(
                 a, b, rtol=rtol, atol=atol, tol=tol, tol_file=tol_file, mapping=mapping,
                 allow_missing=allow_missing, steps=steps or None, ranks=ranks or None, top=top,
@@ -190,14 +191,6 @@ def _runner(jobs):
     from probe.parallel.workers import LocalRunner
 
     return LocalRunner(jobs)
-
-
-def _remembered_ctrl_c():
-    """A Ctrl-C that Python would drop while the dumps are read (raised in a weakref callback)
-    is raised again at the first unit compared."""
-    from probe.parallel.ctrl_c import RememberedCtrlC
-
-    return RememberedCtrlC()
 
 
 _NOT_GIVEN = object()

@@ -330,10 +330,6 @@ def _forward_rows(pairs, per_pair, slots: bool = False) -> dict:
     return found
 
 
-#: unit roundoff by dtype name: which of two dtypes is coarser
-_EPS = UNIT_ROUNDOFF
-
-
 def _in_runs(seq, runs) -> str:
     if seq is None or not runs:
         return ""
@@ -350,7 +346,7 @@ def judge_precision(rows: list, autocast_a, autocast_b, tally: R.PrecisionTally)
     calls: dict = {}
     for row in rows:
         if (row.kind == "api" and row.phase == "forward" and row.io == "out" and row.status in R.PAIRED
-                and row.dtype_a in _EPS and row.dtype_b in _EPS):
+                and row.dtype_a in UNIT_ROUNDOFF and row.dtype_b in UNIT_ROUNDOFF):
             calls.setdefault((row.module, row.op, row.index), row)  # the call's first output
     main_a = Counter(row.dtype_a for row in calls.values())
     main_b = Counter(row.dtype_b for row in calls.values())
@@ -361,13 +357,13 @@ def judge_precision(rows: list, autocast_a, autocast_b, tally: R.PrecisionTally)
     found = []
     for call, row in calls.items():
         read = None
-        if _EPS[row.dtype_a] == _EPS[row.dtype_b]:
+        if UNIT_ROUNDOFF[row.dtype_a] == UNIT_ROUNDOFF[row.dtype_b]:
             read = external.get(call)
             if read is None:
                 continue
         source = read if read is not None else row
-        side, low, high = ("B", source.dtype_b, source.dtype_a) if _EPS[source.dtype_b] > _EPS[source.dtype_a] \
-            else ("A", source.dtype_a, source.dtype_b)
+        b_coarser = UNIT_ROUNDOFF[source.dtype_b] > UNIT_ROUNDOFF[source.dtype_a]
+        side, low, high = ("B", source.dtype_b, source.dtype_a) if b_coarser else ("A", source.dtype_a, source.dtype_b)
         runs, seq = (autocast_b, row.seq_b) if side == "B" else (autocast_a, row.seq_a)
         if _in_runs(seq, runs):
             tally.autocast[(side, low)] += 1
@@ -411,7 +407,8 @@ def _external_inputs_of_lower_precision(rows: list, calls: dict) -> dict:
     found: dict = {}
     for row in rows:
         if (row.kind != "api" or row.phase != "forward" or row.io != "in" or row.status not in R.PAIRED
-                or row.dtype_a not in _EPS or row.dtype_b not in _EPS or _EPS[row.dtype_a] == _EPS[row.dtype_b]):
+                or row.dtype_a not in UNIT_ROUNDOFF or row.dtype_b not in UNIT_ROUNDOFF
+                or UNIT_ROUNDOFF[row.dtype_a] == UNIT_ROUNDOFF[row.dtype_b]):
             continue
         call = (row.module, row.op, row.index)
         output = calls.get(call)
