@@ -1,12 +1,14 @@
 """Replay against float64 (probe.replay, ``probe compare --replay``): which side is right.
 
-Real dumps of tiny real models (task "tensor") in tmp folders; sides that need a process of
-their own (a torch.library kernel override, autocast) run tests/scripts/replay_side.py.
+Real dumps of tiny real models (task "tensor") in tmp folders; the sides of
+tests/scripts/replay_side.py are dumped in this process, except its "npu" kernel override, which
+torch.library cannot undo in the process that made it: that side runs in a process of its own.
 """
 
 import contextlib
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -51,6 +53,9 @@ def _dump(path, model, batch, level="api", optimizer=None, threads=None):
 
 
 def _side(path, kind):
+    if kind != "npu":
+        runpy.run_path(SIDE_SCRIPT)["main"](str(path), kind)
+        return str(path)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, SIDE_SCRIPT, str(path), kind], check=True, env=env, cwd=REPO,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
