@@ -23,39 +23,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.append(TESTS)
 
-
-def _process_state():
-    """What one test module can leave behind for the next in the same process: environment
-    variables, the working directory, warning filters and torch's global settings."""
-    state = {"environ": dict(os.environ), "cwd": os.getcwd(), "warnings": list(warnings.filters)}
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        state["torch"] = (torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled(),
-                          torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled())
-    return state
-
-
-def _restore(state):
-    if os.environ != state["environ"]:
-        os.environ.clear()
-        os.environ.update(state["environ"])
-    if os.getcwd() != state["cwd"]:
-        os.chdir(state["cwd"])
-    warnings.filters[:] = state["warnings"]
-    torch = sys.modules.get("torch")
-    if torch is not None and "torch" in state:
-        dtype, threads, grad, deterministic, warn_only = state["torch"]
-        torch.set_default_dtype(dtype)
-        torch.set_num_threads(threads)
-        torch.set_grad_enabled(grad)
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-    accelerate_state = sys.modules.get("accelerate.state")
-    if accelerate_state is not None:
-        # a transformers Trainer leaves its accelerator settings (torch_compile=True: a dynamo
-        # backend) in accelerate's process-wide state, and every later Accelerator inherits them
-        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
-        accelerate_state.GradientState._reset_state()
+import process_state  # noqa: E402  (found through TESTS, just added to sys.path)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,9 +32,9 @@ def _module_isolated():
     module ran before it in this process: the tests run in parallel processes
     (pytest-xdist, --dist loadfile), each running its own share of the modules in its own
     order. Within a module, tests run in file order, as they always have."""
-    state = _process_state()
+    state = process_state.save()
     yield
-    _restore(state)
+    process_state.restore(state)
 
 # --cpu-durations=N: the N tests that used the most CPU time, their own process's and that of
 # the subprocesses they waited for (torchrun jobs, examples). Wall-clock --durations moves with

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import probe
+from probe.cli import main as cli
 from probe.comparison import envelope as E
 from probe.comparison import ops
 from probe.comparison.op_envelopes import op_envelope
@@ -171,15 +172,21 @@ def test_a_deep_stack_against_other_device_rounding_on_two_threads_passes_by_rou
     assert not strict.to_text().startswith(ROUNDING_ONLY)  # --strict: the fixed tolerance alone
 
 
-def test_the_cli_exits_0_with_the_rounding_headline_and_its_json_keeps_the_contract_with_envelopes(runs):
+def _compare_cli(capsys, *argv):
+    """(exit code, stdout) of ``probe compare ARGV``, run by the CLI's own entry point."""
+    with pytest.raises(SystemExit) as exited:
+        cli(["compare", *argv])
+    return exited.value.code, capsys.readouterr().out
+
+
+def test_the_cli_exits_0_with_the_rounding_headline_and_its_json_keeps_the_contract_with_envelopes(runs, capsys):
     a, b = runs("a-statistics", task="statistics", threads=1), runs("b-statistics", task="statistics", threads=2,
                                                                       perturb=True)
-    text = subprocess.run([sys.executable, "-m", "probe", "compare", a, b], capture_output=True, text=True)
-    assert text.returncode == 0 and text.stdout.startswith(ROUNDING_ONLY)
-    out = subprocess.run([sys.executable, "-m", "probe", "compare", a, b, "--json", "--rows"], capture_output=True,
-                         text=True)
-    data = json.loads(out.stdout)
-    assert out.returncode == 0 and data["verdict"] == "pass" and data["first_divergence"] is None
+    code, text = _compare_cli(capsys, a, b)
+    assert code == 0 and text.startswith(ROUNDING_ONLY)
+    code, out = _compare_cli(capsys, a, b, "--json", "--rows")
+    data = json.loads(out)
+    assert code == 0 and data["verdict"] == "pass" and data["first_divergence"] is None
     assert {"matched", "only_a", "only_b", "diverged"} <= set(data["counts"])
     assert data["envelope"]["largest_gap"] < 1 and data["envelope"]["strict"] is False
     enveloped = [row["envelope"] for row in data["rows"] if row.get("envelope")]

@@ -1,17 +1,18 @@
 """Every example runs end to end in its CI size and prints what its README promises.
 
-Each example is started the way a user starts it (``python examples/<name>/run.py``, here
-from a temporary working directory so no example depends on being run from the repo root),
-and the test reads the printed verdicts and names, not only the exit code.
+Each example runs the way a user starts it (``python examples/<name>/run.py``, from a
+temporary working directory so no example depends on being run from the repo root), in the
+test's process (tests/example_runs.py; the quickstart in a fresh interpreter), and the test
+reads the printed verdicts and names, not only the exit code.
 """
 
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+import example_runs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
@@ -19,17 +20,15 @@ NAMES = ("quickstart", "reproducibility", "cpu_vs_gpu", "mixed_precision", "find
          "reinforcement_learning", "distributed")
 
 
-def run_example(name, tmp_path, *extra, expect_code=0):
+def run_example(name, tmp_path, *extra, expect_code=0, fresh=False):
+    """stdout and --out folder of ``python examples/NAME/run.py --out OUT --smoke EXTRA``, run
+    in this process, or with ``fresh`` in a new interpreter."""
     out = tmp_path / "out"
-    command = [sys.executable, os.path.join(EXAMPLES, name, "run.py"), "--out", str(out),
-               "--smoke", *extra]
-    # One intra-op thread: tiny models gain nothing from more, and on a shared machine idle
-    # OpenMP threads spinning against other work made runs several times slower.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == expect_code, (
-        f"{name} exited {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
-    return done.stdout, out
+    run = example_runs.fresh_interpreter if fresh else example_runs.this_process
+    code, stdout, stderr = run(os.path.join(EXAMPLES, name, "run.py"), tmp_path, "--out", str(out), "--smoke",
+                               *extra)
+    assert code == expect_code, f"{name} exited {code}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    return stdout, out
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -41,7 +40,9 @@ def test_every_example_has_a_readme_with_its_command_and_output(name):
 
 
 def test_quickstart_names_the_changed_gelu_and_writes_the_html_report(tmp_path):
-    stdout, out = run_example("quickstart", tmp_path)
+    # a fresh interpreter, as README's demo runs it: the one example run from outside this
+    # process's sys.path (every example puts the repository on its path the same way)
+    stdout, out = run_example("quickstart", tmp_path, fresh=True)
     assert "DIVERGED at step 0 rank 0: blocks.2.act functional.gelu (forward, output.0) -- introduced" in stdout
     assert re.search(r"^verdict: diverged \(probe compare exit code 1\)", stdout, re.M)
     report = out / "report.html"
@@ -131,12 +132,9 @@ def test_ppo_against_another_summation_order_parts_by_drift_and_its_step_is_roun
     update find the step where the runs part, call it drift (no jump), print the config that
     dumps it, and the full dump of that step compares as rounding only."""
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "reinforcement_learning", "where_they_part.py"),
-         "--smoke", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True,
-        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr
-    stdout = done.stdout
+    code, stdout, stderr = example_runs.this_process(
+        os.path.join(EXAMPLES, "reinforcement_learning", "where_they_part.py"), tmp_path, "--smoke", "--out", str(out))
+    assert code == 0, stderr
     parting = re.search(r"The runs part at step (\d+) by DRIFT", stdout)
     assert parting, stdout
     step = parting.group(1)

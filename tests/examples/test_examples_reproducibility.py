@@ -1,21 +1,21 @@
 """examples/reproducibility's self-check and NaN hunt run as a user runs them and print what
-their README promises (run from a temporary working directory, like tests/examples/test_examples.py)."""
+their README promises (run from a temporary working directory in the test's process, like
+tests/examples/test_examples.py)."""
 
 import os
 import re
-import subprocess
-import sys
+
+import example_runs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FOLDER = os.path.join(REPO_ROOT, "examples", "reproducibility")
 
 
 def run_script(name, tmp_path, *extra):
-    command = [sys.executable, os.path.join(FOLDER, name), "--out", str(tmp_path / "out"), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{name} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
+    code, stdout, stderr = example_runs.this_process(os.path.join(FOLDER, name), tmp_path, "--out",
+                                                     str(tmp_path / "out"), *extra)
+    assert code == 0, f"{name} exited {code}\n{stdout}\n{stderr}"
+    return stdout
 
 
 def test_self_check_passes_the_seeded_training_and_names_the_clock_seeded_draw(tmp_path):
