@@ -9,14 +9,13 @@ them, and that the benchmark runs, with clean --json output, whether msprobe is 
 
 import json
 import os
-import subprocess
-import sys
 import types
 
 import torch
 import torch.nn.functional as F
 from torch.utils.hooks import BackwardHook
 
+import example_runs
 from bench import dump_overhead, msprobe_variants
 from bench.msprobe_variants import TorchPatches, snapshot
 
@@ -81,11 +80,10 @@ def test_table_prints_dashes_and_the_install_command_without_msprobe():
 
 
 def test_quick_benchmark_runs_and_its_json_stdout_is_clean_with_or_without_msprobe():
-    process = subprocess.run(
-        [sys.executable, "bench/dump_overhead.py", "--quick", "--models", "mlp", "--no-count", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert process.returncode == 0, process.stderr[-2000:]
-    report = json.loads(process.stdout)  # msprobe's log goes to stderr, never into the JSON
+    code, stdout, stderr = example_runs.this_process(os.path.join(REPO, "bench", "dump_overhead.py"), REPO,
+                                                     "--quick", "--models", "mlp", "--no-count", "--json")
+    assert code == 0, stderr[-2000:]
+    report = json.loads(stdout)  # msprobe's log goes to stderr, never into the JSON
     (result,) = report["results"]
     assert result["stats api"] > 1.0
     if msprobe_variants.available():
