@@ -268,6 +268,8 @@ def hook_input_edges(rec, call, out_nodes, edges, floor: int) -> None:
 
 def _shared_sums(found):
     """A _CallBackward for the inputs several found edges lead to; None when there is none."""
+    if len(found) == 1 and len(found[0][1]) == 1:  # one node reads one input (most calls)
+        return None
     counts = _edge_counts(found)
     if not any(count > 1 for count in counts.values()):
         return None
