@@ -74,9 +74,9 @@ def queue_backward_callback(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def sequence_nr(node) -> int:
-    """Creation number of an autograd node: a node made later has a larger one."""
-    return node._sequence_nr()
+#: sequence_nr(node): creation number of an autograd node (a node made later has a larger
+#: one); a C-level call, as the module-level walks read it for every node they pass
+sequence_nr = operator.methodcaller("_sequence_nr")
 
 
 _peek_sequence_nr = getattr(torch.autograd, "_get_sequence_nr", None)

@@ -156,14 +156,15 @@ def _composite_edges(out_nodes, out_next_functions, edges):
     grad_fn, a leaf's AccumulateGrad), at nodes older than every input's node (they belong to
     earlier calls: autograd numbers nodes in creation order) and after _WALK_LIMIT nodes.
     """
-    by_edge, by_leaf, input_nodes, oldest = _edge_index(edges)
+    index = _edge_index(edges)
+    input_nodes, oldest = index[2], index[3]
     for node in out_nodes:
         # an output that is an input (x.contiguous() of a contiguous x) made no node here
         if id(node) in input_nodes or _sequence_nr(node) <= oldest:
             return None
     # the same tensor passed in two slots (x * x) is one autograd edge: which slot the
     # gradient belongs to is not defined, so such slots get no grad_input
-    return _walk(out_nodes, out_next_functions, by_edge, by_leaf, oldest + 1, _WALK_LIMIT, False)
+    return _walk(out_nodes, out_next_functions, index, oldest + 1, _WALK_LIMIT, False)
 
 
 def _edge_index(edges):
@@ -185,36 +186,46 @@ def _edge_index(edges):
     return by_edge, by_leaf, input_nodes, oldest
 
 
-def _walk(out_nodes, out_next_functions, by_edge, by_leaf, floor: int, limit, every_slot: bool):
+def _walk(out_nodes, out_next_functions, index, floor: int, limit, every_slot: bool):
     """The nodes made since sequence number floor, reached from out_nodes, that have an edge
     into an input: [(node, ((position, grad slot), ...))], or None (none found, or more than
-    limit nodes walked). every_slot: an edge into a tensor passed in several slots counts for
-    each of them (else for none)."""
+    limit nodes walked). index: _edge_index of the inputs. every_slot: an edge into a tensor
+    passed in several slots counts for each of them (else for none)."""
+    by_edge, by_leaf, input_nodes = index[0], index[1], index[2]
     result = []
     if out_next_functions is None:
         out_next_functions = [None] * len(out_nodes)
     stack = list(zip(out_nodes, out_next_functions))
-    seen = compat.NodeSet(out_nodes)  # the nodes, not their ids: ids are reused up to 2.12
+    # id -> node: holding the nodes keeps their ids unique while the walk runs (ids of
+    # dropped node wrappers are reused up to torch 2.12; compat.NodeSet says why)
+    seen = {id(node): node for node in out_nodes}
+    if limit is None:
+        limit = -1
     while stack:
         node, next_functions = stack.pop()
         if next_functions is None:
             next_functions = node.next_functions
         kept = None
-        for position, (fn, output_nr) in enumerate(next_functions):
+        position = -1
+        for fn, output_nr in next_functions:
+            position += 1
             if fn is None:
                 continue
-            slots = by_edge.get((id(fn), output_nr))
+            key = id(fn)
+            slots = by_edge.get((key, output_nr)) if key in input_nodes else None
             if slots is None:
+                if key in seen:
+                    continue
                 variable = getattr(fn, "variable", None)  # only AccumulateGrad has one
                 if variable is not None:
                     slots = by_leaf.get(id(variable))
                     if slots is None:
                         continue
-                elif fn in seen or _sequence_nr(fn) < floor:
+                elif _sequence_nr(fn) < floor:
                     continue
                 else:
-                    seen.add(fn)
-                    if limit is not None and len(seen) > limit:
+                    seen[key] = fn
+                    if len(seen) > limit >= 0:
                         return None
                     stack.append((fn, None))
                     continue
@@ -237,7 +248,8 @@ def hook_input_edges(rec, call, out_nodes, edges, floor: int) -> None:
     (which changes nothing autograd computes) reads it, and an input several of them read gets
     the sum of their shares: the gradient that flowed through this call only. The walk goes
     from the outputs' nodes back through the nodes made during the call, however many."""
-    by_edge, by_leaf, input_nodes, oldest = _edge_index(edges)
+    index = _edge_index(edges)
+    input_nodes, oldest = index[2], index[3]
     if floor < 0:
         floor = oldest + 1
     # an output that is an input itself made no node in this call
@@ -245,7 +257,7 @@ def hook_input_edges(rec, call, out_nodes, edges, floor: int) -> None:
               if id(node) not in input_nodes and _sequence_nr(node) >= floor]
     if not starts:
         return
-    found = _walk(starts, None, by_edge, by_leaf, floor, None, True)
+    found = _walk(starts, None, index, floor, None, True)
     if not found:
         return
     generation = rec.generation
@@ -256,6 +268,8 @@ def hook_input_edges(rec, call, out_nodes, edges, floor: int) -> None:
 
 def _shared_sums(found):
     """A _CallBackward for the inputs several found edges lead to; None when there is none."""
+    if len(found) == 1 and len(found[0][1]) == 1:  # one node reads one input (most calls)
+        return None
     counts = _edge_counts(found)
     if not any(count > 1 for count in counts.values()):
         return None

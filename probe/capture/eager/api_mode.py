@@ -71,8 +71,8 @@ _BACKWARD_ENTRIES = backward_collectives.ENTRIES
 #: (DTensor's redistribution in tensor parallel)
 _COLLECTIVE_NAMES = ("distributed.", "ops._c10d_functional.")
 _partial = functools.partial
-_INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
-_GRAD_SLOTS = tuple("grad_" + slot for slot in _INPUT_SLOTS)
+_INPUT_SLOTS = naming.INPUT_SLOTS
+_GRAD_SLOTS = naming.GRAD_INPUT_SLOTS
 
 #: record grad_input.N of composite calls (several autograd nodes) too. On: compare judges
 #: a backward call against its grad_output and the records of the same call's forward, so a

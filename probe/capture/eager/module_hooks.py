@@ -53,6 +53,7 @@ import torch.nn.modules.module as _module_hooks
 from probe import compat
 from probe.compat import version_gaps
 from probe.capture.eager import compiled_functions, compiled_regions, wrappers
+from probe.capture.eager.naming import GRAD_INPUT_SLOTS, INPUT_SLOTS
 from probe.capture.eager.api_backward import hook_input_edges
 from probe.capture.recorder import Recorder, charged
 
@@ -196,7 +197,7 @@ class ModuleHooks:
         reduce-scatter (what DDP's parameters show at the same moment); FSDP2 then calls the
         sharded parameter's hook with the reduced shard."""
         self._hooked_params.add(id(param))
-        hook = functools.partial(self._param_grad, path, kind, name)
+        hook = functools.partial(self._param_grad, path, kind, "param_grad." + name)
         self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def _install_tracking(self, targets) -> None:
@@ -272,8 +273,14 @@ class ModuleHooks:
             rec.calls += 1
             filt = rec.filter
             if filt.forward_in:
-                for position, arg in enumerate(args):
-                    rec.add_tree(call, f"input.{position}", "in", arg)
+                position = 0
+                for arg in args:
+                    slot = INPUT_SLOTS[position] if position < 64 else f"input.{position}"
+                    position += 1
+                    if isinstance(arg, Tensor):
+                        rec.add(call, slot, "in", arg)
+                    else:
+                        rec.add_tree(call, slot, "in", arg)
                 for key, arg in kwargs.items():
                     rec.add_tree(call, "kwarg." + key, "in", arg)
                 param_call = ("param",) + call[1:]
@@ -302,7 +309,10 @@ class ModuleHooks:
         with _DisableTorchFunction():
             call = rec.call("module", path, kind, index, "forward", source, decision)
             if filt.forward_out:
-                rec.add_output(call, "out", output)
+                if isinstance(output, Tensor):
+                    rec.add(call, "output.0", "out", output)
+                else:
+                    rec.add_output(call, "out", output)
             if inputs is not None and _is_grad_enabled():
                 edges, floor = inputs
                 outputs = _trained_outputs(output, edges)
@@ -333,19 +343,22 @@ class ModuleHooks:
         return None
 
     @charged
-    def _param_grad(self, path, kind, name, param):
+    def _param_grad(self, path, kind, slot, param):
         rec = self.recorder
-        if not rec.active or not rec.filter.backward_out or param.grad is None:
+        if not rec.active or not rec.filter.backward_out:
             return
         decision = rec.filter.call(path, kind)
         if not decision:
             return
-        with _DisableTorchFunction():
-            index = rec.namer.index(path, "param_grad." + name)
+        with _DisableTorchFunction():  # (the API mode would see the read of .grad)
+            grad = param.grad
+            if grad is None:
+                return
+            index = rec.namer.index(path, slot)
             call = rec.call("param", path, kind, index, "backward", "", decision)
             # DDP's reducer and later micro-batches write .grad where no hook sees it: the
             # device bucket reads it when this backward pass ends, before they do (recorder.py)
-            rec.add(call, "param_grad." + name, "out", param.grad)
+            rec.add(call, slot, "out", grad)
 
 
 def _inside(targets, position: int) -> list:
@@ -362,8 +375,15 @@ def _input_edges(args, kwargs) -> list:
     """(grad slot, grad_fn, output_nr, tensor) of each input tensor that requires grad, nested
     ones included (``grad_input.0.1`` for the second tensor of a list), read before the call."""
     edges = []
-    for position, arg in enumerate(args):
-        _add_edges(edges, arg, f"grad_input.{position}")
+    position = 0
+    for arg in args:
+        if isinstance(arg, Tensor):
+            if arg.requires_grad:
+                edges.append((GRAD_INPUT_SLOTS[position] if position < 64
+                              else f"grad_input.{position}", arg.grad_fn, arg.output_nr, arg))
+        else:
+            _add_edges(edges, arg, f"grad_input.{position}")
+        position += 1
     for key, arg in kwargs.items():
         _add_edges(edges, arg, "grad_input." + key)
     return edges
@@ -386,8 +406,14 @@ def _trained_outputs(output, edges) -> list:
     returned as it was (nn.Identity, a dropout in eval mode): its gradient is that of every
     use of the tensor, nothing this call made, so such an output records no backward."""
     if isinstance(output, Tensor):
-        slots = [("grad_output.0", output)]
-    elif isinstance(output, (tuple, list)):
+        if not output.requires_grad:
+            return []
+        node = output.grad_fn
+        for _, grad_fn, _, tensor in edges:
+            if tensor is output:
+                return [] if grad_fn is node else [("grad_output.0", output)]
+        return [("grad_output.0", output)]
+    if isinstance(output, (tuple, list)):
         slots = [(f"grad_output.{p}", o) for p, o in enumerate(output)]
     elif isinstance(output, dict):
         slots = [("grad_output." + str(k), o) for k, o in output.items()]

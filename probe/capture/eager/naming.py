@@ -104,6 +104,9 @@ _IGNORED_MODULES = ("torch._ops.profiler", "torch.autograd.profiler", "torch.pro
 #: op name of each torch callable seen (None: ignored); api_mode reads it first
 NAMES: dict = {}
 MISSING = object()
+#: the slot names of positional inputs and their gradients, made once (input.N, grad_input.N)
+INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
+GRAD_INPUT_SLOTS = tuple("grad_" + slot for slot in INPUT_SLOTS)
 
 
 def op_name(func) -> str | None:
