@@ -41,8 +41,9 @@ walk in capture/eager/api_mode.py), and the ``__module__`` of torch's C function
 torch._C._linalg, ...), which capture/eager/naming.py turns into op names.
 
 Behaviour that changed:
-  * autograd node wrappers (see NodeSet): up to 2.12 a C++ node does not keep its Python
-    wrapper alive, so ``id(node)`` of a dropped wrapper is reused by the next one;
+  * autograd node wrappers: up to 2.12 a C++ node does not keep its Python wrapper alive, so
+    ``id(node)`` of a dropped wrapper is reused by the next one (capture/eager/api_backward.py's
+    walk holds the nodes it has seen);
   * collectives and __torch_function__ (see uncaptured_collectives): none reach a
     TorchFunctionMode up to 2.6, some from 2.7, all from 2.12;
   * collective names (see COLLECTIVE_ALIASES): all_gather_into_tensor became all_gather_single
@@ -375,31 +376,6 @@ def has_dtype(name: str) -> bool:
     float4_e2m1fn_x2: 2.8+). Dumps holding such tensors still read on any version: the
     reader decodes them with numpy alone."""
     return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-class NodeSet:
-    """A set of autograd nodes that holds the nodes themselves, not only their ids.
-
-    ``node.next_functions`` returns Python wrappers of C++ nodes. Up to torch 2.12 the C++
-    node does not keep its wrapper alive: once a walk drops a wrapper, the next wrapper made
-    can get the same ``id()``. A set of ids then "remembers" a node it never saw (on 2.11 the
-    LinalgVectorNormBackward0 of F.normalize got the freed ExpandBackward0's id and was
-    skipped, so its grad_input was recorded wrong). Holding the wrapper keeps its id unique
-    and makes torch hand back that same wrapper for that node (2.13+ always does)."""
-
-    __slots__ = ("_nodes",)
-
-    def __init__(self, nodes=()) -> None:
-        self._nodes = {id(node): node for node in nodes}
-
-    def __contains__(self, node) -> bool:
-        return id(node) in self._nodes
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def add(self, node) -> None:
-        self._nodes[id(node)] = node
 
 
 # ---------------------------------------------------------------------------- collectives

@@ -196,8 +196,12 @@ def _walk(out_nodes, out_next_functions, index, floor: int, limit, every_slot: b
     if out_next_functions is None:
         out_next_functions = [None] * len(out_nodes)
     stack = list(zip(out_nodes, out_next_functions))
-    # id -> node: holding the nodes keeps their ids unique while the walk runs (ids of
-    # dropped node wrappers are reused up to torch 2.12; compat.NodeSet says why)
+    # id -> node: holding the nodes keeps their ids unique while the walk runs. Up to torch
+    # 2.12 a C++ node does not keep its Python wrapper alive: once the walk dropped a wrapper,
+    # the next one made could get its id, and a set of ids "remembered" a node it never saw
+    # (on 2.11 F.normalize's LinalgVectorNormBackward0 got a freed ExpandBackward0's id, was
+    # skipped, and its grad_input recorded wrong). Holding the wrapper makes torch hand back
+    # that same wrapper for that node (2.13+ always does).
     seen = {id(node): node for node in out_nodes}
     if limit is None:
         limit = -1
