@@ -17,8 +17,8 @@ LR = 3e-2
 STEPS_PER_UPDATE = 8  # a rollout of 128 environment steps, 4 epochs of 2 minibatches
 UPDATES = 11  # 88 update steps: the rollouts part at update 10 (step 80) on torch 2.13
 #: the weight bug comes this many steps after the runs part by drift (step 13 on torch 2.13, 18 on
-#: 2.4.1): soon, for the drift grows about 1.2x a step, and from step 25-28 the gap it left is
-#: over a tenth of the 1e-3 the bug makes
+#: 2.4.1): soon, for the drift grows about 1.2x a step, and by step 32 on 2.13 (28 on 2.4.1) it
+#: is over a tenth of the 1e-3 the bug makes, which then hides in it
 AFTER_PARTING = 2
 
 
