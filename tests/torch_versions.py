@@ -191,11 +191,3 @@ def compiled_trainer_gap() -> str | None:
     return (f"torch {torch.__version__}'s dynamo fails on transformers' causal-mask code "
             "(masking_utils, without probe; measured on 2.4.1)")
 
-
-def ppo_rounding_parts_by_a_jump() -> str | None:
-    """Why fingerprints call a jump on rounding-only PPO at lr 3e-2 on this torch, or None."""
-    if VERSION >= (2, 5):
-        return None
-    return (f"known false alarm on torch {torch.__version__}: PPO at lr 3e-2 against another "
-            "summation order parts by a jump (measured on 2.4.1: gradients of the policy's biases at "
-            "step 10-16, before any weight had drifted out of its envelope); docs/fingerprints.md")

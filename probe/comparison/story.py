@@ -111,7 +111,6 @@ def story(outcomes, entered: dict | None = None) -> tuple[R.RecordRow | None, R.
     return first, cause
 
 
-
 # ---------------------------------------------------------------------------- shard entry
 
 
@@ -294,14 +293,13 @@ def update_sizes(rows, previous: dict | None = None) -> dict:
 
 
 def drift_facts(rows, previous: dict | None) -> tuple[bool, bool]:
-    """(whether an error is introduced in this step file pair, whether drift explains every
-    such error: it enters through parameters whose difference the previous step's update
-    wrote, or through data the drifted model made). Each introduced row drift explains is
-    marked (row.drifting). previous: the update_sizes of the rank's previous compared step
-    file, None for its first."""
+    """(whether an error is introduced in this step file pair, whether drift explains every such error: it
+    enters through parameters whose difference the previous step's update wrote, or through data the drifted
+    model made). Each introduced row drift explains is marked (row.drifting). previous: the update_sizes of
+    the rank's previous compared step file, None for its first."""
     data = previous is not None and (bool(previous.get(MODEL_DATA)) or model_made_data(rows))
     parted = data and bool(update_sizes(rows, previous).get(DATA_PARTED))
-    introduced, carried = False, True
+    introduced, carried, holding = False, True, []
     for row in rows:
         if row.status != R.DIVERGED or row.origin != R.INTRODUCED:
             continue
@@ -309,10 +307,14 @@ def drift_facts(rows, previous: dict | None) -> tuple[bool, bool]:
             row.drifting = True
             continue
         if row.divergence == R.PARAM and not row.slot.startswith("param."):
-            continue  # an api call's input holding a parameter: judged at the parameter's record
+            holding.append(row)  # an api call's input holding a parameter: judged at the parameter's record
+            continue
         introduced = True
         row.drifting = previous is not None and _drifts(row, previous, data, parted)
         carried = carried and row.drifting
+    for row in holding:  # drifts with its module's parameter records: no story starts at it while they do
+        own = [o.drifting for o in rows if o.divergence == R.PARAM and o.kind == "param" and o.module == row.module]
+        row.drifting = bool(own) and all(own)
     return introduced, carried
 
 
@@ -383,7 +385,6 @@ def apply_drift(found: dict, rows: list) -> None:
         if row.status == R.DIVERGED and row.origin == R.INTRODUCED:
             row.origin = R.INHERITED
             row.cause = f"{row.cause}; drift: this difference grew over the earlier steps' updates"
-
 
 
 #: envelope verdicts a drifting output may have (rounding.py, envelope.Envelope.judge)
@@ -457,7 +458,6 @@ def story_rows(rows) -> list:
             if found is not None:
                 chosen[id(found)] = None
     return [row for row in rows if id(row) in chosen]
-
 
 
 # ---------------------------------------------------------------------------- entering

@@ -5,7 +5,10 @@ from the two fingerprints' sketches (comparison/sketch.py: an estimate with a ch
 band, +-52% at k = 16, and a rounding floor below which the sketches see no difference).
 ||a|| is the largest norm of the reference's tensor over the last WINDOW steps and this one
 (recent_norms): a gradient whose sum nearly cancels has a tiny norm for a step, but its
-rounding stays the size of its usual terms.
+rounding stays the size of its usual terms, so what rounding allows is sized from that norm
+too (measured on PPO: a new rollout's first step cut the policy's bias gradients to a seventh
+of their norm, their gap rose to 6e-6 of the recent norm, under half of one step's rounding at
+that size, and was called a jump while the floor was sized from the small norm).
 
 Two questions, two rules:
 
@@ -105,7 +108,11 @@ def measure(numbers_a: np.ndarray, sketch_a: np.ndarray, numbers_b: np.ndarray, 
         diff = sketch_a - sketch_b
         sketched = np.all(np.isfinite(diff), axis=1) & (k > 0)
         raw = np.sqrt(np.mean(np.where(np.isfinite(diff), diff, 0.0) ** 2, axis=1)) if k else np.zeros(len(scale))
-        floor = sketch_estimate.rounding_floor(dtype, np.nan_to_num(norm_a), dtype, np.nan_to_num(norm_b), numel)
+        size_a, size_b = np.abs(np.nan_to_num(norm_a)), np.abs(np.nan_to_num(norm_b))
+        if recent is not None:  # a sum that cancelled still rounds at the size of its terms
+            usual = np.nan_to_num(np.abs(recent))
+            size_a, size_b = np.maximum(size_a, usual), np.maximum(size_b, usual)
+        floor = sketch_estimate.rounding_floor(dtype, size_a, dtype, size_b, numel)
         fresh_ulps = FRESH_ULPS * unit_roundoff(dtype) * math.sqrt(max(numel, 1))
         # no sketch: the norms' difference bounds the gap from below
         bound = np.abs(norm_a - norm_b) / scale

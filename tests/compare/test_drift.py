@@ -53,3 +53,32 @@ def test_a_weight_scaled_at_step_3_of_identical_runs_is_named_at_its_linear(tmp_
     result = probe.compare(a, b)
     assert result.drift is None and result.first_divergence.step == 3
     assert (result.likely_cause.module, result.likely_cause.origin) == ("fc", "introduced")
+
+
+def _parameter_rows(module: str) -> list:
+    """A step file's records of a parameter that differs beyond tolerance: its module's own
+    record and the api call's input that holds it (level mix), both introduced, and its
+    gradient's record, inherited."""
+    from probe.comparison import result as R
+    from probe.comparison.metrics import Metrics
+    from probe.comparison.structs import RecordRow
+
+    def row(op, slot, kind, order, phase="forward", divergence=R.PARAM, origin=R.INTRODUCED):
+        return RecordRow(step=5, rank=0, status=R.DIVERGED, module=module, op=op, index=0, phase=phase,
+                         slot=slot, io="in" if phase == "forward" else "out", kind=kind,
+                         key_a=f"{module}/{op}#0/{phase}/{slot}", metrics=Metrics(evidence="statistics", rel_l2=0.2),
+                         divergence=divergence, origin=origin, order=(order, 0, 0, 0))
+    return [row("Linear", "param.weight", "param", 2), row("functional.linear", "input.1", "api", 3),
+            row("Linear", "param_grad.weight", "param", 9, "backward", R.OUTPUT, R.INHERITED)]
+
+
+def test_an_api_input_holding_a_drifted_parameter_drifts_with_it_and_a_changed_one_does_not():
+    """Judged at the parameter's record: where drift explains that record (the previous step's
+    update wrote its difference), the api call's input holding it is no story start either."""
+    from probe.comparison import story
+
+    for written, drifts in ((0.2, True), (0.0, False)):
+        rows = _parameter_rows("policy.0")
+        introduced, carried = story.drift_facts(rows, {"policy.0.weight": written})
+        assert introduced and carried is drifts
+        assert [row.drifting for row in rows[:2]] == [drifts, drifts]
