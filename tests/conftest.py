@@ -1,6 +1,6 @@
+import gc
 import os
 import sys
-import warnings
 
 import pytest
 
@@ -31,7 +31,14 @@ def _module_isolated():
     """Each test module starts from the process state the session started with, whatever
     module ran before it in this process: the tests run in parallel processes
     (pytest-xdist, --dist loadfile), each running its own share of the modules in its own
-    order. Within a module, tests run in file order, as they always have."""
+    order. Within a module, tests run in file order, as they always have.
+
+    What earlier modules left alive (imported libraries, dynamo's caches, compiled graphs) is
+    frozen out of the garbage collector's sight once its garbage is collected: every full
+    collection a test triggers would walk it all again, and the pytest process holds more
+    than any user's training process does."""
+    gc.collect()
+    gc.freeze()
     state = process_state.save()
     yield
     process_state.restore(state)

@@ -27,12 +27,13 @@ def fresh_interpreter(script, cwd, *args, timeout=300):
 
 def this_process(script, cwd, *args):
     """(exit code, stdout, stderr) of the script run as ``__main__`` in this process, its
-    standard streams caught at the file descriptors, so that what the processes it starts print
-    is read too (line-buffered: the lines keep their order). The process state the script may change (environment, working directory,
-    warning filters, torch's global settings, sys.argv and sys.path) is put back after. What
-    the test process holds already is frozen out of the garbage collector's sight while the
-    script runs: each full collection would walk it all (a quick benchmark took 33 CPU-s
-    instead of 2 after the compiled-trainer tests in the same process)."""
+    standard streams caught at the file descriptors, so that what the processes it starts
+    print is read too (line-buffered: the lines keep their order). The process state the
+    script may change (environment, working directory, warning filters, torch's global
+    settings, sys.argv and sys.path) is put back after. What the test process holds already
+    is frozen out of the garbage collector's sight while the script runs: each full
+    collection would walk it all (a quick benchmark took 33 CPU-s instead of 2 after the
+    compiled-trainer tests in the same process)."""
     saved, argv, path = process_state.save(), sys.argv, list(sys.path)
     with tempfile.TemporaryFile("w+", buffering=1) as out, tempfile.TemporaryFile("w+", buffering=1) as err:
         with _streams_to(out, err):
