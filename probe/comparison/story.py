@@ -203,8 +203,7 @@ def _inherit(call, ranks: dict, by_rank: dict) -> None:
 # ---------------------------------------------------------------------------- drift
 
 
-#: the previous step's update of a parameter must differ by at least this fraction of the
-#: parameter's own difference for that difference to count as carried by the optimizer
+#: a parameter's difference is carried by the optimizer when its last update differs by at least 1/this of it
 CARRIED_SHARE = 10.0
 
 
@@ -293,10 +292,9 @@ def update_sizes(rows, previous: dict | None = None) -> dict:
 
 
 def drift_facts(rows, previous: dict | None) -> tuple[bool, bool]:
-    """(whether an error is introduced in this step file pair, whether drift explains every such error: it
-    enters through parameters whose difference the previous step's update wrote, or through data the drifted
-    model made). Each introduced row drift explains is marked (row.drifting). previous: the update_sizes of
-    the rank's previous compared step file, None for its first."""
+    """(whether an error is introduced in this step file pair, whether drift explains each: it enters through
+    parameters the previous step's update wrote, or data the drifted model made); each row drift explains is
+    marked (row.drifting). previous: update_sizes of the rank's previous step file, None for its first."""
     data = previous is not None and (bool(previous.get(MODEL_DATA)) or model_made_data(rows))
     parted = data and bool(update_sizes(rows, previous).get(DATA_PARTED))
     introduced, carried, holding = False, True, []
@@ -306,15 +304,17 @@ def drift_facts(rows, previous: dict | None) -> tuple[bool, bool]:
         if _composed(row, rows):
             row.drifting = True
             continue
-        if row.divergence == R.PARAM and not row.slot.startswith("param."):
-            holding.append(row)  # an api call's input holding a parameter: judged at the parameter's record
+        if row.divergence == R.PARAM and not row.slot.startswith("param."):  # an api input holding one
+            holding.append(row)
             continue
         introduced = True
         row.drifting = previous is not None and _drifts(row, previous, data, parted)
         carried = carried and row.drifting
-    for row in holding:  # drifts with its module's parameter records: no story starts at it while they do
-        own = [o.drifting for o in rows if o.divergence == R.PARAM and o.kind == "param" and o.module == row.module]
-        row.drifting = bool(own) and all(own)
+    params: dict = {}  # module -> its parameter records' drifting: a holding row drifts with them
+    for row in (row for row in rows if holding and row.divergence == R.PARAM and row.kind == "param"):
+        params.setdefault(row.module, []).append(row.drifting)
+    for row in holding:
+        row.drifting = all(params.get(row.module, [False]))
     return introduced, carried
 
 
