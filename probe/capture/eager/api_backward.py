@@ -157,7 +157,7 @@ def _composite_edges(out_nodes, out_next_functions, edges):
     earlier calls: autograd numbers nodes in creation order) and after _WALK_LIMIT nodes.
     """
     index = _edge_index(edges)
-    input_nodes, oldest = index[2], index[3]
+    _, _, input_nodes, oldest = index
     for node in out_nodes:
         # an output that is an input (x.contiguous() of a contiguous x) made no node here
         if id(node) in input_nodes or _sequence_nr(node) <= oldest:
@@ -191,7 +191,7 @@ def _walk(out_nodes, out_next_functions, index, floor: int, limit, every_slot: b
     into an input: [(node, ((position, grad slot), ...))], or None (none found, or more than
     limit nodes walked). index: _edge_index of the inputs. every_slot: an edge into a tensor
     passed in several slots counts for each of them (else for none)."""
-    by_edge, by_leaf, input_nodes = index[0], index[1], index[2]
+    by_edge, by_leaf, input_nodes, _ = index
     result = []
     if out_next_functions is None:
         out_next_functions = [None] * len(out_nodes)
@@ -210,9 +210,7 @@ def _walk(out_nodes, out_next_functions, index, floor: int, limit, every_slot: b
         if next_functions is None:
             next_functions = node.next_functions
         kept = None
-        position = -1
-        for fn, output_nr in next_functions:
-            position += 1
+        for position, (fn, output_nr) in enumerate(next_functions):
             if fn is None:
                 continue
             key = id(fn)
@@ -253,7 +251,7 @@ def hook_input_edges(rec, call, out_nodes, edges, floor: int) -> None:
     the sum of their shares: the gradient that flowed through this call only. The walk goes
     from the outputs' nodes back through the nodes made during the call, however many."""
     index = _edge_index(edges)
-    input_nodes, oldest = index[2], index[3]
+    _, _, input_nodes, oldest = index
     if floor < 0:
         floor = oldest + 1
     # an output that is an input itself made no node in this call

@@ -53,7 +53,7 @@ import torch.nn.modules.module as _module_hooks
 from probe import compat
 from probe.compat import version_gaps
 from probe.capture.eager import compiled_functions, compiled_regions, wrappers
-from probe.capture.eager.naming import GRAD_INPUT_SLOTS, INPUT_SLOTS
+from probe.capture.eager.naming import grad_input_slot, input_slot
 from probe.capture.eager.api_backward import hook_input_edges
 from probe.capture.recorder import Recorder, charged
 
@@ -273,14 +273,8 @@ class ModuleHooks:
             rec.calls += 1
             filt = rec.filter
             if filt.forward_in:
-                position = 0
-                for arg in args:
-                    slot = INPUT_SLOTS[position] if position < 64 else f"input.{position}"
-                    position += 1
-                    if isinstance(arg, Tensor):
-                        rec.add(call, slot, "in", arg)
-                    else:
-                        rec.add_tree(call, slot, "in", arg)
+                for position, arg in enumerate(args):
+                    rec.add_tree(call, input_slot(position), "in", arg)
                 for key, arg in kwargs.items():
                     rec.add_tree(call, "kwarg." + key, "in", arg)
                 param_call = ("param",) + call[1:]
@@ -309,10 +303,7 @@ class ModuleHooks:
         with _DisableTorchFunction():
             call = rec.call("module", path, kind, index, "forward", source, decision)
             if filt.forward_out:
-                if isinstance(output, Tensor):
-                    rec.add(call, "output.0", "out", output)
-                else:
-                    rec.add_output(call, "out", output)
+                rec.add_output(call, "out", output)
             if inputs is not None and _is_grad_enabled():
                 edges, floor = inputs
                 outputs = _trained_outputs(output, edges)
@@ -375,15 +366,8 @@ def _input_edges(args, kwargs) -> list:
     """(grad slot, grad_fn, output_nr, tensor) of each input tensor that requires grad, nested
     ones included (``grad_input.0.1`` for the second tensor of a list), read before the call."""
     edges = []
-    position = 0
-    for arg in args:
-        if isinstance(arg, Tensor):
-            if arg.requires_grad:
-                edges.append((GRAD_INPUT_SLOTS[position] if position < 64
-                              else f"grad_input.{position}", arg.grad_fn, arg.output_nr, arg))
-        else:
-            _add_edges(edges, arg, f"grad_input.{position}")
-        position += 1
+    for position, arg in enumerate(args):
+        _add_edges(edges, arg, grad_input_slot(position))
     for key, arg in kwargs.items():
         _add_edges(edges, arg, "grad_input." + key)
     return edges
@@ -406,14 +390,8 @@ def _trained_outputs(output, edges) -> list:
     returned as it was (nn.Identity, a dropout in eval mode): its gradient is that of every
     use of the tensor, nothing this call made, so such an output records no backward."""
     if isinstance(output, Tensor):
-        if not output.requires_grad:
-            return []
-        node = output.grad_fn
-        for _, grad_fn, _, tensor in edges:
-            if tensor is output:
-                return [] if grad_fn is node else [("grad_output.0", output)]
-        return [("grad_output.0", output)]
-    if isinstance(output, (tuple, list)):
+        slots = [("grad_output.0", output)]
+    elif isinstance(output, (tuple, list)):
         slots = [(f"grad_output.{p}", o) for p, o in enumerate(output)]
     elif isinstance(output, dict):
         slots = [("grad_output." + str(k), o) for k, o in output.items()]

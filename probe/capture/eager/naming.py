@@ -109,6 +109,16 @@ INPUT_SLOTS = tuple(f"input.{i}" for i in range(64))
 GRAD_INPUT_SLOTS = tuple("grad_" + slot for slot in INPUT_SLOTS)
 
 
+def input_slot(position: int) -> str:
+    """``input.N`` of a call's positional argument N."""
+    return INPUT_SLOTS[position] if position < len(INPUT_SLOTS) else f"input.{position}"
+
+
+def grad_input_slot(position: int) -> str:
+    """``grad_input.N``: the gradient slot of a call's positional argument N."""
+    return GRAD_INPUT_SLOTS[position] if position < len(GRAD_INPUT_SLOTS) else f"grad_input.{position}"
+
+
 def op_name(func) -> str | None:
     """Stable name of a torch callable, or None when it is in IGNORED_OPS (cached)."""
     try:
