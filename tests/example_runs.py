@@ -5,7 +5,6 @@ optimizer, dynamo). An example that starts processes of its own (probe run, prob
 torchrun, fresh training jobs) still starts them; their output is read with the script's."""
 
 import contextlib
-import gc
 import os
 import runpy
 import subprocess
@@ -30,23 +29,19 @@ def this_process(script, cwd, *args):
     standard streams caught at the file descriptors, so that what the processes it starts
     print is read too (line-buffered: the lines keep their order). The process state the
     script may change (environment, working directory, warning filters, torch's global
-    settings, sys.argv and sys.path) is put back after. What the test process holds already
-    is frozen out of the garbage collector's sight while the script runs: each full
-    collection would walk it all (a quick benchmark took 33 CPU-s instead of 2 after the
-    compiled-trainer tests in the same process)."""
+    settings, sys.argv and sys.path) is put back after. What earlier test modules left alive
+    is out of the garbage collector's sight already (conftest.py freezes it)."""
     saved, argv, path = process_state.save(), sys.argv, list(sys.path)
     with tempfile.TemporaryFile("w+", buffering=1) as out, tempfile.TemporaryFile("w+", buffering=1) as err:
         with _streams_to(out, err):
             sys.argv = [script, *args]
             os.chdir(cwd)
-            gc.freeze()
             try:
                 runpy.run_path(script, run_name="__main__")
                 code = 0
             except SystemExit as exited:
                 code = _exit_code(exited.code)
             finally:
-                gc.unfreeze()
                 sys.argv, sys.path[:] = argv, path
                 process_state.restore(saved)
         out.seek(0)
