@@ -2,6 +2,7 @@
 weakref callback (h5py's and the standard library's clean-ups, while thousands of step files
 are read), so probe raises it again (probe/parallel/ctrl_c.py)."""
 
+import os
 import signal
 import sys
 import time
@@ -60,3 +61,48 @@ def test_a_remembered_ctrl_c_is_raised_at_the_next_unit_and_forgotten_by_the_nex
     with RememberedCtrlC():
         RememberedCtrlC.check()  # a new compare starts without the old Ctrl-C
         time.sleep(2 * AGAIN_S)  # nothing is raised again
+
+
+def _children() -> set:
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children", encoding="ascii") as handle:
+        return set(handle.read().split())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers left running "
+                    "through /proc, which only Linux has")
+def test_a_ctrl_c_while_the_worker_pool_starts_leaves_no_worker_running(tmp_path):
+    """Ctrl-C lands right after the first worker is forked, inside multiprocessing's Pool():
+    the compare stops with KeyboardInterrupt and stops every worker it started."""
+    import probe
+    from tests import rounding_pairs as P
+
+    one = P.run(tmp_path / "one", lambda: P.DeepStack(depth=1), steps=1, task="statistics")
+    a, b = (P.rank_files(one, str(tmp_path / side), 2) for side in "ab")
+    armed = []
+
+    def ctrl_c_at_the_next_call(frame, event, arg):
+        sys.settrace(None)
+        signal.raise_signal(signal.SIGINT)
+
+    def ctrl_c_after_a_fork():
+        # not in this hook itself: Python drops an exception raised in an at-fork hook
+        if armed:
+            armed.clear()
+            sys.settrace(ctrl_c_at_the_next_call)
+
+    os.register_at_fork(after_in_parent=ctrl_c_after_a_fork)  # cannot be undone: disarmed after
+    before = _children()
+    armed.append(True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            probe.compare(a, b, jobs=2)
+    finally:
+        armed.clear()
+        sys.settrace(None)
+    deadline = time.monotonic() + 10
+    while _children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)  # a stopped worker may take a moment to be gone
+    left = _children() - before
+    for pid in left:  # without the fix: workers nobody stops, forked again as they end
+        os.kill(int(pid), signal.SIGKILL)
+    assert not left
