@@ -35,6 +35,10 @@ Columns:
                the work a GPU does (its launches stay on the host: ``launches`` below)
   host us/record   (captured - plain - numbers) / records: what the host pays per record when
                the device computes the numbers (the host path's own arithmetic is in us/record)
+  fixed ms     of captured ms, the time in start(), stop() and step(): hooks installed and
+               removed, the rows built, the step file handed over (paid once a step)
+  in-step us/record   (captured - fixed - plain) / records: what the records cost while the
+               step runs (their share of the numbers too, on the device path)
   launches     device path: torch ops of the captured step that launch a kernel on a GPU,
                against the plain step's (bench/launch_count.py counts them)
 
@@ -111,31 +115,35 @@ class Variant:
             self._folder = os.path.join(dump_root, name.replace(" ", "_"))
             self.debugger = PrecisionDebugger(Config(dump_path=self._folder, level=level, writer=writer))
 
-    def run(self) -> tuple[float, float]:
-        """One step: (thread CPU seconds, of which inside the device bucket)."""
+    def run(self) -> tuple[float, float, float]:
+        """One step: (thread CPU seconds, of which inside the device bucket, of which in
+        start(), stop() and step())."""
         _NUMBERS[0] = 0.0
+        clock = time.thread_time
         if self.debugger is None:
-            began = time.thread_time()
+            began = clock()
             self._train()
-            return time.thread_time() - began, 0.0
+            return clock() - began, 0.0, 0.0
         saved = os.environ.get("PROBE_DEVICE_PATH")
         os.environ["PROBE_DEVICE_PATH"] = "1" if self.path == "device" else "0"
         if self.path == "records":
             _numbers_known(True)
         try:
-            began = time.thread_time()
+            began = clock()
             self.debugger.start(self._model)
+            started = clock()
             self._train()
+            trained = clock()
             self.debugger.stop()
             self.debugger.step()
-            spent = time.thread_time() - began
+            ended = clock()
         finally:
             _numbers_known(False)
             if saved is None:
                 del os.environ["PROBE_DEVICE_PATH"]
             else:
                 os.environ["PROBE_DEVICE_PATH"] = saved
-        return spent, _NUMBERS[0]
+        return ended - began, _NUMBERS[0], (started - began) + (ended - trained)
 
     def count_records(self) -> None:
         """Records of the last captured step, read from its file (untimed)."""
@@ -180,6 +188,7 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
             variant.tidy()
     times = {variant.name: [] for variant in variants}
     numbers = {variant.name: [] for variant in variants}
+    fixed = {variant.name: [] for variant in variants}
     order = random.Random(0)
     block = 3
     for _ in range(-(-repeats // (block - 1))):
@@ -189,21 +198,25 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
             gc.collect()
             variant.run()  # untimed: pays for what the previous variant left behind
             for _ in range(block - 1):
-                spent, inside = variant.run()
+                spent, inside, once = variant.run()
                 times[variant.name].append(spent)
                 numbers[variant.name].append(inside)
+                fixed[variant.name].append(once)
             variant.tidy()
     plain = statistics.median(times["plain"])
     rows = []
     for variant in variants[1:]:
         captured = statistics.median(times[variant.name])
         inside = statistics.median(numbers[variant.name])
+        once = statistics.median(fixed[variant.name])
         records = max(variant.records, 1)
         rows.append({"model": key, "label": label, "level": variant.level, "path": variant.path,
                      "records": variant.records, "plain_ms": plain * 1e3,
                      "captured_ms": captured * 1e3, "numbers_ms": inside * 1e3,
                      "us_per_record": (captured - plain) * 1e6 / records,
                      "host_us_per_record": (captured - plain - inside) * 1e6 / records,
+                     "fixed_ms": once * 1e3,
+                     "in_step_us_per_record": (captured - once - plain) * 1e6 / records,
                      "repeats": len(times[variant.name])})
     for variant in variants:
         if variant.debugger is not None:
@@ -214,7 +227,8 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
 COLUMNS = [("model", "{}", "model"), ("level", "{}", "level"), ("path", "{}", "path"),
            ("records", "{}", "records"), ("plain ms", "{:.1f}", "plain_ms"),
            ("captured ms", "{:.1f}", "captured_ms"), ("us/record", "{:.1f}", "us_per_record"),
-           ("numbers ms", "{:.1f}", "numbers_ms"), ("host us/record", "{:.1f}", "host_us_per_record")]
+           ("numbers ms", "{:.1f}", "numbers_ms"), ("host us/record", "{:.1f}", "host_us_per_record"),
+           ("fixed ms", "{:.1f}", "fixed_ms"), ("in-step us/record", "{:.1f}", "in_step_us_per_record")]
 
 
 def format_table(rows: list[dict]) -> str:

@@ -24,6 +24,9 @@ def test_record_cost_prints_microseconds_per_record_for_every_path():
     numbers = {(row["level"], row["path"]): row["numbers_ms"] for row in rows}
     for row in rows:
         assert row["records"] > 0 and row["us_per_record"] == row["us_per_record"]
+        # start(), stop() and step() take some of the captured step, never all of it
+        assert 0 < row["fixed_ms"] < row["captured_ms"]
+        assert row["in_step_us_per_record"] == row["in_step_us_per_record"]
         # only the device path computes numbers in the bucket's flushes
         level = row["level"]
         assert numbers[level, "device"] > numbers[level, "records"]
