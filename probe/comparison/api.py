@@ -260,8 +260,8 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     entering = next((row for row in rows if entering_reason(row) is not None), None)
     lonely = [row for row in rows if row.status in (R.ONLY_A, R.ONLY_B)]
     facts = FileFacts(
-        position=position, info=info, diverged=len(diverged), differs=differs_at_rounding(rows),
-        differs_settled=differs_at_rounding(rows) or differs_at_rounding(settled_copies(diverged)),
+        position=position, info=info, diverged=len(diverged), differs=(differs := differs_at_rounding(rows)),
+        differs_settled=differs or differs_at_rounding(settled_copies(diverged)),
         introduced=introduced, carried=carried, within=not diverged or within_envelopes(diverged) or (parted and carried),
         fails=unpaired_fails(counts, strict), story=story_rows(rows) if diverged else None,
         entering=entering, lonely=min(lonely, key=lambda row: row.order) if lonely else None,
