@@ -285,17 +285,18 @@ def _pair_rows(pair: CallPair, number: int, records_a: Records, records_b: Recor
         ordered = [slot for slot in ordered if slot in slots_a and slot in slots_b
                    or _own_slot(a, slot) and _own_slot(b, slot)]
     out = []
+    target = a.target if a is not None and a.target else (b.target if b else "")
     for position, slot in enumerate(ordered):
         row_a, row_b = slots_a.get(slot), slots_b.get(slot)
-        out.append(Slot(_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position), row_a, row_b,
-                        number))
+        out.append(Slot(_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position, target), row_a,
+                        row_b, number))
     for call, records, status in ((a, records_a, R.ONLY_A), (b, records_b, R.ONLY_B)):
         for extra in call.extras if call else ():
             row_a = extra if status == R.ONLY_A else None
             row_b = extra if status == R.ONLY_B else None
             slot = records.get("slot", extra)
-            out.append(Slot(_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, len(out)), row_a,
-                            row_b, number))
+            out.append(Slot(_new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, len(out), target),
+                            row_a, row_b, number))
     return out
 
 
@@ -309,13 +310,14 @@ def _own_slot(call, slot: str) -> bool:
     return call.element <= 0 or slot not in call.shared
 
 
-def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position) -> R.RecordRow:
+def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, position, target) -> R.RecordRow:
     main, main_row = (records_a, row_a) if row_a is not None else (records_b, row_b)
     get = main.columns
     if row_a is not None and row_b is not None:
         status = R.MATCH
     else:
         status = R.ONLY_A if row_a is not None else R.ONLY_B
+    seq_a = int(records_a.columns["seq"][row_a]) if row_a is not None else None
     row = R.RecordRow(
         step=step,
         rank=rank,
@@ -329,13 +331,13 @@ def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, positio
         kind=get["kind"][main_row],
         source=get["source"][main_row],
         paired_by=pair.how,
-        target=(pair.a.target if pair.a is not None and pair.a.target else (pair.b.target if pair.b else "")),
+        target=target,
         # a record's own seq: a module's output comes after the API calls inside it
-        order=(int(records_a.columns["seq"][row_a]), row_a, 0, 0) if row_a is not None else (*pair.order, position),
+        order=(seq_a, row_a, 0, 0) if row_a is not None else (*pair.order, position),
     )
     if row_a is not None:
         cols = records_a.columns
-        row.key_a, row.seq_a = cols["key"][row_a], int(cols["seq"][row_a])
+        row.key_a, row.seq_a = cols["key"][row_a], seq_a
         row.dtype_a, row.shape_a = cols["dtype"][row_a], cols["shape"][row_a]
     if row_b is not None:
         cols = records_b.columns

@@ -260,8 +260,8 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     entering = next((row for row in rows if entering_reason(row) is not None), None)
     lonely = [row for row in rows if row.status in (R.ONLY_A, R.ONLY_B)]
     facts = FileFacts(
-        position=position, info=info, diverged=len(diverged), differs=differs_at_rounding(rows),
-        differs_settled=differs_at_rounding(rows) or differs_at_rounding(settled_copies(diverged)),
+        position=position, info=info, diverged=len(diverged), differs=(differs := differs_at_rounding(rows)),
+        differs_settled=differs or differs_at_rounding(settled_copies(diverged)),
         introduced=introduced, carried=carried, within=not diverged or within_envelopes(diverged) or (parted and carried),
         fails=unpaired_fails(counts, strict), story=story_rows(rows) if diverged else None,
         entering=entering, lonely=min(lonely, key=lambda row: row.order) if lonely else None,
@@ -317,15 +317,15 @@ def fold_outcome(partial, outcome, position: int, diverged: list, entering) -> N
                 tally.add_row(variants[mode].get(id(row), row), ordinal)
     entering_at = (position, next((n for n, row in enumerate(outcome.rows) if row is entering), -1))
     for number, (rows, forward) in enumerate(outcome.calls):
-        ordinal = (position, number)
+        ordinal, judged = (position, number), R.summarize_call(rows, forward)
         if not any(id(row) in touched for row in [*rows, *forward]):
-            summary = R.summarize_call(rows, forward)
-            if summary is not None:
-                add_summary(partial.common.groups, summary, ordinal, position)
+            if judged is not None:
+                add_summary(partial.common.groups, judged, ordinal, position)
             continue
         for mode, tally in partial.modes.items():
             swap = variants[mode]
-            summary = R.summarize_call([swap.get(id(r), r) for r in rows], [swap.get(id(r), r) for r in forward])
+            summary = judged if not any(id(r) in swap for r in [*rows, *forward]) else R.summarize_call(
+                [swap.get(id(r), r) for r in rows], [swap.get(id(r), r) for r in forward])
             if summary is None:
                 continue
             if mode == JUDGED and pending and any(r is entering for r in rows):

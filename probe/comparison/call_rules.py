@@ -404,17 +404,18 @@ def _size(row: R.RecordRow) -> str:
 
 
 def input_summary(row: R.RecordRow, kind: str, producer: R.RecordRow | None) -> dict:
-    return R.json_safe({
+    m, safe = row.metrics, R.json_safe  # the numbers are the entries JSON cannot spell
+    return {
         "slot": f"forward.{row.slot}" if kind == FORWARD else row.slot,
         "source": kind,
         "producer": producer.key if producer is not None else None,
         "buffer": row.buffer or None,
         "status": row.status,
-        "rel_l2": row.metrics.rel_l2 if row.metrics is not None else None,
-        "max_abs": row.metrics.max_abs if row.metrics is not None else None,
-        "score": row.score,
+        "rel_l2": safe(m.rel_l2) if m is not None else None,
+        "max_abs": safe(m.max_abs) if m is not None else None,
+        "score": safe(row.score),
         "size_unknown": row.size_unknown,
-    })
+    }
 
 
 _ENTERS = {

@@ -310,15 +310,18 @@ def parameter_major(block: list[list[Call]]) -> list[Call]:
 def tensor_print(cols: dict, row: int, one_element: bool = False):
     """A tensor's identity within one step file: its stored id, else its statistics (of a
     one-element tensor only with one_element, and never of a 0-dim one)."""
-    if cols["dtype"][row] == "":
+    dtype = cols["dtype"][row]
+    if dtype == "":
         return None
     if cols["tensor_id"][row] >= 0:
         return ("id", cols["tensor_id"][row])
-    numbers = tuple(cols[name][row] for name in ("min", "max", "mean", "norm"))
-    single = cols["numel"][row] <= 1 and not (one_element and cols["shape"][row] not in ("", "[]"))
-    if all(math.isnan(value) for value in numbers) or single:
+    numbers = (cols["min"][row], cols["max"][row], cols["mean"][row], cols["norm"][row])
+    shape = cols["shape"][row]
+    single = cols["numel"][row] <= 1 and not (one_element and shape not in ("", "[]"))
+    if single or all(value != value for value in numbers):  # NaN alone differs from itself
         return None  # a scalar (a step counter) says nothing about which parameter it is
-    return ("stats", cols["dtype"][row], cols["shape"][row], *map(repr, numbers), cols["checksum"][row])
+    return ("stats", dtype, shape, repr(numbers[0]), repr(numbers[1]), repr(numbers[2]), repr(numbers[3]),
+            cols["checksum"][row])
 
 
 def content_key(cols: dict, row: int) -> int | None:

@@ -13,6 +13,7 @@ override them.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ DEFAULTS: dict[str, Tolerance] = {
 }
 
 
+@functools.lru_cache(maxsize=1024)  # a few dtype names, asked of every record
 def tolerance_dtype(dtype_a: str, dtype_b: str) -> str:
     """The dtype whose tolerance judges a pair: the lower-precision floating side.
 
