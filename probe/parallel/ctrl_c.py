@@ -11,6 +11,7 @@ being compared (reading the attributes of thousands of step files) comes back.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -76,3 +77,21 @@ class RememberedCtrlC:
     def caught() -> None:
         """The KeyboardInterrupt reached code that stops the compare: no need to raise it again."""
         _STATE["caught"] = True
+
+
+@contextlib.contextmanager
+def ctrl_c_held():
+    """A Ctrl-C inside the block is raised as KeyboardInterrupt when the block ends, not where
+    it lands: for a block that must finish (``pool = Pool()``: raised inside it, no one holds
+    the workers it started). Only the main thread handles signals; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    asked = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: asked.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if asked:
+        raise KeyboardInterrupt

@@ -22,13 +22,12 @@ import os
 import queue
 import signal
 import sys
-import threading
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
 from probe.comparison.api import Partial
 from probe.comparison.load import collect_rarely
 from probe.parallel import wire
-from probe.parallel.ctrl_c import RememberedCtrlC
+from probe.parallel.ctrl_c import RememberedCtrlC, ctrl_c_held
 
 #: fork on Linux: a worker starts in milliseconds, with probe.comparison imported, and does not
 #: import the caller's main module again (spawn and forkserver run an unguarded script's
@@ -80,7 +79,7 @@ class LocalRunner:
         partial = Partial(budget=job.keep_rows)
         answers: queue.SimpleQueue = queue.SimpleQueue()
         workers = min(self.jobs, len(chains))
-        started: list = []  # the pool, once there is one
+        pool = None
         waiting = list(range(len(chains)))  # chains not started, longest first
         read = 0
 
@@ -90,8 +89,10 @@ class LocalRunner:
                              error_callback=lambda error: answers.put((chain, step, None, error)))
 
         try:
-            _start_pool(workers, job, started)
-            pool = started[0]
+            # held: a Ctrl-C inside Pool() would leave the workers it started with no pool to
+            # stop them, and the pool's thread forking new ones while this process exits
+            with ctrl_c_held():
+                pool = multiprocessing.get_context(_START).Pool(workers, initializer=_start_worker, initargs=(job,))
             for _ in range(min(2 * workers, len(waiting))):
                 submit(waiting.pop(0), 0, None)
             while self.done < self.total:
@@ -114,33 +115,12 @@ class LocalRunner:
                     submit(waiting.pop(0), 0, None)
         except BaseException:
             RememberedCtrlC.caught()
-            for pool in started:
+            if pool is not None:
                 pool.terminate()
             raise
         pool.close()
         pool.join()
         return partial
-
-
-def _start_pool(workers: int, job: CompareJob, started: list) -> None:
-    """Starts the worker pool into `started`, with Ctrl-C held back until it is there.
-
-    A KeyboardInterrupt raised inside Pool() (between its forks, or while it starts its
-    threads) would leave the workers started so far with no pool to stop them, and the pool's
-    thread would fork new ones while this process exits (they fail: h5py's clean-up at exit
-    has run). A Ctrl-C meanwhile is remembered, and raised once the caller can stop the pool."""
-    start = multiprocessing.get_context(_START)
-    if threading.current_thread() is not threading.main_thread():  # Ctrl-C lands in the main thread
-        started.append(start.Pool(workers, initializer=_start_worker, initargs=(job,)))
-        return
-    asked = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: asked.append(signum))
-    try:
-        started.append(start.Pool(workers, initializer=_start_worker, initargs=(job,)))
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if asked:
-        raise KeyboardInterrupt
 
 
 #: how often the wait for the workers' answers looks for a Ctrl-C Python dropped

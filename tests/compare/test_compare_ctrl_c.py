@@ -68,8 +68,9 @@ def _children() -> set:
         return set(handle.read().split())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers left running "
-                    "through /proc, which only Linux has")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="plants the Ctrl-C at the worker pool's "
+                    "first fork and finds the workers left through /proc: the pool forks only on Linux "
+                    "(spawn elsewhere), and only Linux has /proc")
 def test_a_ctrl_c_while_the_worker_pool_starts_leaves_no_worker_running(tmp_path):
     """Ctrl-C lands right after the first worker is forked, inside multiprocessing's Pool():
     the compare stops with KeyboardInterrupt and stops every worker it started."""
