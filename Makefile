@@ -11,8 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q
 # pytest-xdist: one test process per core (PYTEST_XDIST_AUTO_NUM_WORKERS=N to choose), each
 # test module whole in one process, in file order (tests/conftest.py resets what a module can
-# leave behind). PYTEST_PARALLEL= runs the suite in one process.
-PYTEST_PARALLEL ?= -n auto --dist loadfile
+# leave behind), the longest modules handed out first (tests/suite_schedule.py; xdist's
+# own reorder, most tests first, is turned off). PYTEST_PARALLEL= runs the suite in one process.
+PYTEST_PARALLEL ?= -n auto --dist loadfile --no-loadscope-reorder
 # torch versions `make test-matrix` runs the suite on, each in its own venv, deleted after use
 MATRIX ?= 2.4.1 2.8.0 2.12.0 2.15.0
 BIN := $(VENV)/bin
@@ -50,20 +51,12 @@ demo: setup
 	$(BIN)/python examples/quickstart/run.py
 
 # pytest exit code 5 means "no tests were collected": that is a failure here, not a pass.
-# Then the capture tests again with PROBE_DEVICE_PATH=1: CPU tensors take the accelerator's
-# path (statistics read once per step from a device bucket), so it is held without a GPU;
-# in one process (a few seconds of tests: a second process would only collect them again).
-DEVICE_PATH_TESTS ?= tests/capture/test_capture_api.py tests/capture/test_capture_module.py \
-	tests/capture/test_capture_stats.py tests/capture/test_capture_values.py \
-	tests/capture/test_capture_records_stable.py tests/capture/test_capture_tensor_mode.py \
-	tests/capture/test_capture_names.py tests/capture/test_capture_sketch.py
+# The capture tests also run on the device path (PROBE_DEVICE_PATH=1: CPU tensors take the
+# accelerator's path), as modules of their own: tests/capture/*_on_the_device_path.py.
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
-	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
-	echo "== the capture tests on the device path (PROBE_DEVICE_PATH=1)" >&2; \
-	PROBE_DEVICE_PATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS) $(DEVICE_PATH_TESTS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc  # PYTEST_ARGS's -k may select none of them
+	exit $$rc
 
 # The suite on each torch version of MATRIX, one after another, each in a fresh .venv-<version>
 # removed after its run (a CUDA build from PyPI: 5-7 GB; it runs on CPU). Runs them all, then

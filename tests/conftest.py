@@ -24,6 +24,7 @@ if TESTS not in sys.path:
     sys.path.append(TESTS)
 
 import process_state  # noqa: E402  (found through TESTS, just added to sys.path)
+from suite_schedule import HEAVIEST_FIRST  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,6 +44,13 @@ def _module_isolated():
     state = process_state.save()
     yield
     process_state.restore(state)
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: number for number, path in enumerate(HEAVIEST_FIRST)}
+    last = len(rank)
+    # a stable sort: within a module, and among the modules not listed, the order stays
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], last))
+
 
 # --cpu-durations=N: the N tests that used the most CPU time, their own process's and that of
 # the subprocesses they waited for (torchrun jobs, examples). Wall-clock --durations moves with

@@ -59,6 +59,8 @@ def test_remembered_source_walk_follows_each_caller_of_internal_loops_and_genera
     (tmp_path / "fake_internal.py").write_text(INTERNAL_CODE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(values, "_INTERNAL_ROOTS", values._INTERNAL_ROOTS + (str(tmp_path),))
+    # this file's code, not one an earlier run of the test imported from its own tmp_path
+    monkeypatch.delitem(sys.modules, "fake_internal", raising=False)
     import fake_internal
 
     locate = SourceLocator()
