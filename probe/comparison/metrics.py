@@ -10,13 +10,11 @@ Statistics-only dumps cannot give ||a - b||, but they bound it from below: with 
 all <= ||d||. The largest of them is used as the error, so statistics can miss a
 divergence (weaker evidence) but never invent one the tensors would not show.
 
-The tensors a compare measures are read ahead (Prefetcher): Read the next tensor pair on a background thread while the current one is measured.
-
-Reading a pair from HDF5 and measuring it take similar time, so overlapping them raises
-compare throughput. At most ``depth`` pairs wait ready (plus the one being measured), so
-memory stays within a few tensor pairs whatever the dump size. Keys are taken in the
-planned order; a key asked for out of order (or twice) is simply not served, and the
-caller reads it itself.
+The tensors a compare measures are read ahead (Prefetcher): the next pair is read on a
+background thread while the current one is measured (reading and measuring take similar
+time). At most ``depth`` pairs wait ready (plus the one being measured), so memory stays
+within a few tensor pairs whatever the dump size. Keys are taken in the planned order; a key
+asked for out of order (or twice) is simply not served, and the caller reads it itself.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import numpy as np
 
 from probe.comparison.tolerances import Tolerance
 
-#: elements per chunk: four 512 KB float64 buffers stay in the CPU cache between passes.
+#: elements per chunk: three 512 KB float64 buffers stay in the CPU cache between passes.
 CHUNK = 1 << 16
 
 #: integer view with the same width as each dtype whose ULP distance we report
@@ -103,25 +101,49 @@ def _raw_bits(values: np.ndarray, dtype_name: str) -> np.ndarray | None:
     return None
 
 
-def _ulp_chunk_max(bits_a: np.ndarray, bits_b: np.ndarray, magnitude_bits: int) -> int:
-    """Largest ULP distance between paired floats given as raw bits (-0 and +0 are 0 apart).
-
-    With equal signs the distance is the difference of the raw integers (which cannot
-    overflow); across zero it is the sum of the two magnitudes. Plain integer passes:
-    several times faster than mapping every value to an ordered integer first.
-    """
+def _ulp_chunk_max(bits_a: np.ndarray, bits_b: np.ndarray, magnitude_bits: int) -> tuple[int, bool]:
+    """(largest ULP distance between paired floats given as raw bits, whether all bits are equal);
+    -0 and +0 are 0 apart. With equal signs the distance is the difference of the raw integers
+    (which cannot overflow); across zero it is the sum of the two magnitudes. Plain integer
+    passes: several times faster than mapping every value to an ordered integer first."""
     if bits_a.size == 0:
-        return 0
+        return 0, True
     diff = bits_a - bits_b
     signs = np.bitwise_xor(bits_a, bits_b)
     if int(signs.min()) >= 0:  # no pair across zero (a reduction, not a mask and a search)
-        return max(int(diff.max()), -int(diff.min()))
+        distance = max(int(diff.max()), -int(diff.min()))
+        return distance, distance == 0
     cross = signs < 0
     kept = np.where(cross, 0, diff)  # a 0 among the same-sign distances changes no largest |distance|
     best = max(int(kept.max()), -int(kept.min()))
     mask = (1 << magnitude_bits) - 1
     mags = (bits_a[cross].astype(np.int64) & mask).astype(np.uint64) + (bits_b[cross].astype(np.int64) & mask).astype(np.uint64)
-    return max(best, int(mags.max()))
+    return max(best, int(mags.max())), False
+
+
+def _chunk_ulp(raw_a: np.ndarray, raw_b: np.ndarray, dtype: str) -> tuple[int | None, bool]:
+    """(largest ULP distance, whether all bits are equal) of a chunk, (None, False) for arrays not
+    floats stored as themselves. Equal bits are told of plain views only (a bfloat16 is shifted)."""
+    bits_a, bits_b = _raw_bits(raw_a, dtype), _raw_bits(raw_b, dtype)
+    if bits_a is None or bits_b is None:
+        return None, False
+    distance, same = _ulp_chunk_max(bits_a, bits_b, _MAGNITUDE_BITS[dtype])
+    return distance, same and dtype in _ULP_VIEWS
+
+
+def _max_ratio(d, x, floor, best, t, m) -> float:
+    """max(best, largest d / max(x, floor)) with d, x >= 0. Only where d >= best * x can a
+    ratio exceed best (rounding is monotone: d / m > best needs d > best * m >= best * x),
+    so after the first chunks few ratios are divided out."""
+    if best > 0:
+        with np.errstate(over="ignore", invalid="ignore"):  # inf * x and inf * 0 (NaN) leave out no ratio > best
+            np.multiply(x, best, out=t)
+        hits = np.flatnonzero(np.greater_equal(d, t, out=m))
+        if hits.size < d.size // 4:
+            return max(best, float((d[hits] / np.maximum(x[hits], floor)).max())) if hits.size else best
+    np.maximum(x, floor, out=x)
+    np.divide(d, x, out=t)
+    return max(best, float(t.max()))
 
 
 def _dot(x: np.ndarray, y: np.ndarray) -> float:
@@ -133,19 +155,12 @@ class _Accumulator:
     __slots__ = ("saa", "sbb", "sab", "sdd", "max_abs", "max_rel", "within", "nan", "inf", "ulp")
 
     def __init__(self):
-        self.saa = self.sbb = self.sab = self.sdd = 0.0
-        self.max_abs = self.max_rel = 0.0
+        self.saa = self.sbb = self.sab = self.sdd = self.max_abs = self.max_rel = 0.0
         self.within = self.nan = self.inf = self.ulp = 0
 
 
-def tensor_metrics(
-    a: np.ndarray,
-    b: np.ndarray,
-    tol: Tolerance,
-    dtype_a: str = "",
-    dtype_b: str = "",
-    chunk: int = CHUNK,
-) -> Metrics:
+def tensor_metrics(a: np.ndarray, b: np.ndarray, tol: Tolerance, dtype_a: str = "", dtype_b: str = "",
+                   chunk: int = CHUNK) -> Metrics:
     """Metrics of two same-shape arrays (decoded values). A is the reference."""
     flat_a, flat_b = _as_real(a), _as_real(b)
     if dtype_a != dtype_b:
@@ -159,48 +174,51 @@ def tensor_metrics(
     acc = _Accumulator()
     size = flat_a.size
     width = min(chunk, max(size, 1))
-    buf_a = np.empty(width, np.float64)
-    buf_b = np.empty(width, np.float64)
-    buf_d = np.empty(width, np.float64)
-    buf_t = np.empty(width, np.float64)
+    buf_a, buf_b, buf_t = (np.empty(width, np.float64) for _ in range(3))
     buf_m = np.empty(width, np.bool_)
     floor = max(tol.atol, np.finfo(np.float64).tiny)
     ulp_ok = ulp_dtype is not None
+    plain = tol.rtol >= 0 and tol.atol >= 0  # then a difference of 0 (or <= atol) is within
     for start in range(0, size, width):
-        raw_a = flat_a[start : start + width]
-        raw_b = flat_b[start : start + width]
+        raw_a, raw_b = flat_a[start : start + width], flat_b[start : start + width]
         n = raw_a.size
+        ulp, same = _chunk_ulp(raw_a, raw_b, ulp_dtype) if ulp_ok else (None, False)
+        ulp_ok = ulp is not None
         ca, cb = buf_a[:n], buf_b[:n]
-        ca[...] = raw_a
+        ca[...] = raw_a  # each conversion is summed at once, while it is in the cache
+        saa = _dot(ca, ca)
+        if same and plain and math.isfinite(saa):
+            # the same bits on both sides: B's sums are A's (einsum's sum depends on the values
+            # alone), and every difference is 0, within tolerance and 0 ULP apart
+            acc.saa, acc.sbb, acc.sab, acc.within = acc.saa + saa, acc.sbb + saa, acc.sab + saa, acc.within + n
+            continue
         cb[...] = raw_b
-        saa, sbb = _dot(ca, ca), _dot(cb, cb)
+        sbb = _dot(cb, cb)
         if not (math.isfinite(saa) and math.isfinite(sbb)):
             ca, cb, raw_a, raw_b = _drop_non_finite(ca, cb, raw_a, raw_b, acc)
             n = ca.size
             saa, sbb = _dot(ca, ca), _dot(cb, cb)
-        acc.saa += saa
-        acc.sbb += sbb
-        acc.sab += _dot(ca, cb)
+            ulp = _chunk_ulp(raw_a, raw_b, ulp_dtype)[0] if ulp_ok else None
+        acc.ulp = max(acc.ulp, ulp) if ulp_ok else acc.ulp
+        acc.saa, acc.sbb, acc.sab = acc.saa + saa, acc.sbb + sbb, acc.sab + _dot(ca, cb)
         if n == 0:
             continue
-        d, t, m = buf_d[:n], buf_t[:n], buf_m[:n]
-        np.subtract(ca, cb, out=d)
+        d, t, m = np.subtract(ca, cb, out=cb), buf_t[:n], buf_m[:n]  # B's buffer: one less in the cache
         acc.sdd += _dot(d, d)
         np.abs(d, out=d)
-        acc.max_abs = max(acc.max_abs, float(d.max()))
+        largest = float(d.max())
+        acc.max_abs = max(acc.max_abs, largest)
+        if largest == 0 and plain:  # equal values: every difference is within tolerance, every ratio 0
+            acc.within += n
+            continue
         np.abs(ca, out=ca)
-        np.multiply(ca, tol.rtol, out=t)
-        t += tol.atol
-        acc.within += int(np.count_nonzero(np.less_equal(d, t, out=m)))
-        np.maximum(ca, floor, out=ca)
-        np.divide(d, ca, out=t)
-        acc.max_rel = max(acc.max_rel, float(t.max()))
-        if ulp_ok:
-            bits_a, bits_b = _raw_bits(raw_a, ulp_dtype), _raw_bits(raw_b, ulp_dtype)
-            if bits_a is None or bits_b is None:
-                ulp_ok = False
-            else:
-                acc.ulp = max(acc.ulp, _ulp_chunk_max(bits_a, bits_b, _MAGNITUDE_BITS[ulp_dtype]))
+        if plain and largest <= tol.atol:  # rtol * |a| + atol >= atol: all within
+            acc.within += n
+        else:
+            np.multiply(ca, tol.rtol, out=t)
+            t += tol.atol
+            acc.within += int(np.count_nonzero(np.less_equal(d, t, out=m)))
+        acc.max_rel = _max_ratio(d, ca, floor, acc.max_rel, t, m)
     return _finish(acc, numel, size, ulp_ok)
 
 
@@ -245,10 +263,7 @@ def _drop_non_finite(ca, cb, raw_a, raw_b, acc):
 def _finish(acc: _Accumulator, numel: int, size: int, ulp_ok: bool) -> Metrics:
     err = math.sqrt(acc.sdd)
     norm_a, norm_b = math.sqrt(acc.saa), math.sqrt(acc.sbb)
-    if norm_a > 0:
-        rel = err / norm_a
-    else:
-        rel = 0.0 if err == 0 else math.inf
+    rel = err / norm_a if norm_a > 0 else (0.0 if err == 0 else math.inf)
     if norm_a > 0 and norm_b > 0:
         cosine = max(-1.0, min(1.0, acc.sab / (norm_a * norm_b)))
     else:
