@@ -54,6 +54,7 @@ step are read together and merged (shards.merge_ranks) first:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 from dataclasses import dataclass, field
@@ -92,10 +93,19 @@ def open_step_files(dump_a, dump_b, pairs) -> Iterator[StepFiles]:
                 key_a, key_b,
                 Records.from_table(file_a.records, file_a.path),
                 Records.from_table(file_b.records, file_b.path),
-                file_a.tensor if file_a.tensor_count else None,
-                file_b.tensor if file_b.tensor_count else None,
+                tensor_fetch(file_a), tensor_fetch(file_b),
                 file_a.attrs, file_b.attrs,
             )
+
+
+def tensor_fetch(step_file):
+    """tensor_id -> values of a step file's tensors; None when it holds none. A probe step file's
+    arrays may map the file (StepDump.tensor mapped): compare drops each once it is measured."""
+    from probe.dump.reader import StepDump  # h5py is loaded once a step file is open
+
+    if not step_file.tensor_count:
+        return None
+    return functools.partial(step_file.tensor, mapped=True) if isinstance(step_file, StepDump) else step_file.tensor
 
 
 def dump_notes(dump_a, dump_b) -> list[str]:
@@ -449,7 +459,7 @@ def _block_notes(blocks, world_a: int, world_b: int) -> list[str]:
 
 def _fetch(merged, files: dict, rank):
     """rank's tensor fetch, reassembling the logical tensors; None when no file has tensors."""
-    by_rank = {r: f.tensor for r, f in files.items() if f.tensor_count}
+    by_rank = {r: tensor_fetch(f) for r, f in files.items() if f.tensor_count}
     if rank not in by_rank:
         return None
     return merged.fetch(by_rank, by_rank[rank]) if merged.assembled else by_rank[rank]

@@ -24,6 +24,7 @@ import h5py
 import numpy as np
 
 from probe.dump import decode, schema
+from probe.dump.mapped import view as mapped_view
 from probe.errors import DumpFormatError
 
 _COLUMN_KINDS = dict(schema.ALL_COLUMNS)
@@ -255,11 +256,14 @@ class StepDump:
         dataset, info = self._open_tensor(tensor_id)
         return self._read(tensor_id, dataset), info["dtype"]
 
-    def tensor(self, tensor_id: int) -> np.ndarray:
-        """Tensor tensor_id's values in its original shape (see decode.py for dtypes)."""
+    def tensor(self, tensor_id: int, mapped: bool = False) -> np.ndarray:
+        """Tensor tensor_id's values in its original shape (see decode.py for dtypes). mapped: may be
+        a read-only view of the file's pages (mapped.py), for a caller that drops it once used."""
         dataset, info = self._open_tensor(tensor_id)
+        stored = mapped_view(self._file, dataset) if mapped else None
+        stored = self._read(tensor_id, dataset) if stored is None else stored
         try:
-            values = decode.from_storage(self._read(tensor_id, dataset), info["dtype"])
+            values = decode.from_storage(stored, info["dtype"])
         except ValueError as error:
             raise DumpFormatError(f"cannot decode tensor {tensor_id} of {self.path}: {error}") from None
         if list(values.shape) != info["shape"]:

@@ -59,3 +59,53 @@ def test_close_stops_the_reader_without_consuming_everything():
     prefetcher.take((0, 0))
     prefetcher.close()
     assert not any(t.name == "probe-compare-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def _mapped_dumps(root):
+    """Two dumps of 8 float32 tensors each large enough to be mapped (mapped.MIN_BYTES), B = A + noise
+    in every element, and bfloat16 copies of them (decoded, so not mapped)."""
+    import json
+
+    import torch
+
+    from probe.dump import mapped
+    from scripts_dump.dumpkit import make_row, write_step
+
+    generator = torch.Generator().manual_seed(0)
+    size = mapped.MIN_BYTES // 2
+    base = [torch.randn(size, generator=generator) for _ in range(8)]
+    for side, noise in (("a", 0.0), ("b", 1e-3)):
+        tensors = [t + noise * torch.randn(size, generator=generator) for t in base]
+        tensors += [t.bfloat16() for t in tensors[:2]]
+        rows = [make_row(module=f"layers.{i}", seq=i, dtype=str(t.dtype).removeprefix("torch."),
+                         shape=json.dumps([size]), numel=size, tensor_id=i, min=float(t.min()), max=float(t.max()),
+                         mean=float(t.float().mean()), norm=float(t.float().norm()))
+                for i, t in enumerate(tensors)]
+        write_step(root / side, 0, tensors=tensors, rows=rows)
+    return str(root / "a"), str(root / "b")
+
+
+def test_a_compare_reading_mapped_tensors_measures_what_copies_measure(tmp_path, monkeypatch):
+    """More tensor pairs than the read-ahead holds, each array a mapping of its file while it is
+    measured: the same metrics, to the last digit, as a compare that copies every tensor."""
+    from probe.comparison import load
+    from probe.comparison.api import compare
+
+    a, b = _mapped_dumps(tmp_path)
+    seen = []
+    mapped_fetch = load.tensor_fetch
+
+    def watched(step_file):
+        fetch = mapped_fetch(step_file)
+
+        def read(tensor_id):
+            values = fetch(tensor_id)
+            seen.append(values.flags.writeable)
+            return values
+        return read
+
+    monkeypatch.setattr(load, "tensor_fetch", watched)
+    through_mappings = compare(a, b).to_dict()
+    assert seen.count(False) == 16 and seen.count(True) == 4  # 8 float32 pairs mapped, 2 bfloat16 pairs decoded
+    monkeypatch.setattr(load, "tensor_fetch", lambda step_file: step_file.tensor)
+    assert compare(a, b).to_dict() == through_mappings
