@@ -54,7 +54,6 @@ step are read together and merged (shards.merge_ranks) first:
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ from typing import Any, Iterator
 
 from probe.comparison import shards
 from probe.comparison.records import Records
+from probe.dump.mapped import fetch as tensor_fetch  # large tensors mapped: compare drops each once measured
 from probe.errors import CompareError
 
 @dataclass
@@ -96,16 +96,6 @@ def open_step_files(dump_a, dump_b, pairs) -> Iterator[StepFiles]:
                 tensor_fetch(file_a), tensor_fetch(file_b),
                 file_a.attrs, file_b.attrs,
             )
-
-
-def tensor_fetch(step_file):
-    """tensor_id -> values of a step file's tensors; None when it holds none. A probe step file's
-    arrays may map the file (StepDump.tensor mapped): compare drops each once it is measured."""
-    from probe.dump.reader import StepDump  # h5py is loaded once a step file is open
-
-    if not step_file.tensor_count:
-        return None
-    return functools.partial(step_file.tensor, mapped=True) if isinstance(step_file, StepDump) else step_file.tensor
 
 
 def dump_notes(dump_a, dump_b) -> list[str]:

@@ -3,8 +3,8 @@
 Records are measured in A's execution order, so that the precision a value was computed
 from is known before the records that inherit it (a float32 tensor made from bfloat16
 values gets bfloat16's tolerance). Tensor data is fetched through callables, read ahead by
-a prefetcher, and each distinct tensor pair is read once: the stage never holds a whole
-dump. What a measurement says (within tolerance or not) is the judge stage's.
+a prefetcher where reading costs (a pair a fetch maps from its files is read when measured),
+and each distinct tensor pair is read once: the stage never holds a whole dump. What a measurement says (within tolerance or not) is the judge stage's.
 
 Provenance
 ----------
@@ -201,6 +201,10 @@ def _moved(paired, cols_a: dict, cols_b: dict) -> dict:
     return moved
 
 
+def _never(dtype_name: str) -> bool:
+    return False
+
+
 class Measurer:
     """Metrics of record pairs, reading each distinct tensor pair once."""
 
@@ -220,10 +224,13 @@ class Measurer:
             return
         a, b = self.a, self.b
         keys, seen = [], set()
+        maps_a, maps_b = (getattr(fetch, "maps", _never) for fetch in (self.fetch_a, self.fetch_b))
         for slot in paired:
             row_a, row_b = slot.a, slot.b
             if a["dtype"][row_a] == "" or b["dtype"][row_b] == "" or not _same_shape(a["shape"][row_a], b["shape"][row_b]):
                 continue
+            if maps_a(a["dtype"][row_a]) and maps_b(b["dtype"][row_b]):
+                continue  # both come mapped (dump/mapped.py): a thread reading them ahead costs more than it saves
             key = (a["tensor_id"][row_a], b["tensor_id"][row_b])
             if key[0] >= 0 and key[1] >= 0 and key not in seen:
                 seen.add(key)

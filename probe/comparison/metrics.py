@@ -10,9 +10,9 @@ Statistics-only dumps cannot give ||a - b||, but they bound it from below: with 
 all <= ||d||. The largest of them is used as the error, so statistics can miss a
 divergence (weaker evidence) but never invent one the tensors would not show.
 
-The tensors a compare measures are read ahead (Prefetcher): the next pair is read on a
-background thread while the current one is measured (reading and measuring take similar
-time). At most ``depth`` pairs wait ready (plus the one being measured), so memory stays
+The tensors a compare copies out of its files are read ahead (Prefetcher): the next pair is
+read on a background thread while the current one is measured (a pair it maps from the files
+costs too little to read ahead: Measurer.start_prefetch). At most ``depth`` pairs wait ready (plus the one being measured), so memory stays
 within a few tensor pairs whatever the dump size. Keys are taken in the planned order; a key
 asked for out of order (or twice) is simply not served, and the caller reads it itself.
 """

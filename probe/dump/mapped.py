@@ -3,8 +3,8 @@
 probe writes every tensor as one contiguous, unfiltered dataset (layout.create_array): its
 bytes are one range of the step file. A numpy array over a read-only memory map of that range
 takes the values straight from the page cache, without the fresh pages (faulted in and
-zeroed) and the copy a read costs. compare reads its tensors this way
-(``StepDump.tensor(tensor_id, mapped=True)``); ``StepDump.tensor`` copies by default, because:
+zeroed) and the copy a read costs. compare reads its tensors this way (``fetch``, which
+calls ``StepDump.tensor(tensor_id, mapped=True)``); ``StepDump.tensor`` copies by default, because:
 
 - the pages of a mapping count in the process's resident memory while it is mapped. It is
   unmapped when the last array over it is freed, so a caller that drops each tensor once it
@@ -25,8 +25,9 @@ import math
 import mmap
 import os
 
-import h5py
 import numpy as np
+
+from probe.dump import decode
 
 #: smaller tensors are read: a mapping costs two system calls and whole pages of address space
 MIN_BYTES = 1 << 16
@@ -36,7 +37,50 @@ _FLAGS = ({"flags": mmap.MAP_SHARED | mmap.MAP_POPULATE, "prot": mmap.PROT_READ}
           if hasattr(mmap, "MAP_POPULATE") else {"access": mmap.ACCESS_READ})
 
 
-def view(handle: h5py.File, dataset: h5py.Dataset) -> np.ndarray | None:
+def fetch(step_file):
+    """compare's tensor_id -> values of one open step file; None when it holds no tensors. A probe
+    step file's large tensors come mapped (MappedFetch), another format's are read."""
+    if not step_file.tensor_count:
+        return None
+    return MappedFetch(step_file) if getattr(step_file, "maps_tensors", False) else step_file.tensor
+
+
+class MappedFetch:
+    """tensor_id -> values of a probe step file, a large tensor stored as itself mapped."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, step_file):
+        self._tensor = step_file.tensor
+        if not _ALLOCATOR_SETTLED:
+            _settle_allocator()
+
+    def __call__(self, tensor_id: int) -> np.ndarray:
+        return self._tensor(tensor_id, mapped=True)
+
+    @staticmethod
+    def maps(dtype_name: str) -> bool:
+        """Whether a (large) tensor of that dtype comes mapped: nothing to decode, no copy, so
+        little to gain from reading it ahead of time."""
+        return dtype_name in decode.NATIVE_DTYPES
+
+
+_ALLOCATOR_SETTLED = False
+
+
+def _settle_allocator() -> None:
+    """glibc's malloc gives a block above its mmap threshold (128 KB at start) fresh pages from
+    the kernel, faulted in and zeroed at first touch, and raises the threshold to the size of
+    such a block once one is freed. Reading copies freed a tensor-sized block at every tensor;
+    mapping frees none, and the metrics' chunk buffers (a few hundred KB, metrics.CHUNK) would be
+    fresh pages at every chunk. One 8 MB block freed here lets them come from the heap again
+    (another allocator ignores it)."""
+    global _ALLOCATOR_SETTLED
+    np.empty(8 << 20, np.uint8)  # allocated and freed, never touched
+    _ALLOCATOR_SETTLED = True
+
+
+def view(handle, dataset) -> np.ndarray | None:
     """A read-only array over the dataset's stored bytes, in its shape and stored dtype; None
     where they cannot be mapped (chunked, filtered or unallocated storage, a small dataset or
     one of non-numeric dtype, a range past the end of the file, a file driver without a
@@ -47,7 +91,9 @@ def view(handle: h5py.File, dataset: h5py.Dataset) -> np.ndarray | None:
         return None
 
 
-def _view(handle: h5py.File, dataset: h5py.Dataset) -> np.ndarray | None:
+def _view(handle, dataset) -> np.ndarray | None:
+    from h5py import h5d  # loaded with the step file
+
     dtype = dataset.dtype
     if dtype.kind not in "biufc" or dtype.hasobject:
         return None
@@ -61,7 +107,7 @@ def _view(handle: h5py.File, dataset: h5py.Dataset) -> np.ndarray | None:
     if offset is None or dataset_id.get_storage_size() != nbytes:
         return None
     plist = dataset_id.get_create_plist()
-    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
+    if plist.get_layout() != h5d.CONTIGUOUS or plist.get_nfilters():
         return None
     descriptor = handle.id.get_vfd_handle()
     if not isinstance(descriptor, int) or offset + nbytes > os.fstat(descriptor).st_size:

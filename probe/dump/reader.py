@@ -218,6 +218,8 @@ class RecordTable:
 class StepDump:
     """One open step file. Use as a context manager, or call close()."""
 
+    maps_tensors = True  # tensor(tensor_id, mapped=True) may map the file (mapped.fetch)
+
     def __init__(self, path: str, handle: h5py.File):
         self.path = path
         self._file = handle
@@ -260,10 +262,8 @@ class StepDump:
         """Tensor tensor_id's values in its original shape (see decode.py for dtypes). mapped: may be
         a read-only view of the file's pages (mapped.py), for a caller that drops it once used."""
         dataset, info = self._open_tensor(tensor_id)
-        stored = mapped_view(self._file, dataset) if mapped else None
-        stored = self._read(tensor_id, dataset) if stored is None else stored
         try:
-            values = decode.from_storage(stored, info["dtype"])
+            values = decode.from_storage(self._read(tensor_id, dataset, mapped), info["dtype"])
         except ValueError as error:
             raise DumpFormatError(f"cannot decode tensor {tensor_id} of {self.path}: {error}") from None
         if list(values.shape) != info["shape"]:
@@ -296,9 +296,10 @@ class StepDump:
         info = {"dtype": attrs["dtype"], "shape": list(attrs["shape"]), "layout": attrs.get("layout", "strided")}
         return dataset, info
 
-    def _read(self, tensor_id, dataset: h5py.Dataset) -> np.ndarray:
+    def _read(self, tensor_id, dataset: h5py.Dataset, mapped: bool = False) -> np.ndarray:
         try:
-            return np.asarray(dataset[()])
+            view = mapped_view(self._file, dataset) if mapped else None
+            return np.asarray(dataset[()]) if view is None else view
         except OSError as error:
             raise self._corrupt(tensor_id, error) from error
 
