@@ -4,16 +4,18 @@ probe writes every tensor as one contiguous, unfiltered dataset (layout.create_a
 bytes are one range of the step file. A numpy array over a read-only memory map of that range
 takes the values straight from the page cache, without the fresh pages (faulted in and
 zeroed) and the copy a read costs. compare reads its tensors this way (``fetch``, which
-calls ``StepDump.tensor(tensor_id, mapped=True)``); ``StepDump.tensor`` copies by default, because:
+calls ``StepDump.tensor(tensor_id, mapped=True)``); ``StepDump.tensor`` copies by default,
+because:
 
 - the pages of a mapping count in the process's resident memory while it is mapped. It is
   unmapped when the last array over it is freed, so a caller that drops each tensor once it
   is measured holds no more than the copies would take;
 - touching a mapped page beyond the end of the file kills the process (SIGBUS). The range is
-  checked against the file's size before it is mapped (a tensor of a step file cut short is
-  read the ordinary way and fails with its DumpFormatError). A finished step file never
-  changes (it is renamed into place whole), but one that another program truncates while an
-  array still maps it would crash the process, where a copy would not.
+  checked against the file's size before it is mapped, and one that runs past the end is read
+  the ordinary way instead (a step file cut short before it is opened fails to open, with its
+  DumpFormatError). A finished step file never changes (it is renamed into place whole), but
+  one that another program truncates while an array still maps it would crash the process,
+  where a copy would not.
 
 The mapping keeps its own duplicate of the file descriptor: an array stays valid after its
 step file is closed.
@@ -31,7 +33,7 @@ from probe.dump import decode
 
 #: smaller tensors are read: a mapping costs two system calls and whole pages of address space
 MIN_BYTES = 1 << 16
-#: the whole range is mapped in the mapping call, on the read-ahead thread, and not one page
+#: the whole range is mapped in the one call (its pages are in the page cache), not one page
 #: fault at a time where the values are first read
 _FLAGS = ({"flags": mmap.MAP_SHARED | mmap.MAP_POPULATE, "prot": mmap.PROT_READ}
           if hasattr(mmap, "MAP_POPULATE") else {"access": mmap.ACCESS_READ})
