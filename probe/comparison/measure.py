@@ -4,7 +4,8 @@ Records are measured in A's execution order, so that the precision a value was c
 from is known before the records that inherit it (a float32 tensor made from bfloat16
 values gets bfloat16's tolerance). Tensor data is fetched through callables, read ahead by
 a prefetcher where reading costs (a pair a fetch maps from its files is read when measured),
-and each distinct tensor pair is read once: the stage never holds a whole dump. What a measurement says (within tolerance or not) is the judge stage's.
+and each distinct tensor pair is read once: the stage never holds a whole dump. What a
+measurement says (within tolerance or not) is the judge stage's.
 
 Provenance
 ----------

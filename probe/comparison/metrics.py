@@ -12,9 +12,10 @@ divergence (weaker evidence) but never invent one the tensors would not show.
 
 The tensors a compare copies out of its files are read ahead (Prefetcher): the next pair is
 read on a background thread while the current one is measured (a pair it maps from the files
-costs too little to read ahead: Measurer.start_prefetch). At most ``depth`` pairs wait ready (plus the one being measured), so memory stays
-within a few tensor pairs whatever the dump size. Keys are taken in the planned order; a key
-asked for out of order (or twice) is simply not served, and the caller reads it itself.
+costs too little to read ahead: Measurer.start_prefetch). At most ``depth`` pairs wait ready
+(plus the one being measured), so memory stays within a few tensor pairs whatever the dump
+size. Keys are taken in the planned order; a key asked for out of order (or twice) is not
+served, and the caller reads it itself.
 """
 
 from __future__ import annotations

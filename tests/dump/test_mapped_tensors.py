@@ -96,7 +96,8 @@ def _resident_mb() -> float:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                    reason="reads the resident memory from /proc/self/status, which only Linux has")
 def test_a_mapped_tensor_leaves_resident_memory_when_dropped(tmp_path):
     count, elements = 24, 1 << 18  # 24 tensors of 1 MB
     path = write_step(tmp_path, 0, tensors=[torch.full((elements,), float(i)) for i in range(count)])
