@@ -178,10 +178,11 @@ def test_ctrl_c_stops_a_jobs_2_compare_with_one_line_exit_2_and_no_worker_left(r
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     children = f"/proc/{process.pid}/task/{process.pid}/children"
-    workers = ""
-    while process.poll() is None and not workers:  # the workers are comparing
+    workers = []
+    # both workers are comparing. Two, not one: a library may run another program first
+    # (`uname -p`), and its child reads as this Python between its fork and its exec
+    while process.poll() is None and len(workers) < 2:
         with open(children, encoding="ascii") as handle:
-            # forked workers run this Python; a library may run other programs first (`uname -p`)
             workers = [pid for pid in handle.read().split() if _runs_python(pid)]
         time.sleep(0.02)
     process.send_signal(signal.SIGINT)
