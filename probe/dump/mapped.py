@@ -83,7 +83,7 @@ def _settle_allocator() -> None:
 
 
 def view(handle, dataset) -> np.ndarray | None:
-    """A read-only array over the dataset's stored bytes, in its shape and stored dtype; None
+    """A read-only array over the dataset's (an h5py Dataset or a low-level id) stored bytes, in its shape and stored dtype; None
     where they cannot be mapped (chunked, filtered or unallocated storage, a small dataset or
     one of non-numeric dtype, a range past the end of the file, a file driver without a
     descriptor): the caller reads those."""
@@ -96,11 +96,13 @@ def view(handle, dataset) -> np.ndarray | None:
 def _view(handle, dataset) -> np.ndarray | None:
     from h5py import h5d  # loaded with the step file
 
-    dtype = dataset.dtype
+    dataset_id = dataset if isinstance(dataset, h5d.DatasetID) else dataset.id
+    dtype = dataset_id.dtype
     if dtype.kind not in "biufc" or dtype.hasobject:
         return None
-    dataset_id = dataset.id
-    shape = dataset.shape
+    shape = dataset_id.shape
+    if shape is None:  # an empty dataspace
+        return None
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes < MIN_BYTES:

@@ -17,39 +17,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 import h5py
 import numpy as np
 
 from probe.dump import decode, schema
-from probe.dump.mapped import view as mapped_view
+from probe.dump import tensor_datasets
+from probe.dump.tensor_datasets import plain as _plain
+from probe.dump.reasons import reason as _reason
 from probe.errors import DumpFormatError
 
 _COLUMN_KINDS = dict(schema.ALL_COLUMNS)
 _ABSENT = {name: value for name, _, value in schema.OPTIONAL_COLUMNS}
-_ERROR_MESSAGE = re.compile(r"error message = '([^']*)'")
-
-
-def _reason(error: BaseException) -> str:
-    match = _ERROR_MESSAGE.search(str(error))
-    if match:
-        return match.group(1)
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
-def _plain(value):
-    """h5py attribute value -> plain Python (str, int, float, bool, list)."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
 
 def describe_incomplete(partial_path: str) -> str:
     """'step 3 rank 0 is incomplete (process killed?): <path>'."""
@@ -273,40 +253,15 @@ class StepDump:
             )
         return values
 
-    def _open_tensor(self, tensor_id) -> tuple[h5py.Dataset, dict]:
+    def _open_tensor(self, tensor_id) -> tuple:
         if not self._file.id.valid:
             raise ValueError(f"{self.path} was closed; reopen it to read tensors")
         if isinstance(tensor_id, (bool, np.bool_)) or not isinstance(tensor_id, (int, np.integer)):
             raise TypeError(f"tensor_id must be an int, got {tensor_id!r}")
-        dataset = None
-        if tensor_id >= 0 and self._tensors is not None:
-            try:
-                dataset = self._tensors.get(str(int(tensor_id)))
-            except OSError as error:
-                raise self._corrupt(tensor_id, error) from error
-        if not isinstance(dataset, h5py.Dataset):
-            held = f"ids 0..{self.tensor_count - 1}" if self.tensor_count else "no tensors (task was not 'tensor')"
-            raise DumpFormatError(f"{self.path} has no tensor {tensor_id}: it holds {held}")
-        try:
-            attrs = {name: _plain(value) for name, value in dataset.attrs.items()}
-        except OSError as error:
-            raise self._corrupt(tensor_id, error) from error
-        if "dtype" not in attrs or "shape" not in attrs:
-            raise DumpFormatError(f"tensor {tensor_id} in {self.path} lacks its dtype/shape attributes")
-        info = {"dtype": attrs["dtype"], "shape": list(attrs["shape"]), "layout": attrs.get("layout", "strided")}
-        return dataset, info
+        return tensor_datasets.open_tensor(self._tensors, tensor_id, self.path, self.tensor_count)
 
-    def _read(self, tensor_id, dataset: h5py.Dataset, mapped: bool = False) -> np.ndarray:
-        try:
-            view = mapped_view(self._file, dataset) if mapped else None
-            return np.asarray(dataset[()]) if view is None else view
-        except OSError as error:
-            raise self._corrupt(tensor_id, error) from error
-
-    def _corrupt(self, tensor_id, error) -> DumpFormatError:
-        return DumpFormatError(
-            f"cannot read tensor {tensor_id} of {self.path}: {_reason(error)} (truncated or corrupt file)"
-        )
+    def _read(self, tensor_id, dataset, mapped: bool = False) -> np.ndarray:
+        return tensor_datasets.read(self._file, dataset, tensor_id, self.path, mapped)
 
 
 def _read_attrs(path: str, handle: h5py.File) -> dict:
