@@ -1,5 +1,6 @@
 """The tensor read-ahead serves planned pairs in order, steps aside otherwise, never hangs."""
 
+import json
 import threading
 
 import numpy as np
@@ -64,7 +65,6 @@ def test_close_stops_the_reader_without_consuming_everything():
 def _mapped_dumps(root):
     """Two dumps of 8 float32 tensors each large enough to be mapped (mapped.MIN_BYTES), B = A + noise
     in every element, and bfloat16 copies of them (decoded, so not mapped)."""
-    import json
 
     import torch
 
@@ -109,3 +109,22 @@ def test_a_compare_reading_mapped_tensors_measures_what_copies_measure(tmp_path,
     assert seen.count(False) == 16 and seen.count(True) == 4  # 8 float32 pairs mapped, 2 bfloat16 pairs decoded
     monkeypatch.setattr(load, "tensor_fetch", lambda step_file: step_file.tensor)
     assert compare(a, b).to_dict() == through_mappings
+
+
+def test_only_large_pairs_not_mapped_on_both_sides_are_read_ahead():
+    """A small pair is read where it is measured (a thread's hand-over costs more than it
+    saves); a large one that must be decoded is read ahead; one mapped on both sides is not."""
+    from types import SimpleNamespace
+
+    from probe.comparison.measure import READ_AHEAD_MIN_ELEMENTS, read_ahead_keys
+
+    big = READ_AHEAD_MIN_ELEMENTS
+    sizes = [16, big - 1, big, big, big, 16]
+    dtypes = ["bfloat16", "bfloat16", "bfloat16", "float32", "bfloat16", "bfloat16"]
+    columns = {"dtype": dtypes, "shape": [json.dumps([n]) for n in sizes], "numel": sizes,
+               "tensor_id": [0, 1, 2, 3, -1, 5]}
+    paired = [SimpleNamespace(a=row, b=row) for row in range(len(sizes))]
+    maps = lambda dtype: dtype == "float32"  # noqa: E731 (as MappedFetch.maps: native dtypes)
+    # row 2: large bfloat16, decoded; row 3: large float32, mapped on both sides; row 4: no tensor stored
+    assert read_ahead_keys(columns, columns, paired, maps, maps) == [(2, 2)]
+    assert read_ahead_keys(columns, columns, paired) == [(2, 2), (3, 3)]  # a format that maps nothing
