@@ -12,10 +12,12 @@ file) is handed to the high-level path, which gives the errors and values it alw
 
 from __future__ import annotations
 
+import math
+
 import h5py
 import numpy as np
 
-from probe.dump.mapped import view as mapped_view
+from probe.dump.mapped import MIN_BYTES, view as mapped_view
 from probe.errors import DumpFormatError
 
 _ATTRS = (b"dtype", b"shape", b"layout")
@@ -36,15 +38,18 @@ def read(handle, dataset, tensor_id: int, path: str, mapped: bool = False) -> np
     """The stored values of an opened tensor (mapped from the file where ``mapped`` and the
     dataset allow it, mapped.py)."""
     try:
-        view = mapped_view(handle, dataset) if mapped else None
-        if view is not None:
-            return view
         if isinstance(dataset, h5py.h5d.DatasetID):
-            values = _read_fast(dataset)
+            shape, dtype = dataset.shape, dataset.dtype  # each read makes a new HDF5 object
+            if mapped and shape is not None and math.prod(shape) * dtype.itemsize >= MIN_BYTES:
+                view = mapped_view(handle, dataset)
+                if view is not None:
+                    return view
+            values = _read_fast(dataset, shape, dtype)
             if values is not None:
                 return values
             dataset = h5py.Dataset(dataset)
-        return np.asarray(dataset[()])
+        view = mapped_view(handle, dataset) if mapped else None
+        return np.asarray(dataset[()]) if view is None else view
     except OSError as error:
         raise corrupt(path, tensor_id, error) from error
 
@@ -74,6 +79,8 @@ def _open_fast(group, tensor_id: int) -> tuple | None:
 
 
 _UNEXPECTED = object()
+#: (numpy dtype, string info) -> the HDF5 memory type an attribute of that dtype is read as
+_MEMORY_TYPES: dict = {}
 
 
 def _attr(dataset, name: bytes):
@@ -84,8 +91,14 @@ def _attr(dataset, name: bytes):
     if shape is None or dtype.subdtype is not None:
         return _UNEXPECTED
     values = np.zeros(shape, dtype=dtype)
-    attr.read(values, mtype=h5py.h5t.py_create(dtype))
-    if h5py.h5t.check_string_dtype(dtype) is not None:
+    string = h5py.h5t.check_string_dtype(dtype)
+    # numpy's dtype equality ignores which strings an object dtype holds: key on that too
+    key = (dtype, string)
+    memory_type = _MEMORY_TYPES.get(key)
+    if memory_type is None:
+        memory_type = _MEMORY_TYPES[key] = h5py.h5t.py_create(dtype)
+    attr.read(values, mtype=memory_type)
+    if string is not None:
         if values.ndim:
             return _UNEXPECTED
         value = values[()]
@@ -95,9 +108,8 @@ def _attr(dataset, name: bytes):
     return values.tolist()
 
 
-def _read_fast(dataset) -> np.ndarray | None:
+def _read_fast(dataset, shape, dtype) -> np.ndarray | None:
     """A numeric dataset's values copied out in one read; None for any other kind."""
-    shape, dtype = dataset.shape, dataset.dtype
     if shape is None or dtype.kind not in "biufc" or dtype.hasobject or dtype.subdtype is not None:
         return None
     values = np.empty(shape, dtype=dtype)
