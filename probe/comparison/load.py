@@ -269,8 +269,7 @@ def mixed_runs(dump, side: str = "") -> str:
     runs: dict[int, dict[str, list[int]]] = {}  # rank -> run_id -> steps
     for step, rank in dump.files:
         try:
-            with dump.open(step, rank) as step_file:
-                run_id = step_file.attrs.get("run_id")
+            run_id = dump.run_id(step, rank)
         except Exception:  # unreadable files are reported where they are compared
             continue
         if run_id:

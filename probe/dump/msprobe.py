@@ -212,6 +212,10 @@ class MsprobeDump(Dump):
                 f"{self.path} has no step {step} rank {rank} (steps: {self.steps}, ranks: {self.ranks})")
         return MsprobeStep(self.files[(step, rank)], step, rank, self._world[step], self._parsed)
 
+    def run_id(self, step: int, rank: int = 0):
+        """None: an msprobe dump carries no run id of probe's."""
+        return None
+
     def __repr__(self) -> str:
         return f"MsprobeDump({self.path!r}, steps={self.steps}, ranks={self.ranks}, files={len(self.files)})"
 
