@@ -50,8 +50,10 @@ class RecordTable:
     """
 
     def __init__(self, group: h5py.Group, path: str, count: int, handle: h5py.File | None = None,
-                 uninitialized=None, buffers=None):
+                 uninitialized=None, buffers=None, opened: dict | None = None):
         self._group = group
+        #: column name -> its low-level dataset id, opened when the table was checked
+        self._opened = opened or {}
         self._handle = handle
         self._strings: np.ndarray | None = None
         self._path = path
@@ -121,12 +123,16 @@ class RecordTable:
             values[:] = _ABSENT[name]
             return self._keep(name, values)
         try:
-            dataset = self._group[name]
-            if h5py.check_string_dtype(dataset.dtype) is not None:  # variable-length strings
+            # through h5py's low-level API: a third of what its Dataset objects cost a column
+            dataset_id = self._opened.pop(name, None) or h5py.h5d.open(self._group.id, name.encode())
+            shape, dtype = dataset_id.shape, dataset_id.dtype
+            values = tensor_datasets.read_numeric(dataset_id, shape, dtype) if shape and len(shape) == 1 else None
+            dataset = h5py.Dataset(dataset_id) if values is None else None
+            if dataset is not None and h5py.check_string_dtype(dataset.dtype) is not None:  # variable-length strings
                 values = dataset.asstr()[()] if self._count else np.array([], dtype=object)
             elif _COLUMN_KINDS.get(name) == "str":
-                values = self._decode_codes(name, dataset[()])
-            else:
+                values = self._decode_codes(name, dataset[()] if values is None else values)
+            elif values is None:
                 values = dataset[()]
         except (OSError, KeyError, ValueError, RuntimeError) as error:
             raise DumpFormatError(
@@ -296,15 +302,18 @@ def _read_attrs(path: str, handle: h5py.File) -> dict:
 
 def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable:
     group = handle[schema.RECORDS_GROUP]
+    opened = {}  # kept for RecordTable.column: each is opened once
     try:
         lengths = {}
         for name in schema.COLUMN_NAMES:
-            if name not in group:
-                raise DumpFormatError(f"{path} lacks the record column {name!r}")
-            dataset = group[name]
-            if dataset.ndim != 1:
+            try:
+                dataset = h5py.h5d.open(group.id, name.encode())
+            except KeyError:  # missing, or not a dataset
+                raise DumpFormatError(f"{path} lacks the record column {name!r}") from None
+            if dataset.shape is None or len(dataset.shape) != 1:
                 raise DumpFormatError(f"{path} record column {name!r} has shape {dataset.shape}, expected 1-D")
             lengths[name] = dataset.shape[0]
+            opened[name] = dataset
     except OSError as error:
         raise DumpFormatError(f"cannot read {path}: {_reason(error)} (truncated or corrupt file)") from error
     if len(set(lengths.values())) > 1:
@@ -329,7 +338,7 @@ def _read_record_table(path: str, handle: h5py.File, attrs: dict) -> RecordTable
             isinstance(key, str) and isinstance(name, str) for key, name in buffers.items())):
         raise DumpFormatError(f"{path} root attribute {schema.BUFFERS!r} is not a map of record keys to "
                               "buffer names")
-    return RecordTable(group, path, count, handle, uninitialized, buffers)
+    return RecordTable(group, path, count, handle, uninitialized, buffers, opened)
 
 
 def _wait_for_writes(path: str) -> None:

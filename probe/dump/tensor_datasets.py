@@ -44,7 +44,7 @@ def read(handle, dataset, tensor_id: int, path: str, mapped: bool = False) -> np
                 view = mapped_view(handle, dataset)
                 if view is not None:
                     return view
-            values = _read_fast(dataset, shape, dtype)
+            values = read_numeric(dataset, shape, dtype)
             if values is not None:
                 return values
             dataset = h5py.Dataset(dataset)
@@ -108,8 +108,9 @@ def _attr(dataset, name: bytes):
     return values.tolist()
 
 
-def _read_fast(dataset, shape, dtype) -> np.ndarray | None:
-    """A numeric dataset's values copied out in one read; None for any other kind."""
+def read_numeric(dataset, shape, dtype) -> np.ndarray | None:
+    """A numeric dataset's values (a low-level id, of that shape and dtype) copied out in one
+    read; None for any other kind. The record columns are read this way too (reader.py)."""
     if shape is None or dtype.kind not in "biufc" or dtype.hasobject or dtype.subdtype is not None:
         return None
     values = np.empty(shape, dtype=dtype)

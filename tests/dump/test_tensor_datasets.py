@@ -1,6 +1,7 @@
 """A step file's tensors opened through h5py's low-level API (tensor_datasets.py) give what the
 high-level path gives: the same dtype, shape and layout, the same bits, the same errors; and
-the low-level path is the one taken for every tensor probe writes."""
+the low-level path is the one taken for every tensor probe writes. Record columns, read the
+same way, fall back to h5py's path for text stored as strings and refuse a column not 1-D."""
 
 import h5py
 import numpy as np
@@ -84,3 +85,29 @@ def test_a_missing_or_malformed_tensor_gives_the_error_it_always_gave(tmp_path, 
     with reader.open_step_file(path) as step_file, pytest.raises(DumpFormatError) as raised:
         step_file.tensor(1)
     assert message.format(path=path) in str(raised.value)
+
+
+def test_a_record_column_stored_as_variable_length_strings_reads_as_the_coded_one_does(tmp_path):
+    """Record columns are read through the low-level API; a text column another writer stored
+    as variable-length strings (not codes into the string table) takes h5py's path and gives
+    the same strings."""
+    path = write_step(tmp_path, 0, tensors=[torch.ones(2), torch.ones(3)])
+    with reader.open_step_file(path) as step_file:
+        coded = step_file.records.column("module").tolist()
+        numbers = step_file.records.column("norm").copy()
+    with h5py.File(path, "r+") as handle:
+        del handle["records/module"]
+        handle.create_dataset("records/module", data=coded, dtype=h5py.string_dtype())
+    with reader.open_step_file(path) as step_file:
+        assert step_file.records.column("module").tolist() == coded
+        assert np.array_equal(step_file.records.column("norm"), numbers, equal_nan=True)
+
+
+def test_a_two_dimensional_record_column_is_refused_naming_its_shape(tmp_path):
+    path = write_step(tmp_path, 0, tensors=[torch.ones(2)])
+    with h5py.File(path, "r+") as handle:
+        norms = handle["records/norm"][()]
+        del handle["records/norm"]
+        handle.create_dataset("records/norm", data=np.stack([norms, norms], axis=1))
+    with pytest.raises(DumpFormatError, match=r"record column 'norm' has shape \(\d+, 2\), expected 1-D"):
+        reader.open_step_file(path)
