@@ -23,8 +23,8 @@ import h5py
 import numpy as np
 
 from probe.dump import decode, schema
-from probe.dump import tensor_datasets
-from probe.dump.tensor_datasets import plain as _plain
+from probe.dump import hdf5_reads
+from probe.dump.hdf5_reads import plain as _plain
 from probe.dump.reasons import reason as _reason
 from probe.errors import DumpFormatError
 
@@ -126,7 +126,7 @@ class RecordTable:
             # through h5py's low-level API: a third of what its Dataset objects cost a column
             dataset_id = self._opened.pop(name, None) or h5py.h5d.open(self._group.id, name.encode())
             shape, dtype = dataset_id.shape, dataset_id.dtype
-            values = tensor_datasets.read_numeric(dataset_id, shape, dtype) if shape and len(shape) == 1 else None
+            values = hdf5_reads.read_numeric(dataset_id, shape, dtype) if shape and len(shape) == 1 else None
             dataset = h5py.Dataset(dataset_id) if values is None else None
             if dataset is not None and h5py.check_string_dtype(dataset.dtype) is not None:  # variable-length strings
                 values = dataset.asstr()[()] if self._count else np.array([], dtype=object)
@@ -264,15 +264,17 @@ class StepDump:
             raise ValueError(f"{self.path} was closed; reopen it to read tensors")
         if isinstance(tensor_id, (bool, np.bool_)) or not isinstance(tensor_id, (int, np.integer)):
             raise TypeError(f"tensor_id must be an int, got {tensor_id!r}")
-        return tensor_datasets.open_tensor(self._tensors, tensor_id, self.path, self.tensor_count)
+        return hdf5_reads.open_tensor(self._tensors, tensor_id, self.path, self.tensor_count)
 
     def _read(self, tensor_id, dataset, mapped: bool = False) -> np.ndarray:
-        return tensor_datasets.read(self._file, dataset, tensor_id, self.path, mapped)
+        return hdf5_reads.read(self._file, dataset, tensor_id, self.path, mapped)
 
 
 def _read_attrs(path: str, handle: h5py.File) -> dict:
     try:
-        raw = {name: handle.attrs[name] for name in handle.attrs}
+        raw = hdf5_reads.read_attributes(h5py.h5g.open(handle.id, b"/"))
+        if raw is None:  # an attribute of a kind the low-level path leaves to h5py
+            raw = {name: handle.attrs[name] for name in handle.attrs}
         has_records = schema.RECORDS_GROUP in handle
     except (OSError, KeyError) as error:
         raise DumpFormatError(f"cannot read {path}: {_reason(error)} (truncated or corrupt file)") from error

@@ -1,14 +1,15 @@
-"""A step file's tensors opened through h5py's low-level API (tensor_datasets.py) give what the
+"""A step file's tensors opened through h5py's low-level API (hdf5_reads.py) give what the
 high-level path gives: the same dtype, shape and layout, the same bits, the same errors; and
-the low-level path is the one taken for every tensor probe writes. Record columns, read the
-same way, fall back to h5py's path for text stored as strings and refuse a column not 1-D."""
+the low-level path is the one taken for every tensor probe writes. Record columns and root
+attributes, read the same way, give h5py's values and order, and fall back to h5py's path for
+what it does not read (text stored as strings, an empty attribute); a column not 1-D is refused."""
 
 import h5py
 import numpy as np
 import pytest
 import torch
 
-from probe.dump import reader, tensor_datasets
+from probe.dump import reader, hdf5_reads
 from probe.errors import DumpFormatError
 from scripts_dump.dumpkit import write_step
 
@@ -45,13 +46,13 @@ def test_every_tensor_probe_writes_opens_low_level_with_the_high_level_info_and_
         group, count = step_file._tensors, step_file.tensor_count
         assert count == len(_tensors())
         for tensor_id in range(count):
-            fast, info = tensor_datasets.open_tensor(group, tensor_id, step_path, count)
-            checked, checked_info = tensor_datasets._open_checked(group, tensor_id, step_path, count)
+            fast, info = hdf5_reads.open_tensor(group, tensor_id, step_path, count)
+            checked, checked_info = hdf5_reads._open_checked(group, tensor_id, step_path, count)
             assert isinstance(fast, h5py.h5d.DatasetID), tensor_id  # the low-level path was taken
             assert info == checked_info, tensor_id
-            values = tensor_datasets.read(step_file._file, fast, tensor_id, step_path, mapped)
+            values = hdf5_reads.read(step_file._file, fast, tensor_id, step_path, mapped)
             assert _same(values, np.asarray(checked[()])), tensor_id
-        assert tensor_datasets.open_tensor(group, 9, step_path, count)[1]["layout"] == "sparse_coo"
+        assert hdf5_reads.open_tensor(group, 9, step_path, count)[1]["layout"] == "sparse_coo"
 
 
 def test_an_attribute_of_another_type_takes_the_high_level_path_and_reads_the_same(tmp_path):
@@ -111,3 +112,26 @@ def test_a_two_dimensional_record_column_is_refused_naming_its_shape(tmp_path):
         handle.create_dataset("records/norm", data=np.stack([norms, norms], axis=1))
     with pytest.raises(DumpFormatError, match=r"record column 'norm' has shape \(\d+, 2\), expected 1-D"):
         reader.open_step_file(path)
+
+
+def _same_attributes(low: dict, high: dict) -> bool:
+    return list(low) == list(high) and all(
+        type(low[name]) is type(high[name]) and np.array_equal(low[name], high[name]) for name in high)
+
+
+def test_a_step_files_root_attributes_read_low_level_are_h5pys_in_its_order(tmp_path):
+    path = write_step(tmp_path, 0, tensors=[torch.ones(2)])
+    with h5py.File(path, "r") as handle:
+        high = {name: handle.attrs[name] for name in handle.attrs}
+        low = hdf5_reads.read_attributes(h5py.h5g.open(handle.id, b"/"))
+    assert len(high) > 10 and _same_attributes(low, high)
+
+
+def test_an_empty_attribute_leaves_the_whole_object_to_h5py_and_the_file_still_opens(tmp_path):
+    path = write_step(tmp_path, 0, tensors=[torch.ones(2)])
+    with h5py.File(path, "r+") as handle:
+        handle.attrs["note"] = h5py.Empty("f")
+    with h5py.File(path, "r") as handle:
+        assert hdf5_reads.read_attributes(h5py.h5g.open(handle.id, b"/")) is None
+    with reader.open_step_file(path) as step_file:
+        assert step_file.step == 0 and "note" in step_file.attrs

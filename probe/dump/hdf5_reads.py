@@ -1,13 +1,14 @@
-"""A step file's stored tensors: one dataset each under /tensors, named by tensor id, with its
-torch dtype, shape and (sparse tensors only) layout as attributes.
+"""A step file's objects read through h5py's low-level API: its root attributes, its record
+columns (reader.py) and its stored tensors, one dataset each under /tensors, named by tensor id,
+with its torch dtype, shape and (sparse tensors only) layout as attributes.
 
 A tensor dump holds thousands of small tensors, and compare opens every one of them on both
-sides. Through h5py's high-level objects a small tensor costs about 0.7 ms to open, read its
-three attributes and copy out (``Group.get`` alone ~0.3 ms: it resolves the object's type
-and wraps it); through the low-level API, as the writer (layout.py) creates them, about a
-quarter of that. So a tensor is opened and read here through the low-level API, and anything
-that path does not expect (an attribute of an unusual type, an empty dataspace, a damaged
-file) is handed to the high-level path, which gives the errors and values it always gave.
+sides. Through h5py's high-level objects a small tensor costs about 0.27 ms to open, read its
+attributes and copy out (``Group.get`` alone resolves the object's type and wraps it);
+through the low-level API, as the writer (layout.py) creates them, a little over half of that.
+A step file's open reads its ~20 root attributes and ~25 record columns the same way. Anything
+this path does not expect (an attribute of an unusual type, an empty dataspace, a damaged file)
+is handed to the high-level path, which gives the values and errors it always gave.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def _open_fast(group, tensor_id: int) -> tuple | None:
         attrs = {}
         for name in _ATTRS:
             if h5py.h5a.exists(dataset, name):
-                value = _attr(dataset, name)
-                if value is _UNEXPECTED:
+                value = attribute(h5py.h5a.open(dataset, name))
+                if value is UNREAD:
                     return None
-                attrs[name] = value
+                attrs[name] = plain(value)
     except Exception:  # missing, not a dataset, damaged: the checked path says which
         return None
     dtype, shape = attrs.get(b"dtype"), attrs.get(b"shape")
@@ -78,18 +79,18 @@ def _open_fast(group, tensor_id: int) -> tuple | None:
     return dataset, {"dtype": dtype, "shape": shape, "layout": attrs.get(b"layout", "strided")}
 
 
-_UNEXPECTED = object()
+#: what attribute() returns for an attribute it leaves to h5py's AttributeManager
+UNREAD = object()
 #: (numpy dtype, string info) -> the HDF5 memory type an attribute of that dtype is read as
 _MEMORY_TYPES: dict = {}
 
 
-def _attr(dataset, name: bytes):
-    """An attribute's value as h5py's AttributeManager reads it, then made plain (str, int,
-    list); _UNEXPECTED for what the writer never stores (an empty dataspace, an array dtype)."""
-    attr = h5py.h5a.open(dataset, name)
+def attribute(attr):
+    """An opened low-level attribute's value as h5py's AttributeManager reads it (a numpy
+    scalar, an array, a str); UNREAD for an empty dataspace or an array dtype."""
     shape, dtype = attr.shape, attr.dtype
     if shape is None or dtype.subdtype is not None:
-        return _UNEXPECTED
+        return UNREAD
     values = np.zeros(shape, dtype=dtype)
     string = h5py.h5t.check_string_dtype(dtype)
     # numpy's dtype equality ignores which strings an object dtype holds: key on that too
@@ -98,14 +99,27 @@ def _attr(dataset, name: bytes):
     if memory_type is None:
         memory_type = _MEMORY_TYPES[key] = h5py.h5t.py_create(dtype)
     attr.read(values, mtype=memory_type)
-    if string is not None:
-        if values.ndim:
-            return _UNEXPECTED
-        value = values[()]
-        return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-    if dtype.kind not in "iu":
-        return _UNEXPECTED
-    return values.tolist()
+    if string is not None and string.length is None:  # variable-length: bytes to str, as h5py
+        values = np.array([item.decode("utf-8", "surrogateescape") for item in values.flat],
+                          dtype=dtype).reshape(values.shape)
+    return values[()] if values.ndim == 0 else values
+
+
+def read_attributes(object_id) -> dict | None:
+    """Every attribute of an object (a low-level id), by name in the order h5py lists them,
+    each as attribute() reads it; None when one of them is left to h5py."""
+    plist = object_id.get_create_plist()
+    tracked = plist.get_attr_creation_order() & h5py.h5p.CRT_ORDER_TRACKED
+    names: list = []
+    h5py.h5a.iterate(object_id, lambda name, *_: names.append(name),
+                     index_type=h5py.h5.INDEX_CRT_ORDER if tracked else h5py.h5.INDEX_NAME)
+    found = {}
+    for name in names:
+        value = attribute(h5py.h5a.open(object_id, name))
+        if value is UNREAD:
+            return None
+        found[name.decode("utf-8", "surrogateescape")] = value
+    return found
 
 
 def read_numeric(dataset, shape, dtype) -> np.ndarray | None:
