@@ -106,19 +106,25 @@ def attribute(attr):
 
 
 def read_attributes(object_id) -> dict | None:
-    """Every attribute of an object (a low-level id), by name in the order h5py lists them,
-    each as attribute() reads it; None when one of them is left to h5py."""
-    plist = object_id.get_create_plist()
-    tracked = plist.get_attr_creation_order() & h5py.h5p.CRT_ORDER_TRACKED
-    names: list = []
-    h5py.h5a.iterate(object_id, lambda name, *_: names.append(name),
-                     index_type=h5py.h5.INDEX_CRT_ORDER if tracked else h5py.h5.INDEX_NAME)
-    found = {}
-    for name in names:
-        value = attribute(h5py.h5a.open(object_id, name))
-        if value is UNREAD:
-            return None
-        found[name.decode("utf-8", "surrogateescape")] = value
+    """Every attribute of an object (a low-level id; for a file's, its root group's), by name
+    in the order h5py lists them, each as attribute() reads it; None when one of them is left
+    to h5py, or a read fails (h5py's path then says why)."""
+    try:
+        if isinstance(object_id, h5py.h5f.FileID):  # h5py keeps a file's attributes on "/"
+            object_id = h5py.h5g.open(object_id, b"/")
+        plist = object_id.get_create_plist()
+        tracked = plist.get_attr_creation_order() & h5py.h5p.CRT_ORDER_TRACKED
+        names: list = []
+        h5py.h5a.iterate(object_id, lambda name, *_: names.append(name),
+                         index_type=h5py.h5.INDEX_CRT_ORDER if tracked else h5py.h5.INDEX_NAME)
+        found = {}
+        for name in names:
+            value = attribute(h5py.h5a.open(object_id, name))
+            if value is UNREAD:
+                return None
+            found[name.decode("utf-8", "surrogateescape")] = value
+    except Exception:  # a damaged file
+        return None
     return found
 
 

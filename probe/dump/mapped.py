@@ -83,8 +83,8 @@ def _settle_allocator() -> None:
 
 
 def view(handle, dataset) -> np.ndarray | None:
-    """A read-only array over the dataset's (an h5py Dataset or a low-level id) stored bytes, in its shape and stored dtype; None
-    where they cannot be mapped (chunked, filtered or unallocated storage, a small dataset or
+    """A read-only array over the stored bytes of a dataset (an h5py Dataset or a low-level id),
+    in its shape and stored dtype; None where they cannot be mapped (chunked, filtered or unallocated storage, a small dataset or
     one of non-numeric dtype, a range past the end of the file, a file driver without a
     descriptor): the caller reads those."""
     try:

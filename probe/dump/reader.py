@@ -31,6 +31,7 @@ from probe.errors import DumpFormatError
 _COLUMN_KINDS = dict(schema.ALL_COLUMNS)
 _ABSENT = {name: value for name, _, value in schema.OPTIONAL_COLUMNS}
 
+
 def describe_incomplete(partial_path: str) -> str:
     """'step 3 rank 0 is incomplete (process killed?): <path>'."""
     name = os.path.basename(partial_path)
@@ -272,7 +273,7 @@ class StepDump:
 
 def _read_attrs(path: str, handle: h5py.File) -> dict:
     try:
-        raw = hdf5_reads.read_attributes(h5py.h5g.open(handle.id, b"/"))
+        raw = hdf5_reads.read_attributes(handle.id)
         if raw is None:  # an attribute of a kind the low-level path leaves to h5py
             raw = {name: handle.attrs[name] for name in handle.attrs}
         has_records = schema.RECORDS_GROUP in handle
