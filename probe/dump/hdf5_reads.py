@@ -19,13 +19,14 @@ import h5py
 import numpy as np
 
 from probe.dump.mapped import MIN_BYTES, view as mapped_view
+from probe.dump.reasons import reason
 from probe.errors import DumpFormatError
 
 _ATTRS = (b"dtype", b"shape", b"layout")
 
 
 def open_tensor(group, tensor_id: int, path: str, tensor_count: int) -> tuple:
-    """(dataset, info) of tensor tensor_id in the /tensors group (None: the file has none).
+    """(dataset, info) of tensor tensor_id; group: the /tensors group, None in a file without.
     dataset: a low-level dataset id, or an h5py Dataset where the fast path stepped aside;
     info: {'dtype': torch dtype name, 'shape': list, 'layout': 'strided' | 'sparse_coo' | ...}."""
     if tensor_id >= 0 and group is not None:
@@ -46,18 +47,15 @@ def read(handle, dataset, tensor_id: int, path: str, mapped: bool = False) -> np
                 if view is not None:
                     return view
             values = read_numeric(dataset, shape, dtype)
-            if values is not None:
-                return values
-            dataset = h5py.Dataset(dataset)
+            # not numeric (so never mapped): as h5py's Dataset reads it
+            return values if values is not None else np.asarray(h5py.Dataset(dataset)[()])
         view = mapped_view(handle, dataset) if mapped else None
         return np.asarray(dataset[()]) if view is None else view
     except OSError as error:
-        raise corrupt(path, tensor_id, error) from error
+        raise _corrupt(path, tensor_id, error) from error
 
 
-def corrupt(path: str, tensor_id: int, error: OSError) -> DumpFormatError:
-    from probe.dump.reasons import reason
-
+def _corrupt(path: str, tensor_id: int, error: OSError) -> DumpFormatError:
     return DumpFormatError(f"cannot read tensor {tensor_id} of {path}: {reason(error)} (truncated or corrupt file)")
 
 
@@ -157,14 +155,14 @@ def _open_checked(group, tensor_id: int, path: str, tensor_count: int) -> tuple:
         try:
             dataset = group.get(str(int(tensor_id)))
         except OSError as error:
-            raise corrupt(path, tensor_id, error) from error
+            raise _corrupt(path, tensor_id, error) from error
     if not isinstance(dataset, h5py.Dataset):
         held = f"ids 0..{tensor_count - 1}" if tensor_count else "no tensors (task was not 'tensor')"
         raise DumpFormatError(f"{path} has no tensor {tensor_id}: it holds {held}")
     try:
         attrs = {name: plain(value) for name, value in dataset.attrs.items()}
     except OSError as error:
-        raise corrupt(path, tensor_id, error) from error
+        raise _corrupt(path, tensor_id, error) from error
     if "dtype" not in attrs or "shape" not in attrs:
         raise DumpFormatError(f"tensor {tensor_id} in {path} lacks its dtype/shape attributes")
     return dataset, {"dtype": attrs["dtype"], "shape": list(attrs["shape"]), "layout": attrs.get("layout", "strided")}

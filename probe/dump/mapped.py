@@ -84,9 +84,9 @@ def _settle_allocator() -> None:
 
 def view(handle, dataset) -> np.ndarray | None:
     """A read-only array over the stored bytes of a dataset (an h5py Dataset or a low-level id),
-    in its shape and stored dtype; None where they cannot be mapped (chunked, filtered or unallocated storage, a small dataset or
-    one of non-numeric dtype, a range past the end of the file, a file driver without a
-    descriptor): the caller reads those."""
+    in its shape and stored dtype; None where they cannot be mapped (chunked, filtered or
+    unallocated storage, a small dataset or one of non-numeric dtype, a range past the end of
+    the file, a file driver without a descriptor): the caller reads those."""
     try:
         return _view(handle, dataset)
     except (OSError, ValueError, TypeError, RuntimeError):  # a damaged file: the read tells how
