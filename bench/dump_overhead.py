@@ -442,7 +442,8 @@ def msprobe_footer(with_msprobe: bool, args) -> str:
     return f"msprobe columns: mindstudio-probe is not installed here; {msprobe_variants.INSTALL_HINT}"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], int]:
+    """(the arguments, the models to run, timed steps per variant); exits on a bad argument."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -475,11 +476,16 @@ def main(argv=None) -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     if repeats < 1:
         parser.error("--repeats must be at least 1")
+    return args, models, repeats
 
+
+def main(argv=None) -> int:
+    args, models, repeats = parse_args(argv)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device here")
+        print("dump_overhead.py: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     _time_sketches()
     tensor_models = set(args.tensor_models.split(","))
