@@ -10,7 +10,7 @@ a run cut short by its time limit still leaves what it finished.
 Stages, in this order (--only picks some):
 
   env       env.txt: torch, CUDA, the device, probe's version, the load
-  pairs     pairs.txt and pairs.json: a tiny GPT trained two steps on the CPU (A) and on the
+  pairs     pairs.json (and a line per pair printed): a tiny GPT trained two steps on the CPU (A) and on the
             device (B, clean; C, one block's GELU switched to its tanh approximation), dumped
             at level mix as statistics and as tensors, and ``probe compare`` of A-B (must
             pass: the devices' rounding alone) and A-C (must be diverged, first at
@@ -18,14 +18,20 @@ Stages, in this order (--only picks some):
             probe.perturb.other_rounding(): another device's reduction order, emulated.
   overhead  overhead.txt and overhead.json: bench/dump_overhead.py --device cuda (--device
             cpu in a rehearsal), one model at a time in its own process, in the order of
-            --models; a model is started only while --budget-s leaves room for it, and each
-            one's table row is written as it finishes. The msprobe columns appear where
-            mindstudio-probe imports (docs/performance.md, "On a lent GPU", says how to carry
-            its wheels).
+            --models; a model is started only while the budget leaves room for it (this stage
+            gets 65% of what is left when records follows), and the table is rewritten as each
+            finishes. The msprobe columns appear where mindstudio-probe imports
+            (docs/performance.md, "On a lent GPU", says how to carry its wheels).
+  records   records.txt and records.json: bench/record_cost.py --device cuda, the host's time
+            per captured record at levels mix, api and module (the device path, and the
+            records alone), one model at a time (--record-models), within what is left.
+
+At most 8 files come back from a lent machine's output folder: these stages write at most 7
+(errors.txt only on trouble), which leaves one for the log of what was printed.
 
 Exit status: 0 when every stage that ran gave what it must (A-B pass, A-C diverged at the
-planted block, every overhead model measured), 1 when a check failed, 2 on trouble (a stage
-that could not run). The summary line of each stage is printed as it ends.
+planted block, every bench model measured), 1 when a check failed or a model was left out, 2
+on trouble (a stage that could not run). The summary line of each stage is printed as it ends.
 """
 
 from __future__ import annotations
@@ -43,10 +49,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-STAGES = ("env", "pairs", "overhead")
-#: the models of the overhead stage on each device, most wanted first
-OVERHEAD_MODELS = {"cuda": ("gpt2s", "gpt", "mlp", "deepmlp", "convnet", "gpt2s-bf16"),
-                   "cpu": ("mlp",)}
+STAGES = ("env", "pairs", "overhead", "records")
+#: each bench stage's models on each device, most wanted first (on the CPU: a rehearsal)
+BENCH_MODELS = {"overhead": {"cuda": ("gpt2s", "gpt", "mlp", "deepmlp", "convnet", "gpt2s-bf16"),
+                             "cpu": ("mlp",)},
+                "records": {"cuda": ("gpt", "gpt2s"), "cpu": ("tiny",)}}
+#: the share of the time left that the overhead stage may take when the records stage follows
+OVERHEAD_SHARE = 0.65
 #: the planted bug of pair A-C and where compare must name it
 BUGGY_MODULE = "blocks.1.mlp.1"
 SIZES = {"vocab": 64, "d_model": 64, "n_heads": 4, "n_layers": 2, "max_len": 32}
@@ -158,7 +167,7 @@ def stage_pairs(out: str, device: str, work: str, tasks=TASKS) -> int:
     emulated = device == "cpu"
     other = "the CPU under other_rounding()" if emulated else device
     report: dict = {"device": device, "emulated": emulated, "pairs": []}
-    lines = [f"A: the CPU; B, C: {other}; C with {BUGGY_MODULE} GELU -> tanh approximation"]
+    _say(f"pairs: A on the CPU; B, C on {other}; C with {BUGGY_MODULE} GELU -> tanh approximation")
     failed = False
     for task in tasks:
         root = os.path.join(work, task)
@@ -186,61 +195,69 @@ def stage_pairs(out: str, device: str, work: str, tasks=TASKS) -> int:
                     f"{summary['differing']} of {summary['counts']['matched']} paired records differ, "
                     f"{summary['counts']['diverged']} diverged; "
                     f"{'OK' if ok else 'WRONG: wanted ' + wanted}")
-            lines.append(line)
             _say("pairs: " + line)
             _write(out, "pairs.json", json.dumps(report, indent=2) + "\n")
-    _write(out, "pairs.txt", "\n".join(lines) + "\n")
     return 1 if failed else 0
 
 
-# ----------------------------------------------------------------------------------- overhead
+# ------------------------------------------------------------------------- overhead, records
+
+#: stage -> (its bench script, the key of the script's JSON rows)
+BENCHES = {"overhead": ("dump_overhead.py", "results"), "records": ("record_cost.py", "rows")}
 
 
-def overhead_command(model: str, device: str, repeats: int) -> list[str]:
-    """The bench/dump_overhead.py run of one model (its --json object on stdout)."""
-    return [sys.executable, os.path.join(REPO_ROOT, "bench", "dump_overhead.py"), "--models", model,
-            "--repeats", str(repeats), "--device", device, "--json"]
+def bench_command(stage: str, model: str, device: str, repeats: int, extra=()) -> list[str]:
+    """The run of one model by a stage's bench script (its --json object on stdout); extra:
+    more of the script's arguments."""
+    script, _ = BENCHES[stage]
+    return [sys.executable, os.path.join(REPO_ROOT, "bench", script), "--models", model,
+            "--repeats", str(repeats), "--device", device, "--json", *extra]
 
 
-def stage_overhead(out: str, device: str, models: list[str], repeats: int, deadline: float) -> int:
-    from bench.dump_overhead import format_table
-
-    results, runs, skipped = [], [], []
+def stage_bench(out: str, stage: str, device: str, models: list[str], repeats: int, deadline: float,
+                extra=()) -> int:
+    """Each model in its own process, most wanted first, while the deadline leaves room; the
+    table and the JSON rewritten after each."""
+    if stage == "overhead":
+        from bench.dump_overhead import format_table
+    else:
+        from bench.record_cost import format_table
+    rows_key = BENCHES[stage][1]
+    rows, runs, skipped = [], [], []
     longest = 0.0
     code = 0
-    for model in models:
+    for position, model in enumerate(models):
         left = deadline - time.monotonic()
         if left < max(30.0, 1.5 * longest):
             skipped.append(model)
             continue
         began = time.monotonic()
         try:
-            done = subprocess.run(overhead_command(model, device, repeats), cwd=REPO_ROOT,
+            done = subprocess.run(bench_command(stage, model, device, repeats, extra), cwd=REPO_ROOT,
                                   capture_output=True, text=True, timeout=left)
         except subprocess.TimeoutExpired:
-            _say(f"overhead: {model} ran past the budget; stopped")
-            skipped.append(model)
+            _say(f"{stage}: {model} ran past the budget; stopped")
+            skipped.extend(models[position:])
             code = 2
             break
         elapsed = time.monotonic() - began
         longest = max(longest, elapsed)
         if done.returncode != 0:
-            _say(f"overhead: {model} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-            _note_error(out, f"overhead {model}", done.stderr)
+            _say(f"{stage}: {model} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+            _note_error(out, f"{stage} {model}", done.stderr)
             code = 2
             continue
         found = json.loads(done.stdout)
-        results.extend(found["results"])
-        runs.append({key: found[key] for key in found if key != "results"} | {"model": model,
-                                                                              "seconds": round(elapsed, 1)})
-        _write(out, "overhead.json", json.dumps({"runs": runs, "results": results}, indent=2) + "\n")
-        table = format_table(results)
-        _write(out, "overhead.txt", table + "\n")
-        _say(f"overhead: {model} measured in {elapsed:.0f} s")
-    if results:
-        _say("overhead:\n" + format_table(results))
+        rows.extend(found[rows_key])
+        runs.append({key: found[key] for key in found if key != rows_key} | {"model": model,
+                                                                             "seconds": round(elapsed, 1)})
+        _write(out, f"{stage}.json", json.dumps({"runs": runs, rows_key: rows}, indent=2) + "\n")
+        _write(out, f"{stage}.txt", format_table(rows) + "\n")
+        _say(f"{stage}: {model} measured in {elapsed:.0f} s")
+    if rows:
+        _say(f"{stage}:\n" + format_table(rows))
     if skipped:
-        _say(f"overhead: not measured (the budget ran out): {', '.join(skipped)}")
+        _say(f"{stage}: not measured (the budget ran out): {', '.join(skipped)}")
         code = code or 1
     return code
 
@@ -257,10 +274,11 @@ def main(argv=None) -> int:
                         help="the device under test (cpu: a rehearsal, other-device rounding emulated)")
     parser.add_argument("--only", default=",".join(STAGES),
                         help=f"comma-separated stages to run, of {', '.join(STAGES)}")
-    parser.add_argument("--models", default=None,
-                        help="overhead models, most wanted first (default: "
-                             + "; ".join(f"{d}: {','.join(m)}" for d, m in OVERHEAD_MODELS.items()) + ")")
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per variant in the overhead stage")
+    for stage, flag in (("overhead", "--models"), ("records", "--record-models")):
+        parser.add_argument(flag, default=None,
+                            help=f"the {stage} stage's models, most wanted first (default: "
+                                 + "; ".join(f"{d}: {','.join(m)}" for d, m in BENCH_MODELS[stage].items()) + ")")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per variant in the bench stages")
     parser.add_argument("--tasks", default=",".join(TASKS),
                         help=f"the pairs' dump tasks, of {', '.join(TASKS)}")
     parser.add_argument("--work", default=None,
@@ -277,7 +295,8 @@ def main(argv=None) -> int:
         parser.error(f"--tasks {args.tasks!r}: choose from {', '.join(TASKS)}")
     deadline = time.monotonic() + args.budget_s
     os.makedirs(args.out, exist_ok=True)
-    models = [m for m in (args.models.split(",") if args.models else OVERHEAD_MODELS[args.device]) if m]
+    models = {stage: [m for m in (given.split(",") if given else BENCH_MODELS[stage][args.device]) if m]
+              for stage, given in (("overhead", args.models), ("records", args.record_models))}
     code = 0
     for stage in STAGES:
         if stage not in stages:
@@ -290,7 +309,10 @@ def main(argv=None) -> int:
                 with tempfile.TemporaryDirectory(prefix="probe-check-") as scratch:
                     found = stage_pairs(args.out, args.device, args.work or scratch, tasks)
             else:
-                found = stage_overhead(args.out, args.device, models, args.repeats, deadline)
+                until = deadline
+                if stage == "overhead" and "records" in stages:
+                    until = time.monotonic() + OVERHEAD_SHARE * (deadline - time.monotonic())
+                found = stage_bench(args.out, stage, args.device, models[stage], args.repeats, until)
         except Exception as error:  # report it and go on: the next stage may still measure
             import traceback
 

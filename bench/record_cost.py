@@ -4,6 +4,7 @@
     python bench/record_cost.py --models gpt --repeats 9
     python bench/record_cost.py --levels api --paths host
     python bench/record_cost.py --json
+    python bench/record_cost.py --device cuda --paths device,records   # on a GPU
 
 One training step = forward + cross-entropy + backward + SGD step (examples.models.train_step),
 one torch thread. A captured step is start(model), the step, stop(), step(): the records, their
@@ -41,6 +42,12 @@ Columns:
                step runs (their share of the numbers too, on the device path)
   launches     device path: torch ops of the captured step that launch a kernel on a GPU,
                against the plain step's (bench/launch_count.py counts them)
+
+On a GPU (--device cuda) the model and batch live there and the device path is the one a
+GPU takes (--paths device,records; host reads every record's numbers with a host sync). The
+clock stops while torch.cuda.synchronize() waits for the device before stop() and after each
+step, so every number stays the host's own time; the one copy to the host at step() still
+waits for the bucket's last kernels, a wait the capture adds.
 
 Target: host us/record <= 10 at every level on both models (docs/performance.md), on the
 "records" path here, on the device path on a GPU.
@@ -100,9 +107,12 @@ def _numbers_known(on: bool) -> None:
 class Variant:
     """The plain step, or a captured one at a level on a path."""
 
-    def __init__(self, name, train, model, dump_root, level=None, path="host", writer="auto"):
+    def __init__(self, name, train, model, dump_root, level=None, path="host", writer="auto",
+                 sync=None):
         self.name = name
         self._train = train
+        #: waits for the device (torch.cuda.synchronize), with the clock stopped; None on a CPU
+        self._sync = sync or (lambda: None)
         self._model = model
         self.level = level
         self.path = path
@@ -120,10 +130,14 @@ class Variant:
         start(), stop() and step())."""
         _NUMBERS[0] = 0.0
         clock = time.thread_time
+        sync = self._sync
+        sync()
         if self.debugger is None:
             began = clock()
             self._train()
-            return clock() - began, 0.0, 0.0
+            spent = clock() - began
+            sync()
+            return spent, 0.0, 0.0
         saved = os.environ.get("PROBE_DEVICE_PATH")
         os.environ["PROBE_DEVICE_PATH"] = "1" if self.path == "device" else "0"
         if self.path == "records":
@@ -134,16 +148,19 @@ class Variant:
             started = clock()
             self._train()
             trained = clock()
+            sync()
+            resumed = clock()
             self.debugger.stop()
             self.debugger.step()
             ended = clock()
+            sync()
         finally:
             _numbers_known(False)
             if saved is None:
                 del os.environ["PROBE_DEVICE_PATH"]
             else:
                 os.environ["PROBE_DEVICE_PATH"] = saved
-        return ended - began, _NUMBERS[0], (started - began) + (ended - trained)
+        return (trained - began) + (ended - resumed), _NUMBERS[0], (started - began) + (ended - resumed)
 
     def count_records(self) -> None:
         """Records of the last captured step, read from its file (untimed)."""
@@ -162,23 +179,26 @@ class Variant:
                     os.remove(os.path.join(self._folder, name))
 
 
-def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: str = "auto") -> list[dict]:
+def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: str = "auto",
+                device: str = "cpu") -> list[dict]:
     import torch
 
     import examples.models as models
 
     label, sizes, batch_size = MODELS[key]
     torch.manual_seed(0)
-    model = models.TinyGPT(**sizes)
+    model = models.TinyGPT(**sizes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batch = models.make_batch("gpt", batch_size, generator=torch.Generator().manual_seed(0), **sizes)
+    batch = models.make_batch("gpt", batch_size, generator=torch.Generator().manual_seed(0), device=device,
+                              **sizes)
+    sync = torch.cuda.synchronize if device == "cuda" else None
 
     def train():
         models.train_step(model, optimizer, *batch)
 
     folder = os.path.join(dump_root, key)
-    variants = [Variant("plain", train, model, folder)]
-    variants += [Variant(f"{level} {path}", train, model, folder, level, path, writer)
+    variants = [Variant("plain", train, model, folder, sync=sync)]
+    variants += [Variant(f"{level} {path}", train, model, folder, level, path, writer, sync)
                  for level in levels for path in paths]
     for variant in variants:  # warm-up: lazy tables, layouts, the writer process
         for _ in range(2):
@@ -210,7 +230,7 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
         inside = statistics.median(numbers[variant.name])
         once = statistics.median(fixed[variant.name])
         records = max(variant.records, 1)
-        rows.append({"model": key, "label": label, "level": variant.level, "path": variant.path,
+        rows.append({"model": key, "label": label, "device": device, "level": variant.level, "path": variant.path,
                      "records": variant.records, "plain_ms": plain * 1e3,
                      "captured_ms": captured * 1e3, "numbers_ms": inside * 1e3,
                      "us_per_record": (captured - plain) * 1e6 / records,
@@ -241,13 +261,17 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], list[str]]:
+    """(the arguments, models, levels, paths); exits on a bad argument."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--models", default="gpt,gpt2s", help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated capture levels")
-    parser.add_argument("--paths", default=",".join(PATHS), help="host, device or both")
+    parser.add_argument("--paths", default=None,
+                        help=f"comma-separated subset of {', '.join(PATHS)} (default: all on cpu, "
+                             "device,records on cuda)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models train")
     parser.add_argument("--repeats", type=int, default=6, help="timed steps per variant")
     parser.add_argument("--writer", default="auto", choices=("auto", "process", "inline"),
                         help="the config's writer (auto: a writer process where a second CPU is free)")
@@ -255,16 +279,24 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     levels = [m for m in args.levels.split(",") if m]
-    paths = [m for m in args.paths.split(",") if m]
+    paths = [m for m in (args.paths or (",".join(PATHS) if args.device == "cpu" else "device,records")).split(",")
+             if m]
     for given, allowed, what in ((models, MODELS, "model"), (levels, LEVELS, "level"), (paths, PATHS, "path")):
         unknown = [m for m in given if m not in allowed]
         if unknown:
             parser.error(f"unknown {what}(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    return args, models, levels, paths
 
+
+def main(argv=None) -> int:
+    args, models, levels, paths = parse_args(argv)
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("record_cost.py: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     _time_bucket()
     dump_root = tempfile.mkdtemp(prefix="probe-record-cost-")
@@ -272,17 +304,18 @@ def main(argv=None) -> int:
     try:
         for key in models:
             print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
-            rows += bench_model(key, levels, paths, args.repeats, dump_root, args.writer)
+            rows += bench_model(key, levels, paths, args.repeats, dump_root, args.writer, args.device)
     finally:
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if args.json:
         print(json.dumps({"torch": torch.__version__, "threads": 1, "load_average": load,
-                          "rows": rows}, indent=2))
+                          "device": args.device, "rows": rows}, indent=2))
     else:
         print(format_table(rows))
         print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), thread CPU time, median of "
-              f"{args.repeats}+ interleaved steps per variant, 1-minute load average at the end {load:.2f}")
+              f"{args.repeats}+ interleaved steps per variant, 1-minute load average at the end {load:.2f}, "
+              f"device {args.device}")
     return 0
 
 

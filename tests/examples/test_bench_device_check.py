@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench import device_check, dump_overhead
+from bench import device_check, dump_overhead, record_cost
 
 
 def test_the_rehearsal_passes_other_rounding_and_names_the_planted_gelu_in_both_tasks(tmp_path, capsys):
@@ -28,8 +28,9 @@ def test_the_rehearsal_passes_other_rounding_and_names_the_planted_gelu_in_both_
         assert buggy["first_divergence"]["module"] == device_check.BUGGY_MODULE
         assert buggy["first_divergence"]["origin"] == "introduced"
     # the dumps stay out of the output folder: a lent machine sends back at most 8 files
-    assert sorted(os.listdir(out)) == ["env.txt", "pairs.json", "pairs.txt"]
-    assert "OK" in (out / "pairs.txt").read_text()
+    assert sorted(os.listdir(out)) == ["env.txt", "pairs.json"]
+    printed = capsys.readouterr().out
+    assert printed.count(" OK\n") == 4 and "WRONG" not in printed
 
 
 def test_a_pair_that_does_not_give_what_it_must_makes_the_run_exit_1(tmp_path, monkeypatch, capsys):
@@ -40,20 +41,40 @@ def test_a_pair_that_does_not_give_what_it_must_makes_the_run_exit_1(tmp_path, m
     assert "WRONG: wanted diverged" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("device", sorted(device_check.OVERHEAD_MODELS))
-def test_every_overhead_run_is_one_model_that_dump_overhead_accepts(device):
-    for model in device_check.OVERHEAD_MODELS[device]:
-        command = device_check.overhead_command(model, device, 10)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_bench_run_is_one_model_that_its_script_accepts(device):
+    for model in device_check.BENCH_MODELS["overhead"][device]:
+        command = device_check.bench_command("overhead", model, device, 10)
         assert command[1].endswith(os.path.join("bench", "dump_overhead.py"))
         args, models, repeats = dump_overhead.parse_args(command[2:])
         assert (models, repeats, args.device, args.json) == ([model], 10, device, True)
+    for model in device_check.BENCH_MODELS["records"][device]:
+        command = device_check.bench_command("records", model, device, 10)
+        assert command[1].endswith(os.path.join("bench", "record_cost.py"))
+        args, models, levels, paths = record_cost.parse_args(command[2:])
+        assert (models, args.repeats, args.device, args.json) == ([model], 10, device, True)
+        assert levels == list(record_cost.LEVELS)
+        # on a GPU the host path would read every record back with a sync: not what is measured
+        assert paths == (list(record_cost.PATHS) if device == "cpu" else ["device", "records"])
 
 
-def test_no_overhead_model_starts_without_budget_left(tmp_path, capsys):
-    code = device_check.stage_overhead(str(tmp_path), "cpu", ["mlp", "gpt"], 10, time.monotonic() + 5)
+@pytest.mark.parametrize("stage", sorted(device_check.BENCHES))
+def test_no_bench_model_starts_without_budget_left(tmp_path, capsys, stage):
+    code = device_check.stage_bench(str(tmp_path), stage, "cpu", ["mlp", "gpt"], 10, time.monotonic() + 5)
     assert code == 1
-    assert "not measured (the budget ran out): mlp, gpt" in capsys.readouterr().out
+    assert f"{stage}: not measured (the budget ran out): mlp, gpt" in capsys.readouterr().out
     assert os.listdir(tmp_path) == []
+
+
+def test_a_bench_stage_runs_its_script_and_writes_its_rows_and_table(tmp_path):
+    # the records stage's script in a process of its own, one level and path (the smallest run)
+    code = device_check.stage_bench(str(tmp_path), "records", "cpu", ["tiny"], 1, time.monotonic() + 300,
+                                    ("--levels", "api", "--paths", "records", "--writer", "inline"))
+    assert code == 0
+    found = json.loads((tmp_path / "records.json").read_text())
+    assert [(row["level"], row["path"], row["device"]) for row in found["rows"]] == [("api", "records", "cpu")]
+    assert found["rows"][0]["records"] > 0 and found["runs"][0]["model"] == "tiny"
+    assert "| in-step us/record |" in (tmp_path / "records.txt").read_text()
 
 
 def test_an_unknown_stage_is_refused_with_the_ones_allowed(tmp_path, capsys):
