@@ -189,6 +189,8 @@ def stage_pairs(out: str, device: str, work: str, tasks=TASKS) -> int:
             failed = failed or not ok
             summary.update(task=task, pair=f"A-{other_side}", name=name, wanted=wanted, ok=ok,
                            train_and_dump_s=round(trained, 2))
+            if not ok:  # the dumps are gone with the machine: keep what compare said of them
+                summary["report"] = result.to_dict()
             report["pairs"].append(summary)
             where = "" if first is None else f", first {first['key']} ({first['origin']})"
             line = (f"{task:10} {name:5} A-{other_side}: {summary['verdict']}{where}; "
@@ -247,8 +249,14 @@ def stage_bench(out: str, stage: str, device: str, models: list[str], repeats: i
             _note_error(out, f"{stage} {model}", done.stderr)
             code = 2
             continue
-        found = json.loads(done.stdout)
-        rows.extend(found[rows_key])
+        try:
+            found = json.loads(done.stdout)
+            rows.extend(found[rows_key])
+        except (ValueError, KeyError) as error:  # printed something else: keep it, go on
+            _say(f"{stage}: {model} printed no JSON rows ({error})")
+            _note_error(out, f"{stage} {model}", done.stdout + done.stderr)
+            code = 2
+            continue
         runs.append({key: found[key] for key in found if key != rows_key} | {"model": model,
                                                                              "seconds": round(elapsed, 1)})
         _write(out, f"{stage}.json", json.dumps({"runs": runs, rows_key: rows}, indent=2) + "\n")
@@ -284,7 +292,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None,
                         help="folder for the pairs' dumps (default: a new temporary folder)")
     parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="seconds this whole run may take; no overhead model starts without room left")
+                        help="seconds this whole run may take; no bench model starts without room left")
     args = parser.parse_args(argv)
     stages = [stage for stage in args.only.split(",") if stage]
     unknown = [stage for stage in stages if stage not in STAGES]

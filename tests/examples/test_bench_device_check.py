@@ -39,6 +39,10 @@ def test_a_pair_that_does_not_give_what_it_must_makes_the_run_exit_1(tmp_path, m
                               "--only", "pairs", "--tasks", "statistics"])
     assert code == 1
     assert "WRONG: wanted diverged" in capsys.readouterr().out
+    # the dumps go with a lent machine: compare's whole report of a wrong pair is kept
+    pairs = json.loads((tmp_path / "pairs.json").read_text())["pairs"]
+    assert [pair["name"] for pair in pairs if "report" in pair] == ["buggy"]
+    assert pairs[1]["report"]["first_divergence"]["module"] == "blocks.1.mlp.1"
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
