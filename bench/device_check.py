@@ -15,7 +15,9 @@ Stages, in this order (--only picks some):
             at level mix as statistics and as tensors, and ``probe compare`` of A-B (must
             pass: the devices' rounding alone) and A-C (must be diverged, first at
             blocks.1.mlp.1). With --device cpu, B and C run under
-            probe.perturb.other_rounding(): another device's reduction order, emulated.
+            probe.perturb.other_rounding() (another device's reduction order, emulated) and
+            take the accelerator's capture path (PROBE_DEVICE_PATH=1: the numbers computed
+            from the device bucket, as on a GPU).
   overhead  overhead.txt and overhead.json: bench/dump_overhead.py --device cuda (--device
             cpu in a rehearsal), one model at a time in its own process, in the order of
             --models; a model is started only while the budget leaves room for it (this stage
@@ -62,6 +64,8 @@ SIZES = {"vocab": 64, "d_model": 64, "n_heads": 4, "n_layers": 2, "max_len": 32}
 BATCH = 4
 SEED = 7
 TASKS = ("statistics", "tensor")
+#: set to 1, CPU tensors take the accelerator's capture path (probe/capture/numbers/device_bucket.py)
+DEVICE_PATH = "PROBE_DEVICE_PATH"
 
 
 def _write(out: str, name: str, text: str) -> str:
@@ -131,12 +135,21 @@ def _train_and_dump(dump_dir: str, device: str, task: str, planted: bool, emulat
                        **SIZES)
     debugger = PrecisionDebugger(Config(task=task, level="mix", dump_path=dump_dir, seed=SEED,
                                         overwrite=True, writer="inline"))
-    with other_rounding() if emulated else contextlib.nullcontext():
-        for _ in range(2):
-            debugger.start(model)
-            train_step(model, optimizer, *batch)
-            debugger.stop()
-            debugger.step()
+    saved = os.environ.get(DEVICE_PATH)
+    if emulated:  # the numbers as a GPU's are taken: held in the device bucket, read at its flushes
+        os.environ[DEVICE_PATH] = "1"
+    try:
+        with other_rounding() if emulated else contextlib.nullcontext():
+            for _ in range(2):
+                debugger.start(model)
+                train_step(model, optimizer, *batch)
+                debugger.stop()
+                debugger.step()
+    finally:
+        if saved is None:
+            os.environ.pop(DEVICE_PATH, None)
+        else:
+            os.environ[DEVICE_PATH] = saved
     debugger.close()
 
 
