@@ -64,8 +64,6 @@ SIZES = {"vocab": 64, "d_model": 64, "n_heads": 4, "n_layers": 2, "max_len": 32}
 BATCH = 4
 SEED = 7
 TASKS = ("statistics", "tensor")
-#: set to 1, CPU tensors take the accelerator's capture path (probe/capture/numbers/device_bucket.py)
-DEVICE_PATH = "PROBE_DEVICE_PATH"
 
 
 def _write(out: str, name: str, text: str) -> str:
@@ -119,6 +117,7 @@ def _train_and_dump(dump_dir: str, device: str, task: str, planted: bool, emulat
     import torch
     from torch import nn
 
+    from bench.record_cost import device_path
     from examples.models import TinyGPT, make_batch, train_step
     from probe import Config, PrecisionDebugger, seed_all
     from probe.perturb import other_rounding
@@ -135,21 +134,15 @@ def _train_and_dump(dump_dir: str, device: str, task: str, planted: bool, emulat
                        **SIZES)
     debugger = PrecisionDebugger(Config(task=task, level="mix", dump_path=dump_dir, seed=SEED,
                                         overwrite=True, writer="inline"))
-    saved = os.environ.get(DEVICE_PATH)
-    if emulated:  # the numbers as a GPU's are taken: held in the device bucket, read at its flushes
-        os.environ[DEVICE_PATH] = "1"
-    try:
-        with other_rounding() if emulated else contextlib.nullcontext():
-            for _ in range(2):
-                debugger.start(model)
-                train_step(model, optimizer, *batch)
-                debugger.stop()
-                debugger.step()
-    finally:
-        if saved is None:
-            os.environ.pop(DEVICE_PATH, None)
-        else:
-            os.environ[DEVICE_PATH] = saved
+    # emulated: the numbers are taken as a GPU's are, held in the device bucket and read at its
+    # flushes, and the reductions summed in another order
+    with device_path(True) if emulated else contextlib.nullcontext(), \
+            other_rounding() if emulated else contextlib.nullcontext():
+        for _ in range(2):
+            debugger.start(model)
+            train_step(model, optimizer, *batch)
+            debugger.stop()
+            debugger.step()
     debugger.close()
 
 

@@ -56,6 +56,7 @@ Target: host us/record <= 10 at every level on both models (docs/performance.md)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -92,6 +93,21 @@ def _time_bucket() -> None:
 
 
 _ROUTE: list = []
+
+
+@contextlib.contextmanager
+def device_path(on: bool):
+    """PROBE_DEVICE_PATH set to 1 (CPU tensors take the accelerator's capture path) or 0 while
+    the block runs, as it was after."""
+    saved = os.environ.get("PROBE_DEVICE_PATH")
+    os.environ["PROBE_DEVICE_PATH"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PROBE_DEVICE_PATH"]
+        else:
+            os.environ["PROBE_DEVICE_PATH"] = saved
 
 
 def _numbers_known(on: bool) -> None:
@@ -138,28 +154,23 @@ class Variant:
             spent = clock() - began
             sync()
             return spent, 0.0, 0.0
-        saved = os.environ.get("PROBE_DEVICE_PATH")
-        os.environ["PROBE_DEVICE_PATH"] = "1" if self.path == "device" else "0"
-        if self.path == "records":
-            _numbers_known(True)
-        try:
-            began = clock()
-            self.debugger.start(self._model)
-            started = clock()
-            self._train()
-            trained = clock()
-            sync()
-            resumed = clock()
-            self.debugger.stop()
-            self.debugger.step()
-            ended = clock()
-            sync()
-        finally:
-            _numbers_known(False)
-            if saved is None:
-                del os.environ["PROBE_DEVICE_PATH"]
-            else:
-                os.environ["PROBE_DEVICE_PATH"] = saved
+        with device_path(self.path == "device"):
+            if self.path == "records":
+                _numbers_known(True)
+            try:
+                began = clock()
+                self.debugger.start(self._model)
+                started = clock()
+                self._train()
+                trained = clock()
+                sync()
+                resumed = clock()
+                self.debugger.stop()
+                self.debugger.step()
+                ended = clock()
+                sync()
+            finally:
+                _numbers_known(False)
         return (trained - began) + (ended - resumed), _NUMBERS[0], (started - began) + (ended - resumed)
 
     def count_records(self) -> None:
