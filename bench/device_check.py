@@ -26,7 +26,8 @@ Stages, in this order (--only picks some):
             (docs/performance.md, "On a lent GPU", says how to carry its wheels).
   records   records.txt and records.json: bench/record_cost.py --device cuda, the host's time
             per captured record at levels mix, api and module (the device path, and the
-            records alone), one model at a time (--record-models), within what is left.
+            records alone) beside the floor of any capture in Python (--floor), one model at
+            a time (--record-models), within what is left.
 
 At most 8 files come back from a lent machine's output folder: these stages write at most 7
 (errors.txt only on trouble), which leaves one for the log of what was printed.
@@ -212,6 +213,9 @@ def stage_pairs(out: str, device: str, work: str, tasks=TASKS) -> int:
 
 #: stage -> (its bench script, the key of the script's JSON rows)
 BENCHES = {"overhead": ("dump_overhead.py", "results"), "records": ("record_cost.py", "rows")}
+#: arguments each stage's script always gets: the records stage times the floor of any capture
+#: in Python beside probe's (bench/capture_floor.py), on the host that drives the GPU
+STAGE_ARGS = {"overhead": (), "records": ("--floor",)}
 
 
 def bench_command(stage: str, model: str, device: str, repeats: int, extra=()) -> list[str]:
@@ -219,7 +223,7 @@ def bench_command(stage: str, model: str, device: str, repeats: int, extra=()) -
     more of the script's arguments."""
     script, _ = BENCHES[stage]
     return [sys.executable, os.path.join(REPO_ROOT, "bench", script), "--models", model,
-            "--repeats", str(repeats), "--device", device, "--json", *extra]
+            "--repeats", str(repeats), "--device", device, "--json", *STAGE_ARGS[stage], *extra]
 
 
 def stage_bench(out: str, stage: str, device: str, models: list[str], repeats: int, deadline: float,

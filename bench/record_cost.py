@@ -4,6 +4,7 @@
     python bench/record_cost.py --models gpt --repeats 9
     python bench/record_cost.py --levels api --paths host
     python bench/record_cost.py --json
+    python bench/record_cost.py --models gpt --levels api --paths records --floor   # beside the floor
     python bench/record_cost.py --device cuda --paths device,records   # on a GPU
 
 One training step = forward + cross-entropy + backward + SGD step (examples.models.train_step),
@@ -26,6 +27,10 @@ Paths:
   records  the records alone: every tensor's numbers are taken as known (numbers_of
            answers at once, computing nothing): the per-record work of the capture itself,
            which is what a GPU's host pays per record besides the bucket's launches
+  floor    (--floor; one row per model, level api) not probe: bench/capture_floor.py, the least
+           an API-level capture in Python pays per record (a TorchFunctionMode keeping each
+           call's name and tensors' layouts, grad_fn hooks for the gradients, nothing else).
+           Compare its us/record with the "records" path's
 
 Columns:
   records      records of one captured step
@@ -120,6 +125,40 @@ def _numbers_known(on: bool) -> None:
     recorder.numbers_of = (lambda *args, **kwargs: known) if on else _ROUTE[0]
 
 
+class FloorVariant:
+    """The step under bench/capture_floor.py's FloorCapture: the least an API-level capture in
+    Python pays per record (a row of level api, path "floor")."""
+
+    level, path, debugger = "api", "floor", None
+
+    def __init__(self, train, model, sync=None) -> None:
+        self.name = "api floor"
+        self._train = train
+        self._model = model
+        self._sync = sync or (lambda: None)
+        self.records = 0
+
+    def run(self) -> tuple[float, float, float]:
+        from bench.capture_floor import FloorCapture
+
+        self._sync()
+        floor = FloorCapture().watch(self._model)
+        clock = time.thread_time
+        began = clock()
+        with floor:
+            self._train()
+        spent = clock() - began
+        self._sync()
+        self.records = len(floor.records)
+        return spent, 0.0, 0.0
+
+    def count_records(self) -> None:
+        pass
+
+    def tidy(self) -> None:
+        pass
+
+
 class Variant:
     """The plain step, or a captured one at a level on a path."""
 
@@ -191,7 +230,7 @@ class Variant:
 
 
 def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: str = "auto",
-                device: str = "cpu") -> list[dict]:
+                device: str = "cpu", floor: bool = False) -> list[dict]:
     import torch
 
     import examples.models as models
@@ -211,10 +250,12 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
     variants = [Variant("plain", train, model, folder, sync=sync)]
     variants += [Variant(f"{level} {path}", train, model, folder, level, path, writer, sync)
                  for level in levels for path in paths]
+    if floor:
+        variants.append(FloorVariant(train, model, sync))
     for variant in variants:  # warm-up: lazy tables, layouts, the writer process
         for _ in range(2):
             variant.run()
-        if variant.debugger is not None:
+        if variant.level is not None:
             variant.count_records()
             variant.tidy()
     times = {variant.name: [] for variant in variants}
@@ -286,6 +327,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
     parser.add_argument("--repeats", type=int, default=6, help="timed steps per variant")
     parser.add_argument("--writer", default="auto", choices=("auto", "process", "inline"),
                         help="the config's writer (auto: a writer process where a second CPU is free)")
+    parser.add_argument("--floor", action="store_true",
+                        help="add a row per model for bench/capture_floor.py: the least an API-level "
+                             "capture in Python pays per record")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -315,7 +359,8 @@ def main(argv=None) -> int:
     try:
         for key in models:
             print(f"benchmarking {key} ...", file=sys.stderr, flush=True)
-            rows += bench_model(key, levels, paths, args.repeats, dump_root, args.writer, args.device)
+            rows += bench_model(key, levels, paths, args.repeats, dump_root, args.writer, args.device,
+                                args.floor)
     finally:
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

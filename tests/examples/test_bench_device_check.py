@@ -59,7 +59,7 @@ def test_every_bench_run_is_one_model_that_its_script_accepts(device):
         command = device_check.bench_command("records", model, device, 10)
         assert command[1].endswith(os.path.join("bench", "record_cost.py"))
         args, models, levels, paths = record_cost.parse_args(command[2:])
-        assert (models, args.repeats, args.device, args.json) == ([model], 10, device, True)
+        assert (models, args.repeats, args.device, args.json, args.floor) == ([model], 10, device, True, True)
         assert levels == list(record_cost.LEVELS)
         # on a GPU the host path would read every record back with a sync: not what is measured
         assert paths == (list(record_cost.PATHS) if device == "cpu" else ["device", "records"])
@@ -79,7 +79,8 @@ def test_a_bench_stage_runs_its_script_and_writes_its_rows_and_table(tmp_path):
                                     ("--levels", "api", "--paths", "records", "--writer", "inline"))
     assert code == 0
     found = json.loads((tmp_path / "records.json").read_text())
-    assert [(row["level"], row["path"], row["device"]) for row in found["rows"]] == [("api", "records", "cpu")]
+    assert [(row["level"], row["path"], row["device"]) for row in found["rows"]] == [("api", "records", "cpu"),
+                                                                                      ("api", "floor", "cpu")]
     assert found["rows"][0]["records"] > 0 and found["runs"][0]["model"] == "tiny"
     assert "| in-step us/record |" in (tmp_path / "records.txt").read_text()
 
