@@ -27,10 +27,10 @@ Paths:
   records  the records alone: every tensor's numbers are taken as known (numbers_of
            answers at once, computing nothing): the per-record work of the capture itself,
            which is what a GPU's host pays per record besides the bucket's launches
-  floor    (--floor; one row per model, level api) not probe: bench/capture_floor.py, the least
-           an API-level capture in Python pays per record (a TorchFunctionMode keeping each
-           call's name and tensors' layouts, grad_fn hooks for the gradients, nothing else).
-           Compare its us/record with the "records" path's
+  floor    (--floor; a row per level) not probe: bench/capture_floor.py, the least a capture
+           in Python pays per record at that level (calls named, tensors' layouts kept,
+           hooks for the gradients, nothing else). Compare its us/record with the "records"
+           path's
 
 Columns:
   records      records of one captured step
@@ -126,31 +126,34 @@ def _numbers_known(on: bool) -> None:
 
 
 class FloorVariant:
-    """The step under bench/capture_floor.py's FloorCapture: the least an API-level capture in
-    Python pays per record (a row of level api, path "floor")."""
+    """The step under bench/capture_floor.py's floor capture at a level: the least a capture
+    in Python pays per record (a row of path "floor")."""
 
-    level, path, debugger = "api", "floor", None
+    path, debugger = "floor", None
 
-    def __init__(self, train, model, sync=None) -> None:
-        self.name = "api floor"
+    def __init__(self, train, model, level: str, sync=None) -> None:
+        self.name = f"{level} floor"
+        self.level = level
         self._train = train
         self._model = model
         self._sync = sync or (lambda: None)
         self.records = 0
 
     def run(self) -> tuple[float, float, float]:
-        from bench.capture_floor import FloorCapture
+        """One step: (thread CPU seconds, 0, of which installing and removing the hooks)."""
+        from bench.capture_floor import floor_capture
 
         self._sync()
-        floor = FloorCapture().watch(self._model)
         clock = time.thread_time
         began = clock()
-        with floor:
+        with floor_capture(self._model, self.level) as records:
+            started = clock()
             self._train()
-        spent = clock() - began
+            trained = clock()
+        ended = clock()
         self._sync()
-        self.records = len(floor.records)
-        return spent, 0.0, 0.0
+        self.records = len(records)
+        return ended - began, 0.0, (started - began) + (ended - trained)
 
     def count_records(self) -> None:
         pass
@@ -251,7 +254,7 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
     variants += [Variant(f"{level} {path}", train, model, folder, level, path, writer, sync)
                  for level in levels for path in paths]
     if floor:
-        variants.append(FloorVariant(train, model, sync))
+        variants += [FloorVariant(train, model, level, sync) for level in levels]
     for variant in variants:  # warm-up: lazy tables, layouts, the writer process
         for _ in range(2):
             variant.run()
@@ -328,7 +331,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
     parser.add_argument("--writer", default="auto", choices=("auto", "process", "inline"),
                         help="the config's writer (auto: a writer process where a second CPU is free)")
     parser.add_argument("--floor", action="store_true",
-                        help="add a row per model for bench/capture_floor.py: the least an API-level "
+                        help="add a row per model and level for bench/capture_floor.py: the least a "
                              "capture in Python pays per record")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

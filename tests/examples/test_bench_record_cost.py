@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 
+import pytest
 import torch
 
 from bench import building_blocks, record_cost
@@ -32,44 +33,62 @@ def test_record_cost_prints_microseconds_per_record_for_every_path():
         assert numbers[level, "device"] > numbers[level, "records"]
 
 
-def test_the_floor_row_names_every_call_and_records_its_tensors_and_gradients():
-    """--floor adds bench/capture_floor.py's row: its records are the step's tensors and
-    gradients under their calls' names, so its us/record is a per-record cost like probe's."""
+def test_the_floor_rows_count_every_levels_tensors_and_gradients():
+    """--floor adds bench/capture_floor.py's row per level: its records are the step's tensors
+    and gradients under their calls' names, so its us/record is a per-record cost like probe's."""
     out = io.StringIO()
     threads = torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(out):
-            assert record_cost.main(["--models", "tiny", "--levels", "api", "--paths", "records", "--floor",
-                                     "--repeats", "1", "--writer", "inline", "--json"]) == 0
+            assert record_cost.main(["--models", "tiny", "--levels", "api,module", "--paths", "records",
+                                     "--floor", "--repeats", "1", "--writer", "inline", "--json"]) == 0
     finally:
         torch.set_num_threads(threads)
-    rows = {row["path"]: row for row in json.loads(out.getvalue())["rows"]}
-    assert set(rows) == {"records", "floor"}
-    floor, probe_row = rows["floor"], rows["records"]
-    assert floor["level"] == "api" and floor["fixed_ms"] == 0 and floor["numbers_ms"] == 0
-    # tensors only (no keyword defaults, scalars or source lines): fewer records than probe's
-    assert 0 < floor["records"] < probe_row["records"]
-    assert floor["us_per_record"] == floor["us_per_record"]
+    rows = {(row["level"], row["path"]): row for row in json.loads(out.getvalue())["rows"]}
+    assert set(rows) == {("api", "records"), ("module", "records"), ("api", "floor"), ("module", "floor")}
+    for level in ("api", "module"):
+        floor, probe_row = rows[level, "floor"], rows[level, "records"]
+        assert floor["numbers_ms"] == 0 and 0 < floor["fixed_ms"] < floor["captured_ms"]
+        # tensors only (no keyword defaults, scalars or grad_input of module calls)
+        assert 0 < floor["records"] < probe_row["records"]
+        assert floor["us_per_record"] == floor["us_per_record"]
 
 
-def test_the_floor_capture_keeps_forward_and_backward_records_under_module_paths():
-    from bench.capture_floor import FloorCapture
+def _floor_records(level):
     import examples.models as models
+    from bench.capture_floor import floor_capture
 
     torch.manual_seed(0)
-    model = models.TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=1, max_len=8)
+    sizes = {"vocab": 32, "d_model": 16, "n_layers": 1, "max_len": 8}
+    model = models.TinyGPT(n_heads=2, **sizes)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = models.make_batch("gpt", 1, generator=torch.Generator().manual_seed(0), vocab=32, d_model=16,
-                              n_layers=1, max_len=8)
-    with FloorCapture().watch(model) as floor:
+    batch = models.make_batch("gpt", 1, generator=torch.Generator().manual_seed(0), **sizes)
+    with floor_capture(model, level) as records:
         models.train_step(model, optimizer, *batch)
-    slots = {(call[0], call[1], slot) for call, slot, _ in floor.records}
-    assert ("blocks.0.attn.qkv", "functional.linear", "output.0") in slots
-    assert ("blocks.0.attn.qkv", "functional.linear", "grad_output.0") in slots
-    # grad_input where the call is one autograd node (a linear over 3-d input is several)
-    assert ("blocks.0.ln1", "functional.layer_norm", "grad_input.0") in slots
-    # the global module hooks are gone with the mode
+    kept = len(records)
+    models.train_step(model, optimizer, *batch)  # after the capture: nothing is recorded
+    assert len(records) == kept
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+    return {(call[0], call[1], slot) for call, slot, _ in records}
+
+
+@pytest.mark.parametrize("level", ["api", "module", "mix"])
+def test_the_floor_keeps_forward_and_backward_records_under_module_paths_and_unhooks(level):
     from torch.nn.modules import module as module_hooks
+
+    slots = _floor_records(level)
+    if level in ("api", "mix"):
+        assert ("blocks.0.attn.qkv", "functional.linear", "output.0") in slots
+        assert ("blocks.0.attn.qkv", "functional.linear", "grad_output.0") in slots
+        # grad_input where the call is one autograd node (a linear over 3-d input is several)
+        assert ("blocks.0.ln1", "functional.layer_norm", "grad_input.0") in slots
+    if level in ("module", "mix"):
+        assert ("blocks.0.attn.qkv", "Linear", "param.weight") in slots
+        assert ("blocks.0.attn.qkv", "Linear", "grad_output.0") in slots
+        assert ("blocks.0.attn.qkv", "param", "param.weight") in slots  # its gradient
+    else:
+        assert not any(op == "Linear" for _, op, _ in slots)
+    # every hook goes with the capture (_floor_records ran a step after it, which recorded nothing)
     assert not module_hooks._global_forward_pre_hooks and not module_hooks._global_forward_hooks
 
 
