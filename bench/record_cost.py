@@ -1,6 +1,6 @@
 """Host time per captured record: what capture costs the training thread, per record.
 
-    python bench/record_cost.py                          # gpt and gpt2s, levels mix, api, module
+    python bench/record_cost.py                          # gpt and gpt2s-t16, levels mix, api, module
     python bench/record_cost.py --models gpt --repeats 9
     python bench/record_cost.py --levels api --paths host
     python bench/record_cost.py --json
@@ -16,7 +16,10 @@ interleaved in blocks in a new random order every round (the first step of a blo
 ``gc.collect()`` before it).
 
 Models: ``gpt`` is the project's GPT (examples.models.TinyGPT: 4 layers, d 256, T 128, batch 1);
-``gpt2s`` has GPT-2 small's shape (12 layers, d 768, 12 heads, T 128, batch 2; vocabulary 1000).
+``gpt2s`` has GPT-2 small's shape (12 layers, d 768, 12 heads, T 128, batch 2; vocabulary 1000);
+``gpt2s-t16`` the same layers at T 16, batch 1: the same calls and records, in a step short
+enough on a CPU (about 0.3 s against 1.2) for the capture's time to stand out of the step's
+spread (the default on a CPU; gpt2s on a GPU).
 
 Paths:
   host     CPU tensors' numbers computed on the CPU as they are recorded (the default on a CPU)
@@ -80,6 +83,10 @@ MODELS = {
     "gpt": ("GPT (4 x 256, T 128, batch 1)", {}, 1),
     "gpt2s": ("GPT-2-small shape (12 x 768, T 128, batch 2)",
               {"d_model": 768, "n_heads": 12, "n_layers": 12, "max_len": 128}, 2),
+    # GPT-2 small's layers at a length of 16: the same calls and records a step as gpt2s, in a
+    # step short enough that the capture's time stands out of the step's spread
+    "gpt2s-t16": ("GPT-2-small shape at T 16 (12 x 768, T 16, batch 1)",
+                  {"d_model": 768, "n_heads": 12, "n_layers": 12, "max_len": 16}, 1),
     # a smoke test's model (the suite runs it): rough numbers
     "tiny": ("GPT (2 x 64, T 32, batch 1)", {"d_model": 64, "n_layers": 2, "max_len": 32}, 1),
 }
@@ -321,7 +328,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--models", default="gpt,gpt2s", help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated subset of {', '.join(MODELS)} (default: gpt,gpt2s-t16 on "
+                             "cpu, gpt,gpt2s on cuda)")
     parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated capture levels")
     parser.add_argument("--paths", default=None,
                         help=f"comma-separated subset of {', '.join(PATHS)} (default: all on cpu, "
@@ -335,7 +344,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
                              "capture in Python pays per record")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
+    models = [m for m in (args.models or ("gpt,gpt2s-t16" if args.device == "cpu" else "gpt,gpt2s")).split(",")
+              if m]
     levels = [m for m in args.levels.split(",") if m]
     paths = [m for m in (args.paths or (",".join(PATHS) if args.device == "cpu" else "device,records")).split(",")
              if m]

@@ -54,6 +54,16 @@ def test_the_floor_rows_count_every_levels_tensors_and_gradients():
         assert floor["us_per_record"] == floor["us_per_record"]
 
 
+@pytest.mark.parametrize("device, models", [("cpu", ["gpt", "gpt2s-t16"]), ("cuda", ["gpt", "gpt2s"])])
+def test_the_default_models_are_the_gpt_and_a_gpt2_small_shape_short_enough_to_measure(device, models):
+    """On a CPU GPT-2 small at T 128 takes 1.2 s a step and the capture's tens of milliseconds
+    vanish in its spread: the default there is its layers at T 16 (the same calls)."""
+    assert record_cost.parse_args(["--device", device])[1] == models
+    shape = {key: value for key, value in record_cost.MODELS["gpt2s"][1].items() if key != "max_len"}
+    short = record_cost.MODELS["gpt2s-t16"][1]
+    assert {key: value for key, value in short.items() if key != "max_len"} == shape and short["max_len"] == 16
+
+
 def _floor_records(level):
     import examples.models as models
     from bench.capture_floor import floor_capture
