@@ -11,16 +11,22 @@ import torch
 from bench import building_blocks, record_cost
 
 
-def test_record_cost_prints_microseconds_per_record_for_every_path():
+def _rows(*arguments) -> list[dict]:
+    """record_cost.py's JSON rows for the tiny GPT, one timed step a variant (torch's thread
+    count, which the script sets to 1, restored after)."""
     out = io.StringIO()
     threads = torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(out):
-            assert record_cost.main(["--models", "tiny", "--levels", "api", "--paths", "device,records",
-                                     "--repeats", "1", "--writer", "inline", "--json"]) == 0
+            assert record_cost.main(["--models", "tiny", *arguments, "--repeats", "1", "--writer", "inline",
+                                     "--json"]) == 0
     finally:
         torch.set_num_threads(threads)
-    rows = json.loads(out.getvalue())["rows"]
+    return json.loads(out.getvalue())["rows"]
+
+
+def test_record_cost_prints_microseconds_per_record_for_every_path():
+    rows = _rows("--levels", "api", "--paths", "device,records")
     assert {(row["level"], row["path"]) for row in rows} == {("api", "device"), ("api", "records")}
     numbers = {(row["level"], row["path"]): row["numbers_ms"] for row in rows}
     for row in rows:
@@ -36,15 +42,8 @@ def test_record_cost_prints_microseconds_per_record_for_every_path():
 def test_the_floor_rows_count_every_levels_tensors_and_gradients():
     """--floor adds bench/capture_floor.py's row per level: its records are the step's tensors
     and gradients under their calls' names, so its us/record is a per-record cost like probe's."""
-    out = io.StringIO()
-    threads = torch.get_num_threads()
-    try:
-        with contextlib.redirect_stdout(out):
-            assert record_cost.main(["--models", "tiny", "--levels", "api,module", "--paths", "records",
-                                     "--floor", "--repeats", "1", "--writer", "inline", "--json"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    rows = {(row["level"], row["path"]): row for row in json.loads(out.getvalue())["rows"]}
+    rows = {(row["level"], row["path"]): row for row in _rows("--levels", "api,module", "--paths", "records",
+                                                               "--floor")}
     assert set(rows) == {("api", "records"), ("module", "records"), ("api", "floor"), ("module", "floor")}
     for level in ("api", "module"):
         floor, probe_row = rows[level, "floor"], rows[level, "records"]
