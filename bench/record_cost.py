@@ -92,6 +92,10 @@ MODELS = {
 }
 LEVELS = ("mix", "api", "module")
 PATHS = ("host", "device", "records")
+#: --models and --paths when not given, per --device (on a GPU the host path would read every
+#: record's numbers back with a sync: not what is measured there)
+DEFAULTS = {"cpu": {"models": "gpt,gpt2s-t16", "paths": ",".join(PATHS)},
+            "cuda": {"models": "gpt,gpt2s", "paths": "device,records"}}
 
 _NUMBERS = [0.0]  # thread CPU seconds inside the device bucket's flushes during this step
 
@@ -328,13 +332,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
+    def by_device(key: str) -> str:
+        return ", ".join(f"{chosen[key]} on {device}" for device, chosen in DEFAULTS.items())
+
     parser.add_argument("--models", default=None,
-                        help=f"comma-separated subset of {', '.join(MODELS)} (default: gpt,gpt2s-t16 on "
-                             "cpu, gpt,gpt2s on cuda)")
+                        help=f"comma-separated subset of {', '.join(MODELS)} (default: {by_device('models')})")
     parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated capture levels")
     parser.add_argument("--paths", default=None,
-                        help=f"comma-separated subset of {', '.join(PATHS)} (default: all on cpu, "
-                             "device,records on cuda)")
+                        help=f"comma-separated subset of {', '.join(PATHS)} (default: {by_device('paths')})")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models train")
     parser.add_argument("--repeats", type=int, default=6, help="timed steps per variant")
     parser.add_argument("--writer", default="auto", choices=("auto", "process", "inline"),
@@ -344,11 +349,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
                              "capture in Python pays per record")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    models = [m for m in (args.models or ("gpt,gpt2s-t16" if args.device == "cpu" else "gpt,gpt2s")).split(",")
-              if m]
+    chosen = DEFAULTS[args.device]
+    models = [m for m in (args.models or chosen["models"]).split(",") if m]
     levels = [m for m in args.levels.split(",") if m]
-    paths = [m for m in (args.paths or (",".join(PATHS) if args.device == "cpu" else "device,records")).split(",")
-             if m]
+    paths = [m for m in (args.paths or chosen["paths"]).split(",") if m]
     for given, allowed, what in ((models, MODELS, "model"), (levels, LEVELS, "level"), (paths, PATHS, "path")):
         unknown = [m for m in given if m not in allowed]
         if unknown:
