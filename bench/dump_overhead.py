@@ -375,6 +375,10 @@ def bench_model(key: str, repeats: int, with_tensor: bool, dump_root: str, sketc
     for name in msprobe_variants.LEVELS:
         if name in by_name:  # records in one step's dump.json
             result[f"{name.replace(' ', '_')}_records"] = by_name[name].calls
+    for variant in variants:
+        if isinstance(variant, Variant) and variant.debugger is not None:
+            # the writer's last step file lands before main() removes the dump folder
+            variant.debugger.close()
     return result
 
 

@@ -13,6 +13,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Triton reads TRITON_INTERPRET once, when it is imported (torch's compile stack may import
+# it first): the suite runs on CPUs, where the device bucket's Triton kernel runs in Triton's
+# interpreter (tests/capture/test_bucket_kernel.py), so the variable is set before anything.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # tests, bench and examples share examples/models.py
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:

@@ -60,7 +60,8 @@ import os
 import numpy as np
 import torch
 
-from probe.capture.numbers import sketch
+from probe.capture.numbers import bucket_kernel, sketch
+from probe.capture.numbers.bucket_kernel import on_device as _on
 from probe.compat import flatten_dense_tensors, foreach_copy, local_tensor, tensor_version as _version_of
 
 #: flush when a bucket holds this many tensors, or this many bytes of values: BUCKET_BYTES
@@ -188,14 +189,25 @@ class DeviceBucket:
             return False
         held, self._held, self._storages, self._bytes = self._held, [], set(), 0
         groups: dict = {}
+        kernel_reads: dict = {}  # device -> does bucket_kernel read it (asked once a flush)
         for tensor, version, slot, watched in held:
             if _version_of(watched) != version or not _storage_alive(tensor):
                 slot.result = _UNKNOWN
                 self.stale += 1
                 continue
-            groups.setdefault(tensor.device, []).append((tensor, slot))
+            device = tensor.device
+            # the kernel reads one dtype per launch; the torch path takes mixed dtypes at once
+            # plain tensors only: a subclass's memory may not be where data_ptr() says
+            kernel = tensor.dtype in bucket_kernel.KERNEL_DTYPES and type(tensor) is torch.Tensor
+            if kernel:
+                kernel = kernel_reads.get(device)
+                if kernel is None:
+                    kernel = kernel_reads[device] = bucket_kernel.runs_on(device)
+            groups.setdefault((device, tensor.dtype if kernel else None), []).append((tensor, slot))
         with torch.no_grad():
-            for members in groups.values():
+            for (_, kernel_dtype), members in groups.items():
+                if kernel_dtype is not None and self._kernel_group(members):
+                    continue
                 try:
                     self._add_group(members)
                 except (RuntimeError, TypeError, ValueError, NotImplementedError):
@@ -206,6 +218,21 @@ class DeviceBucket:
                             self._add_group([member])
                         except (RuntimeError, TypeError, ValueError, NotImplementedError):
                             member[1].result = _UNKNOWN
+        return True
+
+    def _kernel_group(self, members: list) -> bool:
+        """The group's numbers through bucket_kernel; False (and the torch path from now on)
+        if the kernel fails."""
+        tensors = [tensor for tensor, _ in members]
+        device = tensors[0].device
+        try:
+            layout = self._layout(device, tuple(t.numel() for t in tensors), None)
+            rows = bucket_kernel.numbers(tensors, layout, self.k, device)
+        except Exception as error:  # noqa: BLE001  (a compiler's or driver's error of any kind)
+            bucket_kernel.give_up(error)
+            return False
+        self.flushes += 1
+        self._groups.append((rows, [slot for _, slot in members]))
         return True
 
     def _add_group(self, members: list) -> None:
@@ -236,11 +263,15 @@ class DeviceBucket:
         high = torch.segment_reduce(highs, "max", lengths=layout.lengths, axis=0, unsafe=True)
         return torch.cat((low.unsqueeze(1), high.unsqueeze(1), totals), 1)
 
-    def _layout(self, device, sizes: tuple, dense: tuple) -> "_Layout":
+    def _layout(self, device, sizes: tuple, dense: tuple | None):
+        """The layout of a flush of these sizes (dense None: the kernel's), made once."""
         key = (device, sizes, dense)
         found = self._layouts.get(key)
         if found is None:
-            found = _Layout(device, sizes, dense, self.k)
+            if dense is None:
+                found = bucket_kernel.KernelLayout(device, sizes)
+            else:
+                found = _Layout(device, sizes, dense, self.k)
             if self._layout_bytes + found.nbytes > _LAYOUT_CACHE_BYTES:
                 self._layouts.clear()
                 self._layout_bytes = 0
@@ -292,15 +323,6 @@ class _Layout:
         self.row_ends = _on(device, torch.from_numpy(ends).view(rows, 1))
         self.row_signs = _on(device, torch.from_numpy(signs))
         self.nbytes = rows * 8 * (k + 2) + len(sizes) * 8
-
-
-def _on(device, host: torch.Tensor) -> torch.Tensor:
-    """A layout table on the device: through pinned memory, without waiting."""
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def _arena(tensors: list, dense: list, layout: _Layout, device) -> torch.Tensor:
