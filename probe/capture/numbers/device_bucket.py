@@ -22,6 +22,8 @@ A DeviceBucket keeps both out of the step:
               (segment_reduce: each tensor's rows are one run of the arena)
 
   The results stay on the device, one (T, 6 + k) float64 tensor per flush.
+  On CUDA the float32, bfloat16 and float16 tensors skip the arena: bucket_kernel.py reads
+  each once, in place, with one Triton kernel per dtype, into the same rows.
 - ``resolve()`` flushes, joins every flush's results and copies them to the host in one copy
   per device (``host_transfers`` counts them), then fills the slots.
 
