@@ -11,8 +11,8 @@ One program per super-row (sketch.GROUPS x sketch.BLOCK values of one tensor): i
 tensor's address in a table, loads the super-row as a (GROUPS, BLOCK) tile, and writes the
 super-row's partial numbers in the torch path's layout: min and max, the sketch (its products
 in float32 with IEEE rounding, as the host path; signed F[m]), the sum and the sum of squares
-(float64), NaN and Inf counts. The bucket then reduces them per tensor with the same
-segment_reduce. Per flush and dtype: one host-to-device copy of the address table, one kernel,
+(float64), NaN and Inf counts. The bucket then reduces them per tensor as it does the
+arena's rows. Per flush and dtype: one host-to-device copy of the address table, one kernel,
 and one multi-tensor copy when some tensors are not contiguous (they are packed first).
 
 Numbers against the torch path: min, max and the counts are identical; the sums are float64
@@ -109,10 +109,11 @@ class KernelLayout:
         self.nbytes = rows * 24 + len(sizes) * 8
 
 
-def numbers(tensors: list, layout: KernelLayout, k: int, device) -> torch.Tensor:
-    """(T, 6 + k) float64 on the device, the torch path's columns: min, max, sketch (k), sum,
-    sum of squares, NaN count, Inf count of each tensor. The tensors share one dtype of
-    KERNEL_DTYPES."""
+def super_rows(tensors: list, layout: KernelLayout, k: int, device) -> tuple:
+    """(additive, lows, highs) of every super-row, float64 on the device, in the torch path's
+    columns: additive (S, k + 4) the sketch (k), sum, sum of squares, NaN and Inf counts; lows
+    and highs (S,). The bucket reduces them per tensor as it does the arena's. The tensors
+    share one dtype of KERNEL_DTYPES."""
     global launches
     kernel = _kernel()
     dtype = tensors[0].dtype
@@ -123,7 +124,8 @@ def numbers(tensors: list, layout: KernelLayout, k: int, device) -> torch.Tensor
     lows = torch.empty(rows, dtype=torch.float64, device=device)
     highs = torch.empty(rows, dtype=torch.float64, device=device)
     if rows:
-        columns, groups = _sign_tables(device, k)
+        # without a sketch the kernel never reads P and S: any device tensor stands in
+        columns, groups = sketch.projection_tables(device, torch.float32, k) if k else (layout.sign,) * 2
         kernel[(rows,)](addresses, layout.owner, layout.start, layout.count, layout.sign,
                         columns, groups, additive, lows, highs, k,
                         DTYPE={torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
@@ -131,10 +133,7 @@ def numbers(tensors: list, layout: KernelLayout, k: int, device) -> torch.Tensor
                         GROUPS=sketch.GROUPS, BLOCK=sketch.BLOCK, COLUMNS=_COLUMNS,
                         KB=min(64, max(16, 1 << max(k - 1, 0).bit_length())), num_warps=_WARPS)
         launches += 1
-    totals = torch.segment_reduce(additive, "sum", lengths=layout.lengths, axis=0, unsafe=True)
-    low = torch.segment_reduce(lows, "min", lengths=layout.lengths, axis=0, unsafe=True)
-    high = torch.segment_reduce(highs, "max", lengths=layout.lengths, axis=0, unsafe=True)
-    return torch.cat((low.unsqueeze(1), high.unsqueeze(1), totals), 1)
+    return additive, lows, highs
 
 
 def _readable(tensors: list, dtype, device) -> list:
@@ -151,24 +150,6 @@ def _readable(tensors: list, dtype, device) -> list:
     foreach_copy(places, loose)
     moved = iter(places)
     return [t if t.is_contiguous() else next(moved) for t in tensors]
-
-
-_tables: dict = {}
-
-
-def _sign_tables(device, k: int) -> tuple:
-    """P (BLOCK, k) and S (GROUPS, k) as float32 on the device (a sign is exact in any dtype);
-    a one-element placeholder each when k is 0."""
-    key = (device, k)
-    found = _tables.get(key)
-    if found is None:
-        if k:
-            columns, groups = sketch.column_signs(k), sketch.row_signs(k)
-        else:
-            columns = groups = np.zeros((1, 1))
-        found = _tables[key] = tuple(on_device(device, torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)))
-                                     for t in (columns, groups))
-    return found
 
 
 def _kernel():

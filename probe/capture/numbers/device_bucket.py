@@ -229,16 +229,18 @@ class DeviceBucket:
         device = tensors[0].device
         try:
             layout = self._layout(device, tuple(t.numel() for t in tensors), None)
-            rows = bucket_kernel.numbers(tensors, layout, self.k, device)
+            rows = _per_tensor(*bucket_kernel.super_rows(tensors, layout, self.k, device), layout.lengths)
         except Exception as error:  # noqa: BLE001  (a compiler's or driver's error of any kind)
             bucket_kernel.give_up(error)
             return False
-        self.flushes += 1
-        self._groups.append((rows, [slot for _, slot in members]))
+        self._keep(rows, members)
         return True
 
     def _add_group(self, members: list) -> None:
-        rows = self._group_numbers([tensor for tensor, _ in members])
+        self._keep(self._group_numbers([tensor for tensor, _ in members]), members)
+
+    def _keep(self, rows: torch.Tensor, members: list) -> None:
+        """A flushed group's numbers, on the device until resolve()."""
         self.flushes += 1
         self._groups.append((rows, [slot for _, slot in members]))
 
@@ -259,11 +261,7 @@ class DeviceBucket:
         valid = _columns(device) < layout.row_ends
         lows = torch.where(valid, rows, _constant(device, math.inf)).amin(1)
         highs = torch.where(valid, rows, _constant(device, -math.inf)).amax(1)
-        additive = torch.cat((projected, squares, nans, infs), 1)
-        totals = torch.segment_reduce(additive, "sum", lengths=layout.lengths, axis=0, unsafe=True)
-        low = torch.segment_reduce(lows, "min", lengths=layout.lengths, axis=0, unsafe=True)
-        high = torch.segment_reduce(highs, "max", lengths=layout.lengths, axis=0, unsafe=True)
-        return torch.cat((low.unsqueeze(1), high.unsqueeze(1), totals), 1)
+        return _per_tensor(torch.cat((projected, squares, nans, infs), 1), lows, highs, layout.lengths)
 
     def _layout(self, device, sizes: tuple, dense: tuple | None):
         """The layout of a flush of these sizes (dense None: the kernel's), made once."""
@@ -325,6 +323,17 @@ class _Layout:
         self.row_ends = _on(device, torch.from_numpy(ends).view(rows, 1))
         self.row_signs = _on(device, torch.from_numpy(signs))
         self.nbytes = rows * 8 * (k + 2) + len(sizes) * 8
+
+
+def _per_tensor(additive: torch.Tensor, lows: torch.Tensor, highs: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
+    """Super-rows' numbers -> (T, 6 + k) per tensor (each tensor's rows are one run of
+    lengths): min, max, then additive's columns (sketch, sum, sum of squares, NaN and Inf
+    counts) summed."""
+    totals = torch.segment_reduce(additive, "sum", lengths=lengths, axis=0, unsafe=True)
+    low = torch.segment_reduce(lows, "min", lengths=lengths, axis=0, unsafe=True)
+    high = torch.segment_reduce(highs, "max", lengths=lengths, axis=0, unsafe=True)
+    return torch.cat((low.unsqueeze(1), high.unsqueeze(1), totals), 1)
 
 
 def _arena(tensors: list, dense: list, layout: _Layout, device) -> torch.Tensor:
