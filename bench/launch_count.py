@@ -10,6 +10,8 @@ family), ``detach``, metadata queries and other ops that only change a tensor's 
 reads (``_local_scalar_dense``: ``.item()``, ``float(t)``) are counted apart, as they make the
 host wait. A TorchDispatchMode sees the ops as the device would run them: after autograd and
 after the composite ops are broken up, including the backward pass and probe's own ops.
+The device bucket's Triton kernel (on a GPU) is no aten op: its launches are read from
+probe's own counter and listed as ``triton bucket kernel``.
 
 The device path's target (docs/performance.md): a captured step's launches at most 1.25x
 the plain step's + 30, no ``clone`` or ``copy_`` per record, one copy to the host per step.
@@ -41,6 +43,8 @@ NO_KERNEL = frozenset({
     "size", "stride", "dim", "numel", "storage_offset", "is_contiguous", "is_nonzero",
     "_make_dep_token", "_conj", "_neg_view", "resolve_conj", "resolve_neg",
 })
+#: the name the bucket's Triton kernel launches are counted under (not an aten op)
+TRITON = "triton bucket kernel"
 #: ops that read a device number on the host (the host waits for the device)
 HOST_READS = frozenset({"_local_scalar_dense", "item", "equal", "is_nonzero", "nonzero",
                         "masked_select", "allclose"})
@@ -70,9 +74,14 @@ class LaunchCounter(TorchDispatchMode):
 
 def count(step) -> LaunchCounter:
     """The launches of one call of ``step()`` (run it once before: warm tables and layouts)."""
+    from probe.capture.numbers import bucket_kernel
+
     counter = LaunchCounter()
+    before = bucket_kernel.launches
     with counter:
         step()
+    if bucket_kernel.launches > before:
+        counter.launches[TRITON] += bucket_kernel.launches - before
     return counter
 
 

@@ -127,6 +127,31 @@ def test_a_step_captured_through_the_kernel_writes_the_torch_paths_statistics(
                                    rtol=1e-12, atol=1e-15, err_msg=key)
 
 
+def test_the_launch_count_of_a_captured_step_includes_the_kernels_launches(kernel_path, tmp_path):
+    from bench import launch_count
+
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.randn(8, 16)
+
+    def train():
+        optimizer.zero_grad()
+        model(batch).square().mean().backward()
+        optimizer.step()
+
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), level="api"))
+    step = launch_count.captured_step(debugger, model, train)
+    step()
+    before = bucket_kernel.launches
+    counted = launch_count.count(step)
+    debugger.close()
+    ran = bucket_kernel.launches - before
+    assert ran >= 1
+    assert counted.launches[launch_count.TRITON] == ran
+    assert counted.total == sum(n for name, n in counted.launches.items() if name != launch_count.TRITON) + ran
+
+
 def test_a_kernel_that_cannot_run_warns_once_and_the_torch_path_gives_the_numbers(monkeypatch):
     # compiled for a GPU (no interpreter) but handed CPU tensors: Triton finds no driver
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
