@@ -6,6 +6,7 @@
     python bench/record_cost.py --json
     python bench/record_cost.py --models gpt --levels api --paths records --floor   # beside the floor
     python bench/record_cost.py --device cuda --paths device,records   # on a GPU
+    python bench/record_cost.py --models llama,litgpt --paths records --floor   # real libraries
 
 One training step = forward + cross-entropy + backward + SGD step (examples.models.train_step),
 one torch thread. A captured step is start(model), the step, stop(), step(): the records, their
@@ -19,7 +20,11 @@ Models: ``gpt`` is the project's GPT (examples.models.TinyGPT: 4 layers, d 256, 
 ``gpt2s`` has GPT-2 small's shape (12 layers, d 768, 12 heads, T 128, batch 2; vocabulary 1000);
 ``gpt2s-t16`` the same layers at T 16, batch 1: the same calls and records, in a step short
 enough on a CPU (about 0.3 s against 1.2) for the capture's time to stand out of the step's
-spread (the default on a CPU; gpt2s on a GPU).
+spread (the default on a CPU; gpt2s on a GPU). Real libraries, as a new user trains them (random
+init from a config, nothing downloaded; each skipped with what to install where it is missing):
+``llama`` a transformers LlamaForCausalLM (4 layers, hidden 64, 4 heads, 2 key-value heads,
+vocabulary 128, T 32, batch 2; its own loss from ``labels``); ``litgpt`` a litgpt GPT of the same
+size, cross-entropy on its logits.
 
 Paths:
   host     CPU tensors' numbers computed on the CPU as they are recorded (the default on a CPU)
@@ -89,7 +94,13 @@ MODELS = {
                   {"d_model": 768, "n_heads": 12, "n_layers": 12, "max_len": 16}, 1),
     # a smoke test's model (the suite runs it): rough numbers
     "tiny": ("GPT (2 x 64, T 32, batch 1)", {"d_model": 64, "n_layers": 2, "max_len": 32}, 1),
+    # real libraries' models (_library_workload): sizes here are theirs, not TinyGPT's
+    "llama": ("transformers Llama (4 x 64, T 32, batch 2)", {"layers": 4, "width": 64, "length": 32}, 2),
+    "litgpt": ("litgpt GPT (4 x 64, T 32, batch 2)", {"layers": 4, "width": 64, "length": 32}, 2),
 }
+#: the real-library models: what each needs installed
+LIBRARIES = {"llama": "transformers", "litgpt": "litgpt"}
+VOCAB = 128
 LEVELS = ("mix", "api", "module")
 PATHS = ("host", "device", "records")
 #: --models and --paths when not given, per --device (on a GPU the host path would read every
@@ -251,14 +262,17 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
 
     label, sizes, batch_size = MODELS[key]
     torch.manual_seed(0)
-    model = models.TinyGPT(**sizes).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batch = models.make_batch("gpt", batch_size, generator=torch.Generator().manual_seed(0), device=device,
-                              **sizes)
-    sync = torch.cuda.synchronize if device == "cuda" else None
+    if key in LIBRARIES:
+        model, train = _library_workload(key, sizes, batch_size, device)
+    else:
+        model = models.TinyGPT(**sizes).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        batch = models.make_batch("gpt", batch_size, generator=torch.Generator().manual_seed(0), device=device,
+                                  **sizes)
 
-    def train():
-        models.train_step(model, optimizer, *batch)
+        def train():
+            models.train_step(model, optimizer, *batch)
+    sync = torch.cuda.synchronize if device == "cuda" else None
 
     folder = os.path.join(dump_root, key)
     variants = [Variant("plain", train, model, folder, sync=sync)]
@@ -310,6 +324,40 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
     return rows
 
 
+def _library_workload(key: str, sizes: dict, batch_size: int, device: str):
+    """(model, one training step) of a real library's model: a forward, its loss, backward and
+    SGD(lr=0.01) with zero_grad, as a user's loop does it."""
+    import torch
+
+    tokens = torch.randint(0, VOCAB, (batch_size, sizes["length"]), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+    if key == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=sizes["width"], intermediate_size=2 * sizes["width"],
+                             num_hidden_layers=sizes["layers"], num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=2 * sizes["length"])
+        model = LlamaForCausalLM(config).to(device)
+
+        def loss():
+            return model(input_ids=tokens, labels=tokens).loss
+    else:
+        from litgpt import GPT, Config
+
+        model = GPT(Config(block_size=2 * sizes["length"], vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                           n_layer=sizes["layers"], n_head=4, n_embd=sizes["width"])).to(device)
+
+        def loss():
+            return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train():
+        optimizer.zero_grad()
+        loss().backward()
+        optimizer.step()
+    return model, train
+
+
 COLUMNS = [("model", "{}", "model"), ("level", "{}", "level"), ("path", "{}", "path"),
            ("records", "{}", "records"), ("plain ms", "{:.1f}", "plain_ms"),
            ("captured ms", "{:.1f}", "captured_ms"), ("us/record", "{:.1f}", "us_per_record"),
@@ -359,6 +407,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
             parser.error(f"unknown {what}(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    import importlib.util
+
+    missing = [f"{m} needs {LIBRARIES[m]} (pip install {LIBRARIES[m]})" for m in models
+               if m in LIBRARIES and importlib.util.find_spec(LIBRARIES[m]) is None]
+    if missing:
+        parser.error("; ".join(missing))
     return args, models, levels, paths
 
 

@@ -53,6 +53,20 @@ def test_the_floor_rows_count_every_levels_tensors_and_gradients():
         assert floor["us_per_record"] == floor["us_per_record"]
 
 
+@pytest.mark.parametrize("key", sorted(record_cost.LIBRARIES))
+def test_a_real_librarys_workload_trains_its_model_one_step(key):
+    """--models llama,litgpt: the library's own model, built from a config, and one step of a
+    user's loop (its loss, backward, SGD) that moves every parameter it trains."""
+    pytest.importorskip(record_cost.LIBRARIES[key], reason=f"pip install {record_cost.LIBRARIES[key]}")
+    _, sizes, batch = record_cost.MODELS[key]
+    torch.manual_seed(0)
+    model, train = record_cost._library_workload(key, sizes, batch, "cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    train()
+    moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+    assert len(moved) > 10 and all(moved)
+
+
 @pytest.mark.parametrize("device, models", [("cpu", ["gpt", "gpt2s-t16"]), ("cuda", ["gpt", "gpt2s"])])
 def test_the_default_models_are_the_gpt_and_a_gpt2_small_shape_short_enough_to_measure(device, models):
     """On a CPU GPT-2 small at T 128 takes 1.2 s a step and the capture's tens of milliseconds
