@@ -32,6 +32,16 @@ import process_state  # noqa: E402  (found through TESTS, just added to sys.path
 from suite_schedule import HEAVIEST_FIRST  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _library_logs_in_the_tests_temporary_folder(tmp_path_factory):
+    """stable-baselines3 makes a log folder for every learn() (an empty /tmp/SB3-<time> unless
+    SB3_LOGDIR says where): under pytest's own temporary folder, the suite leaves none behind
+    (subprocesses inherit the variable)."""
+    if "SB3_LOGDIR" not in os.environ:
+        os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3-logs"))
+    yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _module_isolated():
     """Each test module starts from the process state the session started with, whatever
