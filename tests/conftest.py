@@ -39,7 +39,6 @@ def _library_logs_in_the_tests_temporary_folder(tmp_path_factory):
     (subprocesses inherit the variable)."""
     if "SB3_LOGDIR" not in os.environ:
         os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3-logs"))
-    yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -224,7 +224,7 @@ class Carry:
 
 
 #: a compare holds one RecordRow per record: slots make them smaller and quicker to make and
-#: read (7% of a large compare's time); weakly referable, as the memory tests count them
+#: read (9% of a large compare's CPU time); weakly referable, as the memory tests count them
 _ROW_SLOTS = {"slots": True, "weakref_slot": True} if sys.version_info >= (3, 11) else {}
 
 
