@@ -16,7 +16,8 @@
   which of them a tensor takes (``numbers_of``, for the recorder and for fingerprints);
 * ``recorder.py`` makes the records both wings hand it, with the numbers of numbers/;
   flush_points.py says where its device bucket is flushed (backward's start and end, around
-  optimizer steps).
+  optimizer steps); collector.py keeps Python's garbage collector from rescanning the records
+  while a step is captured.
 
 The names below are what the debugger, the replay, fingerprints, the integrations and
 ``probe.compile`` use; code outside capture imports them from here, never from a wing
@@ -24,6 +25,7 @@ The names below are what the debugger, the replay, fingerprints, the integration
 """
 
 from probe.capture.recorder import Recorder
+from probe.capture.collector import RelaxedCollector
 from probe.capture.eager.api_mode import ApiCaptureMode
 from probe.capture.eager.autocast import autocast_dtype
 from probe.capture.eager.compiled_regions import Gate
@@ -45,7 +47,7 @@ from probe.capture.compiled.graph_taps import deactivate as deactivate_graph_tap
 from probe.capture.compiled.region_taps import RegionTaps
 
 __all__ = [
-    "Recorder", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules", "activate_graph_taps",
+    "Recorder", "RelaxedCollector", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules", "activate_graph_taps",
     "deactivate_graph_taps", "compile", "CaptureFilter", "HostBatch", "SourceLocator", "flatten",
     "bound_values", "DeviceBucket", "WriteWatchMode", "device_path_on_cpu", "RegionTaps",
     "region_targets", "numbers_of", "resolve_device_stats", "SKETCH_SIZE", "dtype_name", "unwrap", "autocast_dtype",

@@ -51,7 +51,7 @@ import torch
 from probe import command_config, compat
 from probe.compat import version_gaps
 from probe import config as config_module
-from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, RegionTaps,
+from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, RegionTaps, RelaxedCollector,
                            activate_graph_taps, deactivate_graph_taps, region_targets,
                            WriteWatchMode, device_path_on_cpu, user_modules)
 from probe.dump import run_folder
@@ -97,6 +97,8 @@ class PrecisionDebugger:
         self._hooks: ModuleHooks | None = None
         #: a plain torch.compile's regions run through graph taps while started (api, mix)
         self._region_taps = RegionTaps()
+        #: fewer young garbage collections while a step is captured (capture/collector.py)
+        self._collector = RelaxedCollector()
         # opens each captured step and finishes its file (debugger/step_files.py); the rank's lock
         # is taken by the first selected start()
         self._files = StepFiles(cfg, self.run_id, self.seed_report.to_dict(), self._results)
@@ -194,6 +196,7 @@ class PrecisionDebugger:
             self._warn_if_scope_selects_nothing()
             recorder = self._recorder or self._open_step()
             recorder.active = True
+            self._collector.relax()
             level = self.config.level
             gate = Gate()
             targets = None  # the model's modules (compiled_regions.targets), when it has one
@@ -420,6 +423,7 @@ class PrecisionDebugger:
             hooks.remove()
         self._region_taps.remove()
         deactivate_graph_taps()
+        self._collector.restore()
         return problem
 
     def __repr__(self) -> str:

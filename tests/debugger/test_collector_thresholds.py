@@ -1,0 +1,90 @@
+"""A captured step raises the garbage collector's first threshold (capture/collector.py) and
+leaves the program's thresholds as it found them, or as the program set them meanwhile."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+from probe.capture.collector import CAPTURE_THRESHOLD
+from probe.config import Config
+from probe.debugger.debugger import PrecisionDebugger
+
+
+@pytest.fixture(autouse=True)
+def _thresholds_as_they_were():
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
+
+
+def _model_seeing_thresholds(seen: list):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model.register_forward_hook(lambda module, args, output: seen.append(gc.get_threshold()))
+    return model
+
+
+@pytest.mark.parametrize("level", ["api", "module", "mix"])
+def test_a_captured_step_collects_less_often_and_stop_puts_the_thresholds_back(tmp_path, level):
+    gc.set_threshold(700, 10, 10)
+    seen = []
+    model = _model_seeing_thresholds(seen)
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), level=level))
+    with debugger.capture(model):
+        model(torch.randn(3, 4)).sum().backward()
+    model(torch.randn(3, 4))
+    debugger.close()
+    assert seen == [(CAPTURE_THRESHOLD, 10, 10), (700, 10, 10)]
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_thresholds_the_program_sets_during_a_capture_stay_after_stop(tmp_path):
+    gc.set_threshold(700, 10, 10)
+    model = _model_seeing_thresholds([])
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    debugger.start(model)
+    model(torch.randn(3, 4))
+    gc.set_threshold(1234, 5, 5)
+    debugger.stop()
+    debugger.step()
+    debugger.close()
+    assert gc.get_threshold() == (1234, 5, 5)
+
+
+@pytest.mark.parametrize("thresholds", [(0, 10, 10), (CAPTURE_THRESHOLD * 4, 10, 10)],
+                         ids=["collection-off", "already-higher"])
+def test_a_threshold_that_is_off_or_already_higher_is_left_alone(tmp_path, thresholds):
+    gc.set_threshold(*thresholds)
+    seen = []
+    model = _model_seeing_thresholds(seen)
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    with debugger.capture(model):
+        model(torch.randn(3, 4))
+    debugger.close()
+    assert seen == [thresholds]
+    assert gc.get_threshold() == thresholds
+
+
+def test_an_exception_inside_a_capture_puts_the_thresholds_back(tmp_path):
+    gc.set_threshold(700, 10, 10)
+    model = _model_seeing_thresholds([])
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    with pytest.raises(ZeroDivisionError):
+        with debugger.capture(model):
+            model(torch.randn(3, 4))
+            1 / 0
+    debugger.close()
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_a_step_the_config_does_not_select_leaves_the_thresholds_alone(tmp_path):
+    gc.set_threshold(700, 10, 10)
+    seen = []
+    model = _model_seeing_thresholds(seen)
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path), step=[1]))
+    with debugger.capture(model):  # step 0: not selected
+        model(torch.randn(3, 4))
+    debugger.close()
+    assert seen == [(700, 10, 10)]
