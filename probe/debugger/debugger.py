@@ -97,8 +97,7 @@ class PrecisionDebugger:
         self._hooks: ModuleHooks | None = None
         #: a plain torch.compile's regions run through graph taps while started (api, mix)
         self._region_taps = RegionTaps()
-        #: fewer young garbage collections while a step is captured (capture/collector.py)
-        self._collector = RelaxedCollector()
+        self._collector = RelaxedCollector()  # fewer garbage collections while started
         # opens each captured step and finishes its file (debugger/step_files.py); the rank's lock
         # is taken by the first selected start()
         self._files = StepFiles(cfg, self.run_id, self.seed_report.to_dict(), self._results)
