@@ -1,7 +1,7 @@
 """While a step is captured, Python's garbage collector looks at its youngest objects less often.
 
-A captured step keeps a few container objects per record alive until ``stop()``: the record,
-its tensor's cache entry, the hooks' bound arguments. With Python's default first threshold
+A captured step keeps a few container objects per record alive until ``step()`` hands its file
+over: the record, its tensor's cache entry, the hooks' bound arguments. With Python's default first threshold
 (700 more allocations than frees) they set off a young collection every couple of hundred
 records, and every tenth of those a middle one over what the earlier ones kept: on the project's
 GPT at level api, 56 young and 5 middle collections over 20 captured steps, 0.7 ms a step of
@@ -9,10 +9,12 @@ the training thread's time (1 ms on a busy machine), against 1-3 collections in 
 threshold of 5,000. The records form no cycles (reference counts free them at the step's end);
 only cyclic garbage the program's own step makes waits a few thousand allocations longer.
 
-``relax()`` (at ``start()``) raises the first threshold to CAPTURE_THRESHOLD, ``restore()``
-(at ``stop()``) puts back what it found, unless the program set other thresholds in between
-(then those stay). A threshold already at least as high, or 0 (automatic collection off),
-is left alone.
+``relax()`` (at a captured ``start()``) raises the first threshold to CAPTURE_THRESHOLD;
+``restore()`` (at the end of ``step()``, and at ``close()``) puts back what it found, unless the
+program set other thresholds in between (then those stay). Not at ``stop()``: the step's records
+are still alive there, and the first allocation after a lower threshold would collect them
+all once more (0.3-0.5 ms a GPT step). A threshold already at least as high, or 0 (automatic
+collection off), is left alone.
 """
 
 from __future__ import annotations

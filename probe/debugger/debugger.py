@@ -52,8 +52,8 @@ from probe import command_config, compat
 from probe.compat import version_gaps
 from probe import config as config_module
 from probe.capture import (ApiCaptureMode, Gate, ModuleHooks, Recorder, RegionTaps, RelaxedCollector,
-                           activate_graph_taps, deactivate_graph_taps, region_targets,
-                           WriteWatchMode, device_path_on_cpu, user_modules)
+                           activate_graph_taps, deactivate_graph_taps, region_targets, WriteWatchMode,
+                           device_path_on_cpu, user_modules)
 from probe.dump import run_folder
 from probe.dump.schema import COLUMN_NAMES
 from probe.errors import CaptureError, DumpError, ProbeError
@@ -97,7 +97,7 @@ class PrecisionDebugger:
         self._hooks: ModuleHooks | None = None
         #: a plain torch.compile's regions run through graph taps while started (api, mix)
         self._region_taps = RegionTaps()
-        self._collector = RelaxedCollector()  # fewer garbage collections while started
+        self._collector = RelaxedCollector()  # fewer garbage collections in a captured step
         # opens each captured step and finishes its file (debugger/step_files.py); the rank's lock
         # is taken by the first selected start()
         self._files = StepFiles(cfg, self.run_id, self.seed_report.to_dict(), self._results)
@@ -106,8 +106,7 @@ class PrecisionDebugger:
         self._nonfinite_stop: ProbeError | None = None  # stop_on_nonfinite: raised by step()
         # random_on_cpu: between start() and stop(); for the whole run when `probe run`
         # handed the config down (pushed here, under every later mode, never popped)
-        self._random = None
-        self._random_whole_run = None
+        self._random = self._random_whole_run = None
         self._rank: int | None = None  # set by a trainer integration (its process index)
         self._divergence_stop: ProbeError | None = None  # stop_on_divergence: raised by step()
         #: "fingerprint": true: every optimizer step's fingerprint (probe/fingerprint/session.py)
@@ -262,6 +261,7 @@ class PrecisionDebugger:
             self._finish_step(verdict)
         finally:
             self.current_step += 1
+            self._collector.restore()  # the step's records are handed over and freed
         stop, self._nonfinite_stop = self._nonfinite_stop, None
         if stop is None:
             stop, self._divergence_stop = self._divergence_stop, None
@@ -309,6 +309,7 @@ class PrecisionDebugger:
                 self._results.deliver(block=True)
             finally:
                 self._files.release_lock()
+                self._collector.restore()
                 if self.fingerprints is not None:
                     self.fingerprints.close()
 
@@ -422,7 +423,6 @@ class PrecisionDebugger:
             hooks.remove()
         self._region_taps.remove()
         deactivate_graph_taps()
-        self._collector.restore()
         return problem
 
     def __repr__(self) -> str:

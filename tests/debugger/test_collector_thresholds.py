@@ -27,7 +27,7 @@ def _model_seeing_thresholds(seen: list):
 
 
 @pytest.mark.parametrize("level", ["api", "module", "mix"])
-def test_a_captured_step_collects_less_often_and_stop_puts_the_thresholds_back(tmp_path, level):
+def test_a_captured_step_collects_less_often_and_step_puts_the_thresholds_back(tmp_path, level):
     gc.set_threshold(700, 10, 10)
     seen = []
     model = _model_seeing_thresholds(seen)
@@ -40,7 +40,25 @@ def test_a_captured_step_collects_less_often_and_stop_puts_the_thresholds_back(t
     assert gc.get_threshold() == (700, 10, 10)
 
 
-def test_thresholds_the_program_sets_during_a_capture_stay_after_stop(tmp_path):
+def test_the_higher_threshold_holds_until_step_hands_the_records_over_or_close(tmp_path):
+    gc.set_threshold(700, 10, 10)
+    model = _model_seeing_thresholds([])
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    debugger.start(model)
+    model(torch.randn(3, 4))
+    debugger.stop()
+    between = gc.get_threshold()
+    debugger.step()
+    after_step = gc.get_threshold()
+    debugger.start(model)
+    model(torch.randn(3, 4))
+    debugger.stop()
+    debugger.close()  # the open step's file is written here
+    assert (between, after_step, gc.get_threshold()) == ((CAPTURE_THRESHOLD, 10, 10), (700, 10, 10),
+                                                         (700, 10, 10))
+
+
+def test_thresholds_the_program_sets_during_a_capture_stay_after_it(tmp_path):
     gc.set_threshold(700, 10, 10)
     model = _model_seeing_thresholds([])
     debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
