@@ -51,6 +51,8 @@ Columns:
                the device computes the numbers (the host path's own arithmetic is in us/record)
   fixed ms     of captured ms, the time in start(), stop() and step(): hooks installed and
                removed, the rows built, the step file handed over (paid once a step)
+  gc ms        of captured ms, the time in Python's garbage collections (gc.callbacks): what the
+               objects the capture keeps during the step set off (probe/capture/collector.py)
   in-step us/record   (captured - fixed - plain) / records: what the records cost while the
                step runs (their share of the numbers too, on the device path)
   launches     device path: torch ops of the captured step that launch a kernel on a GPU,
@@ -109,6 +111,15 @@ DEFAULTS = {"cpu": {"models": "gpt,gpt2s-t16", "paths": ",".join(PATHS)},
             "cuda": {"models": "gpt,gpt2s", "paths": "device,records"}}
 
 _NUMBERS = [0.0]  # thread CPU seconds inside the device bucket's flushes during this step
+_COLLECTING = [0.0, 0.0]  # thread CPU seconds in garbage collections during this step; the last start
+
+
+def _time_collection(phase: str, info: dict) -> None:
+    """A gc.callbacks entry: adds each garbage collection's time to _COLLECTING[0]."""
+    if phase == "start":
+        _COLLECTING[1] = time.thread_time()
+    else:
+        _COLLECTING[0] += time.thread_time() - _COLLECTING[1]
 
 
 def _time_bucket() -> None:
@@ -166,6 +177,7 @@ class FloorVariant:
         from bench.capture_floor import floor_capture
 
         self._sync()
+        _COLLECTING[0] = 0.0
         clock = time.thread_time
         began = clock()
         with floor_capture(self._model, self.level) as records:
@@ -208,7 +220,7 @@ class Variant:
     def run(self) -> tuple[float, float, float]:
         """One step: (thread CPU seconds, of which inside the device bucket, of which in
         start(), stop() and step())."""
-        _NUMBERS[0] = 0.0
+        _NUMBERS[0] = _COLLECTING[0] = 0.0
         clock = time.thread_time
         sync = self._sync
         sync()
@@ -289,6 +301,7 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
     times = {variant.name: [] for variant in variants}
     numbers = {variant.name: [] for variant in variants}
     fixed = {variant.name: [] for variant in variants}
+    collecting = {variant.name: [] for variant in variants}
     order = random.Random(0)
     block = 3
     for _ in range(-(-repeats // (block - 1))):
@@ -302,6 +315,7 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
                 times[variant.name].append(spent)
                 numbers[variant.name].append(inside)
                 fixed[variant.name].append(once)
+                collecting[variant.name].append(_COLLECTING[0])
             variant.tidy()
     plain = statistics.median(times["plain"])
     rows = []
@@ -316,6 +330,7 @@ def bench_model(key: str, levels, paths, repeats: int, dump_root: str, writer: s
                      "us_per_record": (captured - plain) * 1e6 / records,
                      "host_us_per_record": (captured - plain - inside) * 1e6 / records,
                      "fixed_ms": once * 1e3,
+                     "gc_ms": statistics.median(collecting[variant.name]) * 1e3,
                      "in_step_us_per_record": (captured - once - plain) * 1e6 / records,
                      "repeats": len(times[variant.name])})
     for variant in variants:
@@ -362,7 +377,8 @@ COLUMNS = [("model", "{}", "model"), ("level", "{}", "level"), ("path", "{}", "p
            ("records", "{}", "records"), ("plain ms", "{:.1f}", "plain_ms"),
            ("captured ms", "{:.1f}", "captured_ms"), ("us/record", "{:.1f}", "us_per_record"),
            ("numbers ms", "{:.1f}", "numbers_ms"), ("host us/record", "{:.1f}", "host_us_per_record"),
-           ("fixed ms", "{:.1f}", "fixed_ms"), ("in-step us/record", "{:.1f}", "in_step_us_per_record")]
+           ("fixed ms", "{:.1f}", "fixed_ms"), ("gc ms", "{:.2f}", "gc_ms"),
+           ("in-step us/record", "{:.1f}", "in_step_us_per_record")]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -425,6 +441,7 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(1)
     _time_bucket()
+    gc.callbacks.append(_time_collection)
     dump_root = tempfile.mkdtemp(prefix="probe-record-cost-")
     rows = []
     try:
@@ -433,6 +450,7 @@ def main(argv=None) -> int:
             rows += bench_model(key, levels, paths, args.repeats, dump_root, args.writer, args.device,
                                 args.floor)
     finally:
+        gc.callbacks.remove(_time_collection)
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if args.json:

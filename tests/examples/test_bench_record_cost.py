@@ -35,6 +35,8 @@ def test_record_cost_prints_microseconds_per_record_for_every_path():
         # start(), stop() and step() take some of the captured step, never all of it
         assert 0 < row["fixed_ms"] < row["captured_ms"]
         assert row["in_step_us_per_record"] == row["in_step_us_per_record"]
+        # the garbage collections inside the timed step, a part of it
+        assert 0 <= row["gc_ms"] < row["captured_ms"]
         # only the device path computes numbers in the bucket's flushes
         level = row["level"]
         assert numbers[level, "device"] > numbers[level, "records"]
