@@ -7,6 +7,7 @@
     python bench/record_cost.py --models gpt --levels api --paths records --floor   # beside the floor
     python bench/record_cost.py --device cuda --paths device,records   # on a GPU
     python bench/record_cost.py --models llama,litgpt --paths records --floor   # real libraries
+    python bench/record_cost.py --paths records --gc-threshold 700   # Python's default threshold
 
 One training step = forward + cross-entropy + backward + SGD step (examples.models.train_step),
 one torch thread. A captured step is start(model), the step, stop(), step(): the records, their
@@ -411,6 +412,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
     parser.add_argument("--floor", action="store_true",
                         help="add a row per model and level for bench/capture_floor.py: the least a "
                              "capture in Python pays per record")
+    parser.add_argument("--gc-threshold", type=int, default=None,
+                        help="the garbage collector's first threshold while a step is captured "
+                             "(default: probe's, probe.capture.collector.CAPTURE_THRESHOLD; 700 is "
+                             "Python's own: what the collector costs without probe's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     chosen = DEFAULTS[args.device]
@@ -423,6 +428,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
             parser.error(f"unknown {what}(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.gc_threshold is not None and args.gc_threshold < 1:
+        parser.error("--gc-threshold must be at least 1")
     import importlib.util
 
     missing = [f"{m} needs {LIBRARIES[m]} (pip install {LIBRARIES[m]})" for m in models
@@ -441,6 +448,11 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(1)
     _time_bucket()
+    from probe.capture import collector
+
+    chosen_threshold = collector.CAPTURE_THRESHOLD
+    if args.gc_threshold is not None:
+        collector.CAPTURE_THRESHOLD = args.gc_threshold
     gc.callbacks.append(_time_collection)
     dump_root = tempfile.mkdtemp(prefix="probe-record-cost-")
     rows = []
@@ -451,16 +463,19 @@ def main(argv=None) -> int:
                                 args.floor)
     finally:
         gc.callbacks.remove(_time_collection)
+        collector.CAPTURE_THRESHOLD = chosen_threshold
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if args.json:
         print(json.dumps({"torch": torch.__version__, "threads": 1, "load_average": load,
-                          "device": args.device, "rows": rows}, indent=2))
+                          "device": args.device, "gc_threshold": args.gc_threshold or chosen_threshold,
+                          "rows": rows}, indent=2))
     else:
         print(format_table(rows))
         print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), thread CPU time, median of "
               f"{args.repeats}+ interleaved steps per variant, 1-minute load average at the end {load:.2f}, "
-              f"device {args.device}")
+              f"device {args.device}, garbage collector's first threshold while captured "
+              f"{args.gc_threshold or chosen_threshold}")
     return 0
 
 

@@ -13,7 +13,11 @@ from tests.torch_versions import transformers_or_skip
 
 
 def _rows(*arguments) -> list[dict]:
-    """record_cost.py's JSON rows for the tiny GPT, one timed step a variant (torch's thread
+    return _report(*arguments)["rows"]
+
+
+def _report(*arguments) -> dict:
+    """record_cost.py's JSON for the tiny GPT, one timed step a variant (torch's thread
     count, which the script sets to 1, restored after)."""
     out = io.StringIO()
     threads = torch.get_num_threads()
@@ -23,7 +27,7 @@ def _rows(*arguments) -> list[dict]:
                                      "--json"]) == 0
     finally:
         torch.set_num_threads(threads)
-    return json.loads(out.getvalue())["rows"]
+    return json.loads(out.getvalue())
 
 
 def test_record_cost_prints_microseconds_per_record_for_every_path():
@@ -40,6 +44,18 @@ def test_record_cost_prints_microseconds_per_record_for_every_path():
         # only the device path computes numbers in the bucket's flushes
         level = row["level"]
         assert numbers[level, "device"] > numbers[level, "records"]
+
+
+def test_gc_threshold_times_the_capture_under_another_threshold_and_puts_probes_back():
+    """--gc-threshold 700 measures the capture with Python's own first threshold (what the
+    garbage collector costs without capture/collector.py); the run leaves probe's in place."""
+    from probe.capture import collector
+
+    chosen = collector.CAPTURE_THRESHOLD
+    report = _report("--levels", "api", "--paths", "records", "--gc-threshold", "700")
+    assert report["gc_threshold"] == 700 and report["rows"][0]["gc_ms"] >= 0
+    assert collector.CAPTURE_THRESHOLD == chosen
+    assert _report("--levels", "api", "--paths", "records")["gc_threshold"] == chosen
 
 
 def test_the_floor_rows_count_every_levels_tensors_and_gradients():
