@@ -194,7 +194,6 @@ class PrecisionDebugger:
             self._warn_if_scope_selects_nothing()
             recorder = self._recorder or self._open_step()
             recorder.active = True
-            self._collector.relax()
             level = self.config.level
             gate = Gate()
             targets = None  # the model's modules (compiled_regions.targets), when it has one
@@ -225,6 +224,7 @@ class PrecisionDebugger:
             self._uninstall()
             self._started = False
             raise
+        self._collector.relax()  # after a start() that failed, the thresholds are as they were
         recorder.busy_s += time.perf_counter() - began
 
     def start_inside_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict):

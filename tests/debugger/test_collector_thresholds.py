@@ -106,3 +106,17 @@ def test_a_step_the_config_does_not_select_leaves_the_thresholds_alone(tmp_path)
         model(torch.randn(3, 4))
     debugger.close()
     assert seen == [(700, 10, 10)]
+
+
+class _BrokenBuffers(nn.Linear):
+    def named_buffers(self, *args, **kwargs):
+        raise RuntimeError("no buffers today")
+
+
+def test_a_start_that_fails_leaves_the_thresholds_as_they_were(tmp_path):
+    gc.set_threshold(700, 10, 10)
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    with pytest.raises(RuntimeError, match="no buffers today"):
+        debugger.start(_BrokenBuffers(4, 4))
+    assert not debugger.started and gc.get_threshold() == (700, 10, 10)
+    debugger.close()
