@@ -6,8 +6,9 @@ over: the record, its tensor's cache entry, the hooks' bound arguments. With Pyt
 records, and every tenth of those a middle one over what the earlier ones kept: on the project's
 GPT at level api, 56 young and 5 middle collections over 20 captured steps, 0.7 ms a step of
 the training thread's time (1 ms on a busy machine), against 1-3 collections in all with a
-threshold of 5,000. The records form no cycles (reference counts free them at the step's end);
-only cyclic garbage the program's own step makes waits a few thousand allocations longer.
+threshold of 5,000. A captured step leaves no reference cycle of probe's (reference counts free
+what it made once the step is handed over); only cyclic garbage the program's own step makes
+waits a few thousand allocations longer.
 
 ``relax()`` (at a captured ``start()``) raises the first threshold to CAPTURE_THRESHOLD;
 ``restore()`` (at the end of ``step()``, and at ``close()``) puts back what it found, unless the

@@ -93,6 +93,9 @@ def targets(model: torch.nn.Module) -> list[Target]:
                 visit(child, f"{path}.{name}" if path else name, inside, None)
 
     visit(model, "", False, None)
+    # visit refers to itself through its closure: emptying that cell frees it now, not at the
+    # garbage collector's next pass (with what it holds)
+    del visit
     return found
 
 
