@@ -413,9 +413,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], list[str], lis
                         help="add a row per model and level for bench/capture_floor.py: the least a "
                              "capture in Python pays per record")
     parser.add_argument("--gc-threshold", type=int, default=None,
-                        help="the garbage collector's first threshold while a step is captured "
-                             "(default: probe's, probe.capture.collector.CAPTURE_THRESHOLD; 700 is "
-                             "Python's own: what the collector costs without probe's)")
+                        help="the garbage collector's first threshold while a step is captured, "
+                             "at every step (default: probe's, which grows with the previous "
+                             "step's calls: probe/capture/collector.py; 700 is Python's own: what "
+                             "the collector costs without probe's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     chosen = DEFAULTS[args.device]
@@ -450,9 +451,9 @@ def main(argv=None) -> int:
     _time_bucket()
     from probe.capture import collector
 
-    chosen_threshold = collector.CAPTURE_THRESHOLD
-    if args.gc_threshold is not None:
-        collector.CAPTURE_THRESHOLD = args.gc_threshold
+    chosen_threshold, per_call = collector.CAPTURE_THRESHOLD, collector.PER_CALL
+    if args.gc_threshold is not None:  # this threshold at every step, however many calls
+        collector.CAPTURE_THRESHOLD, collector.PER_CALL = args.gc_threshold, 0
     gc.callbacks.append(_time_collection)
     dump_root = tempfile.mkdtemp(prefix="probe-record-cost-")
     rows = []
@@ -463,19 +464,20 @@ def main(argv=None) -> int:
                                 args.floor)
     finally:
         gc.callbacks.remove(_time_collection)
-        collector.CAPTURE_THRESHOLD = chosen_threshold
+        collector.CAPTURE_THRESHOLD, collector.PER_CALL = chosen_threshold, per_call
         shutil.rmtree(dump_root, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    threshold = args.gc_threshold or "probe's (it grows with the previous step's calls)"
     if args.json:
         print(json.dumps({"torch": torch.__version__, "threads": 1, "load_average": load,
-                          "device": args.device, "gc_threshold": args.gc_threshold or chosen_threshold,
+                          "device": args.device, "gc_threshold": args.gc_threshold,
                           "rows": rows}, indent=2))
     else:
         print(format_table(rows))
         print(f"\ntorch {torch.__version__}, 1 thread, SGD(lr=0.01), thread CPU time, median of "
               f"{args.repeats}+ interleaved steps per variant, 1-minute load average at the end {load:.2f}, "
               f"device {args.device}, garbage collector's first threshold while captured "
-              f"{args.gc_threshold or chosen_threshold}")
+              f"{threshold}")
     return 0
 
 

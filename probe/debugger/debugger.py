@@ -261,7 +261,7 @@ class PrecisionDebugger:
             self._finish_step(verdict)
         finally:
             self.current_step += 1
-            self._collector.restore()  # the step's records are handed over and freed
+            self._collector.restore(self.last_step_calls)  # the step's records are handed over
         stop, self._nonfinite_stop = self._nonfinite_stop, None
         if stop is None:
             stop, self._divergence_stop = self._divergence_stop, None

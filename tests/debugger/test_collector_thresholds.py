@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from probe.capture.collector import CAPTURE_THRESHOLD
+from probe.capture.collector import CAPTURE_THRESHOLD, PER_CALL, THRESHOLD_CAP, RelaxedCollector
 from probe.config import Config
 from probe.debugger.debugger import PrecisionDebugger
 
@@ -57,6 +57,48 @@ def test_the_higher_threshold_holds_until_step_hands_the_records_over_or_close(t
     debugger.close()  # the open step's file is written here
     assert (between, after_step, gc.get_threshold()) == ((CAPTURE_THRESHOLD, 10, 10), (700, 10, 10),
                                                          (700, 10, 10))
+
+
+class _Chain(nn.Module):
+    """A step of many calls: 3 API calls per link."""
+
+    def __init__(self, links: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.links = links
+
+    def forward(self, x):
+        for _ in range(self.links):
+            x = torch.tanh(x @ self.weight) * 0.5
+        return x.sum()
+
+
+def test_the_next_steps_threshold_grows_with_the_calls_a_captured_step_made(tmp_path):
+    gc.set_threshold(700, 10, 10)
+    seen = []
+    model = _Chain(links=200)
+    model.register_forward_hook(lambda module, args, output: seen.append(gc.get_threshold()[0]))
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    for _ in range(2):
+        with debugger.capture(model):
+            model(torch.randn(2, 4)).backward()
+    debugger.close()
+    calls = debugger.last_step_calls
+    assert calls >= 600 and PER_CALL * calls > CAPTURE_THRESHOLD
+    assert seen == [CAPTURE_THRESHOLD, PER_CALL * calls]
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_the_threshold_a_step_of_any_size_gets_is_capped():
+    gc.set_threshold(700, 10, 10)
+    collector = RelaxedCollector()
+    collector.restore(calls=10**9)  # as after a step of a billion calls
+    collector.relax()
+    try:
+        assert gc.get_threshold() == (THRESHOLD_CAP, 10, 10)
+    finally:
+        collector.restore()
+    assert gc.get_threshold() == (700, 10, 10)
 
 
 def test_thresholds_the_program_sets_during_a_capture_stay_after_it(tmp_path):

@@ -51,11 +51,11 @@ def test_gc_threshold_times_the_capture_under_another_threshold_and_puts_probes_
     garbage collector costs without capture/collector.py); the run leaves probe's in place."""
     from probe.capture import collector
 
-    chosen = collector.CAPTURE_THRESHOLD
+    chosen = (collector.CAPTURE_THRESHOLD, collector.PER_CALL)
     report = _report("--levels", "api", "--paths", "records", "--gc-threshold", "700")
     assert report["gc_threshold"] == 700 and report["rows"][0]["gc_ms"] >= 0
-    assert collector.CAPTURE_THRESHOLD == chosen
-    assert _report("--levels", "api", "--paths", "records")["gc_threshold"] == chosen
+    assert (collector.CAPTURE_THRESHOLD, collector.PER_CALL) == chosen
+    assert _report("--levels", "api", "--paths", "records")["gc_threshold"] is None  # probe's own
 
 
 def test_the_floor_rows_count_every_levels_tensors_and_gradients():
