@@ -47,8 +47,9 @@ from probe.capture.compiled.graph_taps import deactivate as deactivate_graph_tap
 from probe.capture.compiled.region_taps import RegionTaps
 
 __all__ = [
-    "Recorder", "RelaxedCollector", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules", "activate_graph_taps",
-    "deactivate_graph_taps", "compile", "CaptureFilter", "HostBatch", "SourceLocator", "flatten",
+    "Recorder", "RelaxedCollector", "ApiCaptureMode", "ModuleHooks", "Gate", "user_modules",
+    "activate_graph_taps", "deactivate_graph_taps", "compile", "CaptureFilter", "HostBatch",
+    "SourceLocator", "flatten",
     "bound_values", "DeviceBucket", "WriteWatchMode", "device_path_on_cpu", "RegionTaps",
     "region_targets", "numbers_of", "resolve_device_stats", "SKETCH_SIZE", "dtype_name", "unwrap", "autocast_dtype",
 ]

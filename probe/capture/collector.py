@@ -1,11 +1,11 @@
 """While a step is captured, Python's garbage collector looks at its youngest objects less often.
 
 A captured step keeps a few container objects per record alive until ``step()`` hands its file
-over: the record, its tensor's cache entry, the hooks' bound arguments. With Python's default first threshold
-(700 more allocations than frees) they set off a young collection every couple of hundred
-records, and every tenth of those a middle one over what the earlier ones kept: on the project's
-GPT at level api, 56 young and 5 middle collections over 20 captured steps, 0.7 ms a step of
-the training thread's time (1 ms on a busy machine), against 1-3 collections in all with a
+over: the record, its tensor's cache entry, the hooks' bound arguments. With Python's default
+first threshold (700 more allocations than frees) they set off a young collection every couple
+of hundred records, and every tenth of those a middle one over what the earlier ones kept: on
+the project's GPT at level api, 56 young and 5 middle collections over 20 captured steps,
+0.5-0.7 ms a step of the training thread's time, against 1-3 collections in all with a
 threshold of 5,000. A captured step leaves no reference cycle of probe's (reference counts free
 what it made once the step is handed over); only cyclic garbage the program's own step makes
 waits a few thousand allocations longer.
