@@ -62,6 +62,25 @@ def transformers_or_skip():
     return transformers
 
 
+def litgpt_or_skip():
+    """litgpt, or a skip that says why it is missing. ``make setup`` installs it only with torch
+    >= 2.7: below that pip finds an old litgpt that downgrades numpy and lightning (Makefile,
+    litgpt-into-venv)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("litgpt") is None:
+        below = VERSION < (2, 7)
+        why = (f"torch {torch.__version__}: make setup installs litgpt only with torch >= 2.7 (an older "
+               "litgpt would downgrade numpy and lightning)" if below else
+               "litgpt is not installed (make setup installs it; or pip install litgpt)")
+        pytest.skip(why)
+    import litgpt
+
+    return litgpt
+
+
 def sharding_or_skip():
     """Skip (with the reason) where this torch cannot run the sharded tests: no
     torch.distributed, no FSDP2 fully_shard (torch.distributed.fsdp from 2.6,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from neutral_training import CAPTURES, Trace, debuggers, moved
+from tests.torch_versions import litgpt_or_skip
 
 LABELS = [f"{level} {task}" for level, task in CAPTURES]
 DTYPES = pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
@@ -79,7 +80,7 @@ def test_a_transformers_llama_trains_bit_identically_under_every_capture(tmp_pat
 
 @DTYPES
 def test_a_litgpt_gpt_trains_bit_identically_under_every_capture(tmp_path, bf16):
-    litgpt = pytest.importorskip("litgpt", reason="pip install litgpt (torch >= 2.7)")
+    litgpt = litgpt_or_skip()
 
     def build():
         return litgpt.GPT(litgpt.Config(

@@ -27,6 +27,16 @@ def _model_seeing_thresholds(seen: list):
     return model
 
 
+def _started_after_one_forward(tmp_path):
+    """(debugger, model): Python's default thresholds, then start() and one forward."""
+    gc.set_threshold(700, 10, 10)
+    model = _model_seeing_thresholds([])
+    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
+    debugger.start(model)
+    model(torch.randn(3, 4))
+    return debugger, model
+
+
 @pytest.mark.parametrize("level", ["api", "module", "mix"])
 def test_a_captured_step_collects_less_often_and_step_puts_the_thresholds_back(tmp_path, level):
     gc.set_threshold(700, 10, 10)
@@ -42,11 +52,7 @@ def test_a_captured_step_collects_less_often_and_step_puts_the_thresholds_back(t
 
 
 def test_the_higher_threshold_holds_until_step_hands_the_records_over_or_close(tmp_path):
-    gc.set_threshold(700, 10, 10)
-    model = _model_seeing_thresholds([])
-    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
-    debugger.start(model)
-    model(torch.randn(3, 4))
+    debugger, model = _started_after_one_forward(tmp_path)
     debugger.stop()
     between = gc.get_threshold()
     debugger.step()
@@ -102,11 +108,7 @@ def test_the_threshold_a_step_of_any_size_gets_is_capped():
 
 
 def test_thresholds_the_program_sets_during_a_capture_stay_after_it(tmp_path):
-    gc.set_threshold(700, 10, 10)
-    model = _model_seeing_thresholds([])
-    debugger = PrecisionDebugger(Config(dump_path=str(tmp_path)))
-    debugger.start(model)
-    model(torch.randn(3, 4))
+    debugger, model = _started_after_one_forward(tmp_path)
     gc.set_threshold(1234, 5, 5)
     debugger.stop()
     debugger.step()

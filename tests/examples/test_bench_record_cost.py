@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import building_blocks, record_cost
-from tests.torch_versions import transformers_or_skip
+from tests.torch_versions import litgpt_or_skip, transformers_or_skip
 
 
 def _rows(*arguments) -> list[dict]:
@@ -79,7 +79,7 @@ def test_a_real_librarys_workload_trains_its_model_one_step(key):
     if key == "llama":
         transformers_or_skip()  # the suite's one reason for each torch where transformers cannot run
     else:
-        pytest.importorskip("litgpt", reason="pip install litgpt (torch >= 2.7)")
+        litgpt_or_skip()
     _, sizes, batch = record_cost.MODELS[key]
     torch.manual_seed(0)
     model, train = record_cost._library_workload(key, sizes, batch, "cpu")
