@@ -19,7 +19,7 @@ from collections import defaultdict
 from probe.comparison.ops import is_fused, op_name
 from probe.comparison.records import (
     Call, CallPair, Records,
-    FOREACH, FUSED, parameter_blocks, parameter_major, tensor_print,
+    FOREACH, FUSED, parameter_blocks, parameter_major,
 )
 
 
@@ -158,14 +158,14 @@ def _fused_pair(element: Call, body: list[Call], records_f: Records, records_o: 
     used = {last.slots["output.0"]}
     # what the body reads from outside itself (the parameter, its gradient, the optimizer
     # state), each tensor at its first read; reads of what the body itself wrote are not
-    written, reads = set(), []
+    written, reads, prints = set(), [], records_o.prints()
     for call in body:
         for slot, row in sorted(call.slots.items(), key=lambda item: item[1]):
-            mark = tensor_print(cols_o, row)
+            mark = prints[row]
             if cols_o["io"][row] == "in" and cols_o["dtype"][row] != "" and mark not in written:
                 reads.append(row)
                 written.add(mark)  # a later read of the same tensor is not a new one
-        written |= {tensor_print(cols_o, row) for row in call.slots.values() if cols_o["io"][row] == "out"}
+        written |= {prints[row] for row in call.slots.values() if cols_o["io"][row] == "out"}
     wanted = [(slot, row) for slot, row in element.slots.items()
               if cols_f["io"][row] == "in" and cols_f["dtype"][row] != "" and slot not in element.shared]
     # one read per input, the closest by statistics first (a parameter, its gradient and the

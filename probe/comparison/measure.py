@@ -39,7 +39,7 @@ from probe.comparison.metrics import (
     Metrics, Prefetcher, limit_masked, parse_value, statistics_metrics, tensor_metrics, value_metrics,
 )
 from probe.comparison.records import (
-    Call, Records, is_param_slot, param_name, parse_shape, row_facts, unknown_statistics,
+    Call, Records, is_param_slot, number_keys, param_name, parse_shape, row_facts, unknown_statistics,
 )
 from probe.comparison.sketch import raw_errors, refine as refine_with_sketch, statistics_columns
 from probe.comparison.structs import (
@@ -421,6 +421,7 @@ def _same_shape(text_a: str, text_b: str) -> bool:
 
 
 STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "checksum", "dtype")
+_FLOATS = frozenset(STAT_COLUMNS[:4])
 
 
 class Provenance:
@@ -433,7 +434,8 @@ class Provenance:
         self._cols = cols
         self._keys = keys  # row_facts' content keys
         # every record's identity: its tensor_id when stored, else its checksum and statistics
-        statistics = zip(*(map(repr, cols[name]) for name in STAT_COLUMNS), cols["shape"])
+        statistics = zip(*(number_keys(cols[name]) if name in _FLOATS else cols[name] for name in STAT_COLUMNS),
+                         cols["shape"])
         self._prints = [[("id", tensor_id)] if tensor_id >= 0 else [] if empty else [("stats", values)]
                         for tensor_id, empty, values in zip(cols["tensor_id"], unknown_statistics(records), statistics)]
         self.produced: dict = {}  # fingerprint -> (order, row) of its earliest output record

@@ -88,7 +88,6 @@ from probe.comparison.ops import REDUCE_SCATTER, is_foreach, op_name
 from probe.comparison.records import (
     Call, NameMapping,
     LOCAL_GRAD, Records, build_calls, is_param_slot, module_within, parameter_blocks,
-    tensor_print,
 )
 from probe.comparison.structs import NormalizedStep, Side
 from probe.dump.schema import make_key
@@ -267,18 +266,19 @@ def name_targets(calls: list[Call], records: Records) -> None:
         return
     start = min(backward)
     names = _parameter_prints(records)
+    prints = records.prints(one_element=True)
     made: dict = defaultdict(set)  # fingerprint -> names of the optimizer calls that wrote it
     region = [c for c in calls if c.phase == "forward" and c.seq > start and c.kind == "api" and c.module == ""]
     decisive: dict[int, str] = {}  # id(call) -> name, for calls a parameter's value or gradient names
     for call in region:
-        found, direct = _linked(call, records, names, made)
+        found, direct = _linked(call, cols, prints, names, made)
         if len(found) == 1:
             call.target = next(iter(found))
             if direct:
                 decisive[id(call)] = call.target
             for slot, row in call.slots.items():
                 if cols["io"][row] == "out" or slot == "input.0":
-                    mark = _param_print(cols, row)
+                    mark = prints[row]
                     if mark is not None:
                         made[mark].add(call.target)
     _vote_in_bodies([c for c in region if c.element < 0], records, decisive)
@@ -291,14 +291,15 @@ def name_targets(calls: list[Call], records: Records) -> None:
             call.target = following
 
 
-def _linked(call: Call, records: Records, names: dict, made: dict) -> set:
+def _linked(call: Call, cols: dict, prints: list, names: dict, made: dict) -> set:
     """The parameters a call's tensors tie it to: a tensor that is one parameter's value or
     gradient decides; else one written by an optimizer call named before; else what every
-    linked tensor agrees on (all-zero state of equal shape matches many parameters)."""
-    cols = records.columns
+    linked tensor agrees on (all-zero state of equal shape matches many parameters). prints:
+    Records.prints(one_element=True) (a [1] bias, a value head's, is a parameter as much as a
+    matrix is)."""
     direct, produced = [], []
     for row in call.slots.values():
-        mark = _param_print(cols, row)
+        mark = prints[row]
         if mark is None:
             continue
         if names.get(mark):
@@ -371,20 +372,15 @@ def _share_in_blocks(region: list[Call]) -> None:
                 call.target = call.target or next(iter(named))
 
 
-def _param_print(cols: dict, row: int):
-    """tensor_print, a one-element tensor with a dimension included: a [1] bias (a value
-    head's) is a parameter as much as a matrix is."""
-    return tensor_print(cols, row, one_element=True)
-
-
 def _parameter_prints(records: Records) -> dict:
     """fingerprint -> names of the parameters whose value or gradient it is."""
     cols = records.columns
+    prints = records.prints(one_element=True)
     names: dict = defaultdict(set)
     for row, slot in enumerate(cols["slot"]):
         if not (is_param_slot(slot) or slot.startswith("param_grad.")):
             continue
-        mark = _param_print(cols, row)
+        mark = prints[row]
         if mark is None:
             continue
         name = slot.split(".", 1)[1]
