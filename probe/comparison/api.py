@@ -251,9 +251,9 @@ def summarize_unit(outcomes, positions, infos, strict: bool, previous: dict, bud
 
 def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict: bool, previous: dict) -> None:
     rows = outcome.rows
-    counts = outcome.counts()
-    info["counts"] = counts
+    info["counts"] = counts = outcome.counts()
     diverged = [row for row in rows if row.status == R.DIVERGED]
+    settled = settled_copies(diverged)  # as drift within rounding would restate them
     introduced, carried = drift_facts(rows, sizes := previous.get(outcome.rank))
     previous[outcome.rank] = update_sizes(rows, sizes)
     parted = DATA_PARTED in previous[outcome.rank]  # what follows from parted data has no envelope
@@ -261,7 +261,7 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     lonely = [row for row in rows if row.status in (R.ONLY_A, R.ONLY_B)]
     facts = FileFacts(
         position=position, info=info, diverged=len(diverged), differs=(differs := differs_at_rounding(rows)),
-        differs_settled=differs or differs_at_rounding(settled_copies(diverged)),
+        differs_settled=differs or differs_at_rounding(settled),
         introduced=introduced, carried=carried, within=not diverged or within_envelopes(diverged) or (parted and carried),
         fails=unpaired_fails(counts, strict), story=story_rows(rows) if diverged else None,
         entering=entering, lonely=min(lonely, key=lambda row: row.order) if lonely else None,
@@ -288,25 +288,25 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
             partial.changes.add(row, (info["step"], info["rank"], row.order, position, number), position)
     partial.divergent = sorted(partial.divergent + [((position, number), row) for number, row in enumerate(rows)
                                                      if row.status == R.DIVERGED])[:MAX_DIVERGENT]
-    fold_outcome(partial, outcome, position, diverged, entering)
+    fold_outcome(partial, outcome, position, zip(diverged, settled), entering)
     partial.keep(KeptFile.of(position, bool(diverged), outcome))
     partial.prune()
 
 
-def fold_outcome(partial, outcome, position: int, diverged: list, entering) -> None:
+def fold_outcome(partial, outcome, position: int, diverged, entering) -> None:
     """The outcome's rows and call summaries into the tallies: what no rule over every step
-    file can change into ``common``; the divergent rows, the row where a low-precision error
-    may have entered and their calls as each mode leaves them."""
-    touched = {id(row) for row in diverged}
-    pending = entering is not None and entering.status != R.DIVERGED
-    if pending:
-        touched.add(id(entering))
-    variants = {JUDGED: {}, DRIFTED: {}, SETTLED: {}}
-    for row in diverged:
-        variants[SETTLED][id(row)] = settled_copies([row])[0]
+    file can change into ``common``; the divergent rows (diverged: each with its settled copy), the
+    row where a low-precision error may have entered and their calls as each mode leaves them."""
+    variants, touched = {JUDGED: {}, DRIFTED: {}, SETTLED: {}}, set()
+    for row, settled in diverged:
+        touched.add(id(row))
+        variants[SETTLED][id(row)] = settled
         if row.origin == R.INTRODUCED:
             variants[DRIFTED][id(row)] = twin = restated(row)
             apply_drift(None, [twin])
+    pending = entering is not None and entering.status != R.DIVERGED
+    if pending:
+        touched.add(id(entering))
     for number, row in enumerate(outcome.rows):
         ordinal = (position, number)
         if id(row) not in touched:

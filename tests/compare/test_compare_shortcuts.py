@@ -1,5 +1,7 @@
-"""A tensor's print (its identity within one step file) is made for a whole column at once:
-it must tell tensors apart exactly as their statistics do, and follow records added later."""
+"""What compare makes in bulk or by a shortcut must equal what it made one at a time: a
+tensor's print (its identity within one step file), made for a whole column at once, tells
+tensors apart exactly as their statistics do and follows records added later; a row's copy
+holds every field."""
 
 from __future__ import annotations
 
@@ -58,3 +60,22 @@ def test_prints_follow_records_appended_after_they_were_made():
     row = records.append_record(dict(records.row(0), key="a[0]"))
     prints = records.prints()
     assert len(prints) == 2 and prints[row] == prints[0]
+
+
+def test_a_restated_row_holds_every_field_of_its_original_and_its_own_lists():
+    import dataclasses
+
+    from probe.comparison.metrics import Metrics
+    from probe.comparison.story import restated
+    from probe.comparison.structs import RecordRow
+
+    values = {found.name: f"{found.name}!" for found in dataclasses.fields(RecordRow)}
+    values.update(reasons=["beyond tolerance"], notes=["dtype differs"], input_errors=[{"slot": "input.0"}],
+                  metrics=Metrics(evidence="tensor", numel=4), order=(3, 1, 0, 0), envelope={"verdict": "within"})
+    row = RecordRow(**values)
+    twin = restated(row)
+    assert twin is not row and twin == row
+    assert all(getattr(twin, name) is getattr(row, name) for name in values if name not in ("reasons", "notes"))
+    twin.reasons.append("drift")
+    twin.notes.append("settled")
+    assert row.reasons == ["beyond tolerance"] and row.notes == ["dtype differs"]
