@@ -239,23 +239,23 @@ def build_calls(records: Records, rename=None) -> list[Call]:
     modules, ops, indexes, phases = cols["module"], cols["op"], cols["index"], cols["phase"]
     kinds, seqs, slots, dtypes, shapes = cols["kind"], cols["seq"], cols["slot"], cols["dtype"], cols["shape"]
     calls: dict[tuple, Call] = {}
-    for row in range(len(records)):
-        group = (modules[row], ops[row], indexes[row], phases[row])
+    for row, (module, op, index, phase, kind, seq, slot) in enumerate(zip(modules, ops, indexes, phases, kinds,
+                                                                          seqs, slots)):
+        group = (module, op, index, phase)
         call = calls.get(group)
         if call is None:
-            call = Call(
-                module=modules[row], op=ops[row], index=int(indexes[row]), phase=phases[row],
-                kind=kinds[row], seq=int(seqs[row]), first_row=row,
-            )
-            calls[group] = call
-        elif kinds[row] != "param" and call.kind == "param":
-            call.kind = kinds[row]  # a module call that also carries its parameters
-        call.seq = min(call.seq, int(seqs[row]))
+            call = calls[group] = Call(module=module, op=op, index=int(index), phase=phase, kind=kind, seq=int(seq),
+                                       first_row=row)
+        else:
+            if kind != "param" and call.kind == "param":
+                call.kind = kind  # a module call that also carries its parameters
+            if seq < call.seq:
+                call.seq = int(seq)
         # a repeated slot (never written by probe) keeps its first record; the rest stay unpaired
-        if slots[row] in call.slots:
+        if slot in call.slots:
             call.extras.append(row)
         else:
-            call.slots[slots[row]] = row
+            call.slots[slot] = row
     result = list(calls.values())
     for call in result:
         call.name = rename(call.module, call.op) if rename else (call.module, call.op)
