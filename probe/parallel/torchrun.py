@@ -8,8 +8,9 @@ every machine), plans the same units and takes its share: the chains of units
 (comparison/load.py UnitPlan.chains), longest first, each to the process with the fewest
 units so far, so every process computes the same split without a word. It compares its
 units one after the other and merges their summaries; then each process sends its summary
-(wire.py: JSON bytes in a uint8 tensor, never a pickle) to rank 0 over gloo, and rank 0
-merges them one at a time, finishes the compare and prints the report. The other ranks print
+(wire.py: bytes in a uint8 tensor, read back by a reader that makes only a summary's
+classes) to rank 0 over gloo, and rank 0 merges them one at a time, finishes the compare and
+prints the report. The other ranks print
 nothing on stdout. Every process exits with rank 0's exit code (0, 1 or 2); torchrun itself
 turns a non-zero one into its own failure report and exit code 1.
 
