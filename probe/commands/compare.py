@@ -132,7 +132,8 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     if keep_rows is _NOT_GIVEN:  # the text and plain JSON reports list no rows: hold none
         keep_rows = KEEP_ROWS if csv_path or html_path or json_rows else 0
     runner = _runner(jobs)
-    bar = progress.Progress(sys.stderr) if getattr(runner, "finishes", True) else None
+    bar = progress.Progress(sys.stderr, units=lambda: (runner.done, runner.total)) \
+        if getattr(runner, "finishes", True) else None
     try:
         with RememberedCtrlC():  # a Ctrl-C Python drops (in a weakref callback) is raised again
             result = run_compare(

@@ -2,6 +2,10 @@
 
 Hand-written (no dependency): one line redrawn with a carriage return, at most ten times a
 second, erased by close(). When stderr is not a TTY (CI logs, pipes) it prints nothing.
+Beside the bar: the units compared of all (``units() -> (done, total)``, where the caller
+knows them), the tensor bytes read a second, and the time left once there is enough to go
+on (ETA_AFTER_S seconds and a twentieth of the work; the rate so far, which is a job's own
+over its thousands of units).
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ import time
 DELAY_S = 1.0
 INTERVAL_S = 0.1
 WIDTH = 30
+ETA_AFTER_S = 3.0
+ETA_AFTER_FRACTION = 0.05
 
 
 class Progress:
-    def __init__(self, stream=None, label: str = "comparing", delay: float = DELAY_S):
+    def __init__(self, stream=None, label: str = "comparing", delay: float = DELAY_S, units=None):
         self.stream = stream if stream is not None else sys.stderr
         self.label = label
+        self.units = units  # () -> (units done, units in all), or None
+        self._width = 0
         self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
         self.start = time.monotonic()
         self.delay = delay
@@ -35,13 +43,31 @@ class Progress:
         filled = int(fraction * WIDTH)
         bar = "#" * filled + "." * (WIDTH - filled)
         elapsed = now - self.start
-        rate = f"  {tensor_bytes / elapsed / 1e6:.0f} MB/s" if tensor_bytes else ""
-        self.stream.write(f"\r{self.label} [{bar}] {fraction * 100:5.1f}%{rate} ")
+        parts = [f"{fraction * 100:5.1f}%"]
+        done, total = self.units() if self.units is not None else (0, 0)
+        if total > 1:
+            parts.append(f"{done:,} of {total:,} units")
+        if tensor_bytes:
+            parts.append(f"{tensor_bytes / elapsed / 1e6:.0f} MB/s")
+        if elapsed >= ETA_AFTER_S and ETA_AFTER_FRACTION <= fraction < 1:
+            parts.append(f"{_clock(elapsed * (1 - fraction) / fraction)} left")
+        line = f"{self.label} [{bar}] " + "  ".join(parts)
+        # a shorter line than the last one would leave the end of that one on the screen
+        self.stream.write(f"\r{line.ljust(self._width)} ")
+        self._width = max(self._width, len(line))
         self.stream.flush()
         self._shown = True
 
     def close(self) -> None:
         if self._shown:
-            self.stream.write("\r" + " " * (len(self.label) + WIDTH + 30) + "\r")
+            self.stream.write("\r" + " " * (self._width + 1) + "\r")
             self.stream.flush()
             self._shown = False
+
+
+def _clock(seconds: float) -> str:
+    """1:05 or 2:03:10."""
+    whole = int(seconds + 0.5)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

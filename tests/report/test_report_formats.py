@@ -190,6 +190,34 @@ def test_progress_waits_before_showing_for_short_compares():
     assert loud.getvalue() == ""
 
 
+def test_progress_counts_units_and_says_the_time_left_once_it_has_enough_to_go_on():
+    loud = _Stream(True)
+    counts = [3, 1024]
+    bar = Progress(loud, delay=0, units=lambda: tuple(counts))
+    bar(0.003)
+    assert "3 of 1,024 units" in loud.getvalue() and "left" not in loud.getvalue()  # too early to tell
+    bar.start -= 100.0  # 100 s in, a quarter done: 300 s to go
+    bar._last = 0.0
+    counts[0] = 256
+    bar(0.25)
+    last = loud.getvalue().split("\r")[-1]
+    assert "256 of 1,024 units" in last and "5:00 left" in last
+    bar.units = None  # a shorter line next: it must cover the last one, or its end stays on screen
+    bar._last = 0.0
+    bar(0.5)
+    lengths = [len(line) for line in loud.getvalue().split("\r")[1:]]
+    assert lengths == sorted(lengths) and "units" not in loud.getvalue().split("\r")[-1]
+    bar.close()
+    assert loud.getvalue().endswith("\r")
+
+
+@pytest.mark.parametrize("seconds, shown", [(0.4, "0:00"), (65, "1:05"), (7390.2, "2:03:10")])
+def test_progress_time_left_reads_as_a_clock(seconds, shown):
+    from probe.report.progress import _clock
+
+    assert _clock(seconds) == shown
+
+
 def test_strict_mode_turns_unmatched_records_into_a_divergence():
     result = _result(mlp_run(), mlp_run(extra_call=True), strict=True)
     assert result.verdict == "diverged" and result.first_divergence.status == R.ONLY_B
