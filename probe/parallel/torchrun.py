@@ -10,9 +10,9 @@ units so far, so every process computes the same split without a word. It compar
 units one after the other and merges their summaries; then each process sends its summary
 (wire.py: bytes in a uint8 tensor, read back by a reader that makes only a summary's
 classes) to rank 0 over gloo, and rank 0 merges them one at a time, finishes the compare and
-prints the report. The other ranks print
-nothing on stdout. Every process exits with rank 0's exit code (0, 1 or 2); torchrun itself
-turns a non-zero one into its own failure report and exit code 1.
+prints the report. The other ranks print nothing on stdout. Every process exits with rank 0's
+exit code (0, 1 or 2); torchrun itself turns a non-zero one into its own failure report and
+exit code 1.
 
 torch is imported here, when a compare runs under torchrun; probe.comparison stays torch-free.
 """

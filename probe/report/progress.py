@@ -3,9 +3,8 @@
 Hand-written (no dependency): one line redrawn with a carriage return, at most ten times a
 second, erased by close(). When stderr is not a TTY (CI logs, pipes) it prints nothing.
 Beside the bar: the units compared of all (``units() -> (done, total)``, where the caller
-knows them), the tensor bytes read a second, and the time left once there is enough to go
-on (ETA_AFTER_S seconds and a twentieth of the work; the rate so far, which is a job's own
-over its thousands of units).
+knows them), the tensor bytes read a second, and the time left at the pace so far, once there
+is enough to go on (ETA_AFTER_S seconds and ETA_AFTER_FRACTION of the work).
 """
 
 from __future__ import annotations
