@@ -63,8 +63,10 @@ def decode(data: bytes):
     if not data.startswith(HEADER):
         raise CompareError("a compare process sent a summary this one cannot read (another wire format); "
                            "are both running the same version of probe?")
+    stream = io.BytesIO(data)  # shares data's buffer: no copy of a message of megabytes
+    stream.seek(len(HEADER))
     try:
-        return _Reader(io.BytesIO(memoryview(data)[len(HEADER):])).load()
+        return _Reader(stream).load()
     except CompareError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
