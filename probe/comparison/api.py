@@ -269,10 +269,10 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     )
     partial.files[position] = facts
     partial.evidence |= set(outcome.evidence)
-    partial.figures["placement"] += sum(1 for row in rows if any(note.startswith(R.PLACEMENT_NOTE)
-                                                                   for note in row.notes))
-    partial.figures["unwritten"] += sum(1 for row in rows if any(note.startswith(UNINITIALIZED_NOTE)
-                                                                   for note in row.notes))
+    noted = [row.notes for row in rows if row.notes]
+    partial.figures["placement"] += sum(1 for notes in noted if any(note.startswith(R.PLACEMENT_NOTE) for note in notes))
+    partial.figures["unwritten"] += sum(1 for notes in noted if any(note.startswith(UNINITIALIZED_NOTE)
+                                                                    for note in notes))
     partial.figures["moves"] += len({row.key for row in lonely if row.op in MOVE_OPS and row.io == "out"})
     for row in R.sharded_only_rows(rows):  # their call-0 partners are among the paired rows
         if row.slot.startswith("param_grad."):
@@ -289,7 +289,8 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     partial.divergent = sorted(partial.divergent + [((position, number), row) for number, row in enumerate(rows)
                                                      if row.status == R.DIVERGED])[:MAX_DIVERGENT]
     fold_outcome(partial, outcome, position, zip(diverged, settled), entering)
-    partial.keep(KeptFile.of(position, bool(diverged), outcome))
+    if partial.cutoff is None or (not diverged, position) <= partial.cutoff:  # KeptFile.key; keep() drops the rest
+        partial.keep(KeptFile.of(position, bool(diverged), outcome))
     partial.prune()
 
 
@@ -318,13 +319,13 @@ def fold_outcome(partial, outcome, position: int, diverged, entering) -> None:
     entering_at = (position, next((n for n, row in enumerate(outcome.rows) if row is entering), -1))
     for number, (rows, forward) in enumerate(outcome.calls):
         ordinal, judged = (position, number), R.summarize_call(rows, forward)
-        if not any(id(row) in touched for row in [*rows, *forward]):
+        if touched.isdisjoint(map(id, rows)) and touched.isdisjoint(map(id, forward)):
             if judged is not None:
                 add_summary(partial.common.groups, judged, ordinal, position)
             continue
         for mode, tally in partial.modes.items():
             swap = variants[mode]
-            summary = judged if not any(id(r) in swap for r in [*rows, *forward]) else R.summarize_call(
+            summary = judged if swap.keys().isdisjoint(map(id, [*rows, *forward])) else R.summarize_call(
                 [swap.get(id(r), r) for r in rows], [swap.get(id(r), r) for r in forward])
             if summary is None:
                 continue

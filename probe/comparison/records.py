@@ -148,6 +148,7 @@ class Records:
         self.source = source
         self._length = lengths.pop() if lengths else 0
         self._prints: dict[bool, list] = {}  # one_element -> tensor_prints of the rows so far
+        self._nans: tuple | None = None  # (rows, any NaN statistics, all NaN statistics), see nan_statistics
 
     def __len__(self) -> int:
         return self._length
@@ -161,6 +162,14 @@ class Records:
         if len(made) < self._length:
             made.extend(tensor_prints(self.columns, len(made), one_element))
         return made
+
+    def nan_statistics(self) -> tuple[list, list]:
+        """Per record: (any, all) of min, max, mean and norm are NaN, read once per length."""
+        if self._nans is None or self._nans[0] != self._length:
+            cols = self.columns
+            nan = np.isnan(np.array([cols[name] for name in STATS[:4]], dtype=np.float64).reshape(4, self._length))
+            self._nans = (self._length, nan.any(axis=0).tolist(), nan.all(axis=0).tolist())
+        return self._nans[1], self._nans[2]
 
     def row(self, row: int) -> dict:
         return {name: values[row] for name, values in self.columns.items()}
@@ -372,20 +381,14 @@ STATS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "numel", "check
 
 def unknown_statistics(records: Records) -> list[bool]:
     """Per record: min, max, mean and norm are all NaN (a plain value, or no statistics)."""
-    return _nan_statistics(records, all)
-
-
-def _nan_statistics(records: Records, which) -> list[bool]:
-    cols = records.columns
-    nan = np.isnan(np.array([cols[name] for name in STATS[:4]], dtype=np.float64).reshape(4, len(records)))
-    return (nan.all(axis=0) if which is all else nan.any(axis=0)).tolist()
+    return records.nan_statistics()[1]
 
 
 def row_facts(records: Records) -> tuple[list, list]:
     """(statistics, content_key) of every record, column by column. Statistics: the values
     STATS names, a NaN spelled "nan" (None for a plain value, or a tensor with no statistics)."""
     cols = records.columns
-    some, every = _nan_statistics(records, any), _nan_statistics(records, all)
+    some, every = records.nan_statistics()
     stats = list(zip(*(cols[name] for name in STATS)))
     keys = [hash((dtype, shape, numel, checksum)) if checksum else hash((dtype, shape, numel, low, high, mean, norm,
                                                                              nans, infs))
