@@ -68,7 +68,9 @@ from probe.comparison.call_rules import AMPLIFICATION, judge_call
 from probe.comparison.measure import MASK_NOTE
 from probe.comparison.op_envelopes import LOW_PRECISION, UNIT_ROUNDOFF
 from probe.comparison.record_rules import judge_records
-from probe.comparison.rounding import ACCEPTED, REPLAYED_DIFFERENTLY, judge_envelopes, judge_untouched, recheck_amplified
+from probe.comparison.rounding import (
+    ACCEPTED, REPLAYED_DIFFERENTLY, Bands, judge_envelopes, judge_untouched, recheck_amplified,
+)
 from probe.comparison.records import is_param_slot, module_within, param_name
 from probe.comparison.structs import EXTERNAL, PARAM_INPUT, MeasuredStep, Slot, StepOutcome, rel_error, sci
 
@@ -114,6 +116,7 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
     # where the first output that is not accepted was made (A's order), and the largest
     # difference of the outputs judged within tolerance per phase: what unrecorded code made
     # before that is made from accepted values (call_rules.accept_unrecorded)
+    bands = Bands()  # every row's error band, once: no rule below changes what it reads
     unaccepted_from = [(float("inf"),)]
     largest: dict = {}
 
@@ -137,7 +140,7 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
             apply(recheck_amplified(slots, measured))
             apply(judge_envelopes(_with_operands(slots, of_row),
                                   _with_operands(forward_slots.get(_call_key(slots), ()), of_row)
-                                  if pair.phase == "backward" else (), input_kind, strict, baseline))
+                                  if pair.phase == "backward" else (), input_kind, strict, baseline, bands))
             calls.append((call, forward))
             _track(call, lambda row: of_row[id(row)].kind, unaccepted_from, largest)
         rows.extend(call)

@@ -41,7 +41,7 @@ from probe.comparison.metrics import (
 from probe.comparison.records import (
     Call, Records, is_param_slot, number_keys, param_name, parse_shape, row_facts, unknown_statistics,
 )
-from probe.comparison.sketch import raw_errors, refine as refine_with_sketch, statistics_columns
+from probe.comparison.sketch import raw_errors, refine as refine_with_sketch, refine_many, statistics_columns
 from probe.comparison.structs import (
     ABSENT, MIXED, PRODUCED, SCALAR, SHAPE, TENSOR, VALUE, AlignedStep, MeasuredStep, Measurement, RecordRow,
 )
@@ -268,8 +268,8 @@ class Measurer:
         sketched = [number for number, metrics in enumerate(found) if metrics is not None
                     and not metrics.bit_equal] if "sketch" in a and "sketch" in b else []
         raws = raw_errors([a["sketch"][rows_a[i]] for i in sketched], [b["sketch"][rows_b[i]] for i in sketched])
-        for number, raw in zip(sketched, raws):
-            refine_with_sketch(found[number], None, None, a["dtype"][rows_a[number]], b["dtype"][rows_b[number]], raw)
+        refine_many([found[i] for i in sketched], [a["dtype"][rows_a[i]] for i in sketched],
+                    [b["dtype"][rows_b[i]] for i in sketched], raws)
         self.measured = {pair: metrics for pair, metrics in zip(rows, found) if metrics is not None}
 
     def close(self) -> None:

@@ -138,6 +138,24 @@ def _proven_bound(m) -> float:
 _NO_STATISTICS: dict = {}
 
 
+class Bands:
+    """error_band of each row, computed once. Valid while no row's metrics, stale mark or
+    shapes change: from the judge's call loop on (record_rules set those before it)."""
+
+    def __init__(self):
+        self._found: dict = {}
+
+    def of(self, row: R.RecordRow):
+        key = id(row)
+        found = self._found.get(key, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._found[key] = error_band(row)
+        return found
+
+
+_UNKNOWN = object()
+
+
 def operand(recorded: Operand | None, row: R.RecordRow, found=False) -> Operand | None:
     """A's recorded tensor (recorded: its statistics as measure read them, None when A has no
     record) with the high end of B's difference (what may propagate), in the dtype it is judged
@@ -178,25 +196,27 @@ def measured_envelopes(rows) -> dict:
 
 
 def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False,
-                    baseline: dict | None = None) -> list[Finding]:
+                    baseline: dict | None = None, bands: Bands | None = None) -> list[Finding]:
     """Every paired output of one call pair with its envelope, and what the rules above find.
 
     call_rows: [(RecordRow, A's recorded Operand or None)] of the call pair; forward_items: the
     same for the forward call of a backward one (() otherwise); input_kind(row) -> (kind,
     producer row); baseline: A's output key -> what a trusted second run differs from A by
-    there (with it, B - A is judged against C - A, see with_baseline)."""
+    there (with it, B - A is judged against C - A, see with_baseline); bands: the rows' error
+    bands so far (Bands), shared by the calls of one step file."""
     if not call_rows:
         return []
+    bands = bands or Bands()
     head = call_rows[0][0]
     findings: list[Finding] = []
-    changed = None if strict else _changed_input(call_rows, input_kind)
+    changed = None if strict else _changed_input(call_rows, input_kind, bands)
     source_found = changed is None or changed[0].status == R.DIVERGED
     known = head.spec.family is not None or bool(baseline and any(row.key_a in baseline for row, _ in call_rows))
-    call = _Call(call_rows, forward_items) if known else None
+    call = _Call(call_rows, forward_items, bands) if known else None
     for row, recorded in call_rows:
         if row.io != "out" or row.status not in R.PAIRED or recorded is None:
             continue
-        found = error_band(row)
+        found = bands.of(row)
         if found is None:
             continue
         env, envelope = call.envelope(head, row, recorded, found, baseline) if call is not None else (None, None)
@@ -222,17 +242,17 @@ def judge_envelopes(call_rows, forward_items, input_kind, strict: bool = False,
 class _Call:
     """What the envelope rules read of one call pair: its inputs as Operands, and whether they agree."""
 
-    def __init__(self, call_rows, forward_items):
+    def __init__(self, call_rows, forward_items, bands: Bands):
         self.inputs, self.values, self.forward = {}, {}, {}
         for row, recorded in call_rows:
             if row.io != "in" or row.status not in R.PAIRED:
                 continue
             if row.metrics is not None and row.metrics.evidence == "value":
                 self.values[row.slot] = _value(row.metrics.value_a or "")
-            elif (found := operand(recorded, row)) is not None:
+            elif (found := operand(recorded, row, bands.of(row))) is not None:
                 self.inputs[row.slot] = found
         for row, recorded in forward_items:
-            if row.status in R.PAIRED and (found := operand(recorded, row)) is not None:
+            if row.status in R.PAIRED and (found := operand(recorded, row, bands.of(row))) is not None:
                 self.forward[row.slot] = found
         in_rows = [row for row, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
         self.tensor_in = [row for row in in_rows if row.metrics is not None and row.metrics.evidence != "value"]
@@ -304,7 +324,7 @@ def _one_precision(row: R.RecordRow) -> bool:
     return row.dtype_a == row.dtype_b and row.tol_dtype == tolerance_dtype(row.dtype_a, row.dtype_b)
 
 
-def _changed_input(call_rows, input_kind):
+def _changed_input(call_rows, input_kind, bands: Bands):
     """(input row, its producer, their bands) of an input that differs by more than the output
     that made it, with nothing computed in between; None when there is none."""
     for row, _ in call_rows:
@@ -315,7 +335,7 @@ def _changed_input(call_rows, input_kind):
             continue
         if (row.dtype_a, row.dtype_b) != (producer.dtype_a, producer.dtype_b):
             continue  # a cast in between (autograd casting a gradient back to bfloat16) rounds
-        mine, theirs = error_band(row), error_band(producer)
+        mine, theirs = bands.of(row), bands.of(producer)
         if mine is None or theirs is None or not math.isfinite(theirs[2]):
             continue
         norm = row.metrics.ref_norm or 0.0

@@ -35,6 +35,7 @@ This module never imports torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -253,6 +254,49 @@ def refine(metrics, sketch_a, sketch_b, dtype_a: str, dtype_b: str, measured=Non
         else:
             metrics.rel_l2 = math.inf
     return metrics
+
+
+def refine_many(found: list, dtypes_a: list, dtypes_b: list, raws: list) -> None:
+    """refine() of many metrics at once, with raw_errors' answers (raws[i] for found[i]): the
+    floors, errors and bands column by column with the same float64 operations as estimate(),
+    and each report text made once per k."""
+    todo = [number for number, (metrics, raw) in enumerate(zip(found, raws))
+            if raw and metrics.evidence in ("statistics", "checksum") and not metrics.bit_equal]
+    if not todo:
+        return
+    chosen = [found[number] for number in todo]
+    numel = np.array([metrics.numel for metrics in chosen], dtype=np.float64)
+    norm_a, norm_b = (np.array([getattr(metrics, name) for metrics in chosen], dtype=np.float64)
+                      for name in ("ref_norm", "other_norm"))
+    eps_a, eps_b = (np.array([accumulation_eps(dtypes[number]) for number in todo]) for dtypes in (dtypes_a, dtypes_b))
+    complex_a = np.array([dtypes_a[number].startswith("complex") for number in todo])
+    raw = np.array([raws[number][1] for number in todo], dtype=np.float64)
+    ks = [raws[number][0] for number in todo]
+    bands = np.array([band(k) for k in ks], dtype=np.float64).reshape(len(todo), 2)
+    with np.errstate(all="ignore"):
+        norm_a = np.where(np.isfinite(norm_a), norm_a, 0.0)
+        norm_b = np.where(np.isfinite(norm_b), norm_b, 0.0)
+        supers = np.where(complex_a, 2 * numel, numel) / (GROUPS * BLOCK)
+        floor = FLOOR_FACTOR * (math.sqrt(BLOCK) + np.sqrt(supers)) * (eps_a * np.abs(norm_a) + eps_b * np.abs(norm_b))
+        within = raw <= floor
+        err = np.where(within, 0.0, raw)
+        rel = np.where(norm_a > 0, err / np.where(norm_a > 0, norm_a, 1.0), np.where(err == 0, 0.0, math.inf))
+        low, high = err * bands[:, 0], err * bands[:, 1]
+    columns = zip(chosen, ks, err.tolist(), rel.tolist(), raw.tolist(), floor.tolist(), low.tolist(), high.tolist(),
+                  within.tolist())
+    for metrics, k, err_l2, rel_l2, raw_err, floor_k, low_k, high_k, no_more in columns:
+        metrics.sketch = {"k": k, "err_l2": err_l2, "rel_l2": rel_l2, "raw_err": raw_err, "floor": floor_k,
+                          "low": low_k, "high": high_k, "confidence": CONFIDENCE, "within_floor": no_more,
+                          "lower_bound": metrics.err_l2, "text": _estimate_text(k, no_more)}
+        if err_l2 > metrics.err_l2:
+            metrics.err_l2 = err_l2
+            metrics.rel_l2 = err_l2 / metrics.ref_norm if metrics.ref_norm > 0 else math.inf
+
+
+@functools.lru_cache(maxsize=64)
+def _estimate_text(k: int, within_floor: bool) -> str:
+    """SketchEstimate.text of an estimate of k rows at CONFIDENCE."""
+    return SketchEstimate(k, 0.0, 0.0, 0.0 if within_floor else 1.0, 0.0, 0.0, 0.0).text()
 
 
 def sketch_note(with_tensors: bool) -> str:

@@ -79,3 +79,45 @@ def test_a_restated_row_holds_every_field_of_its_original_and_its_own_lists():
     twin.reasons.append("drift")
     twin.notes.append("settled")
     assert row.reasons == ["beyond tolerance"] and row.notes == ["dtype differs"]
+
+
+def _sketch_metrics(norm_a: float, norm_b: float, err: float, numel: int, evidence: str = "statistics",
+                    bit_equal=None):
+    from probe.comparison.metrics import Metrics
+
+    return Metrics(evidence=evidence, numel=numel, err_l2=err, ref_norm=norm_a, other_norm=norm_b,
+                   rel_l2=err / norm_a if norm_a else 0.0, bit_equal=bit_equal)
+
+
+#: (norms, statistics' bound, numel, dtypes, raw_errors' answer): each a branch of estimate()
+SKETCH_CASES = [
+    (3.0, 3.1, 1e-3, 4096, ("float32", "float32"), (16, 2e-2)),  # the estimate decides
+    (3.0, 3.1, 5e-2, 4096, ("float32", "float32"), (16, 2e-2)),  # the statistics' bound is larger
+    (3.0, 3.0, 0.0, 4096, ("float32", "float32"), (16, 1e-9)),  # within the sketch's rounding floor
+    (0.0, 1.0, 1.0, 10, ("float32", "float32"), (16, 0.5)),  # A is zero: an infinite relative error
+    (0.0, 0.0, 0.0, 10, ("float32", "float32"), (16, 0.0)),
+    (2.0, 2.5, 1e-4, 1 << 20, ("complex64", "complex64"), (8, 1e-2)),  # another k; complex counts twice
+    (2.0, 5.0, 1e-4, 300, ("float64", "bfloat16"), (16, 1e-3)),  # another accumulation on each side
+    (math.inf, 2.0, 1e-4, 300, ("float32", "float32"), (16, 1e-3)),  # a norm that overflowed
+    (2.0, 2.0, 1e-4, 300, ("float32", "float32"), False),  # no estimate: left as it was
+]
+
+
+@pytest.mark.parametrize("norm_a, norm_b, bound, numel, dtypes, raw", SKETCH_CASES)
+def test_sketch_estimates_made_by_column_equal_those_made_one_at_a_time(norm_a, norm_b, bound, numel, dtypes, raw):
+    from probe.comparison.sketch import refine, refine_many
+
+    one, many = (_sketch_metrics(norm_a, norm_b, bound, numel) for _ in range(2))
+    refine(one, None, None, dtypes[0], dtypes[1], raw)
+    refine_many([many], [dtypes[0]], [dtypes[1]], [raw])
+    assert (many.err_l2, many.rel_l2) == (one.err_l2, one.rel_l2)
+    assert repr(many.sketch) == repr(one.sketch)  # every float to the bit, the keys in the same order
+
+
+def test_sketch_estimates_by_column_leave_bit_equal_and_value_metrics_alone():
+    from probe.comparison.sketch import refine_many
+
+    equal = _sketch_metrics(3.0, 3.0, 0.0, 10, evidence="checksum", bit_equal=True)
+    value = _sketch_metrics(1.0, 1.0, 0.0, 1, evidence="value")
+    refine_many([equal, value], ["float32"] * 2, ["float32"] * 2, [(16, 1.0), (16, 1.0)])
+    assert equal.sketch is None and value.sketch is None and equal.err_l2 == 0.0
