@@ -97,8 +97,8 @@ def judge(measured: MeasuredStep, previous_explained: dict | None = None, autoca
     of_row = {id(m.row): m for m in measured.measurements}
     rows: list[R.RecordRow] = []
     calls = []
-    forwards = _forward_rows(aligned.pairs, per_pair)
-    forward_slots = _forward_rows(aligned.pairs, per_pair, slots=True)
+    forward_slots = _forward_rows(aligned.pairs, per_pair)
+    forwards = {key: [slot.row for slot in slots] for key, slots in forward_slots.items()}
     # every record of A, paired or not: an input made by a call only A has names that call
     rows_of_a = {slot.a: slot.row for slots in per_pair for slot in slots if slot.a is not None}
     judged = {m.slot.a: m.row for m in measured.measurements}
@@ -323,13 +323,13 @@ def apply(findings) -> None:
                 row.reasons.append(found.reason)
 
 
-def _forward_rows(pairs, per_pair, slots: bool = False) -> dict:
-    """(module, op, index) -> RecordRows of that paired forward call: the values the call's
-    backward computes from (call_rules.judge_call counts them as carriers); slots: its Slots."""
+def _forward_rows(pairs, per_pair) -> dict:
+    """(module, op, index) -> the Slots of that paired forward call: the values the call's
+    backward computes from (call_rules.judge_call counts their rows as carriers)."""
     found: dict = {}
     for pair, call in zip(pairs, per_pair):
         if pair.a is not None and pair.b is not None and pair.phase == "forward":
-            found.setdefault(_call_key(call), list(call) if slots else [slot.row for slot in call])
+            found.setdefault(_call_key(call), call)
     return found
 
 

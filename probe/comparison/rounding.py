@@ -244,32 +244,47 @@ class _Call:
 
     def __init__(self, call_rows, forward_items, bands: Bands):
         self.inputs, self.values, self.forward = {}, {}, {}
-        for row, recorded in call_rows:
-            if row.io != "in" or row.status not in R.PAIRED:
-                continue
-            if row.metrics is not None and row.metrics.evidence == "value":
-                self.values[row.slot] = _value(row.metrics.value_a or "")
-            elif (found := operand(recorded, row, bands.of(row))) is not None:
-                self.inputs[row.slot] = found
-        for row, recorded in forward_items:
-            if row.status in R.PAIRED and (found := operand(recorded, row, bands.of(row))) is not None:
-                self.forward[row.slot] = found
-        in_rows = [row for row, _ in call_rows if row.io == "in" and row.status in R.PAIRED]
-        self.tensor_in = [row for row in in_rows if row.metrics is not None and row.metrics.evidence != "value"]
-        forward_tensors = [row for row, _ in forward_items if row.status in R.PAIRED and row.metrics is not None
-                           and row.metrics.evidence != "value"]
-        self.divergent = {row.slot for row in in_rows if row.status == R.DIVERGED} | {
-            f"forward.{row.slot}" for row in forward_tensors if row.status == R.DIVERGED}
+        self.tensor_in, self.divergent, self.untouched = [], set(), []
+        paired = R.PAIRED
         # every input's difference is one a correct run may have (rounding, or accepted
         # upstream), not a difference hidden under the absolute floor
-        self.agree = all(row.is_accepted for row in self.tensor_in + forward_tensors) and not any(
-            row.status == R.DIVERGED for row in in_rows)
+        accepted = []  # the tensor inputs and forward tensors, whose is_accepted decides agree
+        self.agree = True
         # one precision on both sides, here and upstream: where the runs compute in different
         # dtypes (autocast, or the model's own casts) the precision rules decide
-        self.one_precision = all(_one_precision(row) for row, _ in call_rows if row.status in R.PAIRED) and all(
-            _one_precision(row) for row, _ in forward_items if row.status in R.PAIRED)
-        self.untouched = [row for row in in_rows if row.status == R.DIVERGED and row.envelope is not None
-                          and row.envelope["family"] == "untouched"]
+        self.one_precision = True
+        for row, recorded in call_rows:
+            if row.status not in paired:
+                continue
+            self.one_precision = self.one_precision and _one_precision(row)
+            if row.io != "in":
+                continue
+            diverged = row.status == R.DIVERGED
+            if diverged:
+                self.divergent.add(row.slot)
+                self.agree = False
+                if row.envelope is not None and row.envelope["family"] == "untouched":
+                    self.untouched.append(row)
+            m = row.metrics
+            if m is not None and m.evidence == "value":
+                self.values[row.slot] = _value(m.value_a or "")
+                continue
+            if (found := operand(recorded, row, bands.of(row))) is not None:
+                self.inputs[row.slot] = found
+            if m is not None:
+                self.tensor_in.append(row)
+                accepted.append(row)
+        for row, recorded in forward_items:
+            if row.status not in paired:
+                continue
+            self.one_precision = self.one_precision and _one_precision(row)
+            if (found := operand(recorded, row, bands.of(row))) is not None:
+                self.forward[row.slot] = found
+            if row.metrics is not None and row.metrics.evidence != "value":
+                accepted.append(row)
+                if row.status == R.DIVERGED:
+                    self.divergent.add(f"forward.{row.slot}")
+        self.agree = self.agree and all(row.is_accepted for row in accepted)
 
     def envelope(self, head, row, recorded, found, baseline) -> tuple[Envelope | None, dict | None]:
         """(its envelope, what the row reports of it) of one output; (None, None): none."""
@@ -396,10 +411,12 @@ def recheck_amplified(slots: list[Slot], measured: MeasuredStep) -> list[Finding
     """Where the tensors were dumped, an output accepted as amplified by an elementwise op is
     checked by replaying the op in float64 on each run's own inputs (its spec's replay,
     ops.py): an output its own inputs do not give was computed differently there (introduced)."""
+    findings: list[Finding] = []
+    if measured.fetch_a is None or measured.fetch_b is None:
+        return findings
     outputs = [(s.row, s.a, s.b) for s in slots if s.row.io == "out" and s.row.status == EXPLAINED
                and s.row.origin == AMPLIFIED and s.row.metrics is not None and s.row.metrics.evidence == "tensor"]
-    findings: list[Finding] = []
-    if not outputs or measured.fetch_a is None or measured.fetch_b is None:
+    if not outputs:
         return findings
     cols_a, cols_b = measured.aligned.records_a.columns, measured.aligned.records_b.columns
     op = slots[0].row.spec

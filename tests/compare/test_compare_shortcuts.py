@@ -121,3 +121,18 @@ def test_sketch_estimates_by_column_leave_bit_equal_and_value_metrics_alone():
     value = _sketch_metrics(1.0, 1.0, 0.0, 1, evidence="value")
     refine_many([equal, value], ["float32"] * 2, ["float32"] * 2, [(16, 1.0), (16, 1.0)])
     assert equal.sketch is None and value.sketch is None and equal.err_l2 == 0.0
+
+
+def test_an_op_summary_holds_every_field_in_order_and_stays_frozen():
+    import dataclasses
+
+    from probe.comparison.result import OpSummary
+
+    summary = OpSummary(1, 2, "fc1", "linear", 0, "forward", "fc1/linear#0", "api", 0.5, 1e-3, 1e-4, 10.0, True,
+                        "introduced")
+    assert list(vars(summary)) == [found.name for found in dataclasses.fields(OpSummary)]
+    assert summary.where == [] and summary.where is not OpSummary(*list(vars(summary).values())[:14]).where
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        summary.introduced = 0.0
+    moved = dataclasses.replace(summary, where=[(1, 2)], diverged_in=1)
+    assert (moved.where, moved.diverged_in, moved.key) == ([(1, 2)], 1, summary.key)
