@@ -136,3 +136,18 @@ def test_an_op_summary_holds_every_field_in_order_and_stays_frozen():
         summary.introduced = 0.0
     moved = dataclasses.replace(summary, where=[(1, 2)], diverged_in=1)
     assert (moved.where, moved.diverged_in, moved.key) == ([(1, 2)], 1, summary.key)
+
+
+@pytest.mark.parametrize("lengths", [(16, 16), (16, 8), (8, 16)])
+def test_sketch_differences_made_in_bulk_equal_those_made_pair_by_pair(lengths):
+    import numpy as np
+
+    from probe.comparison.sketch import _raw_error, raw_errors
+
+    rng = np.random.default_rng(3)
+    sketches_a = [rng.standard_normal(lengths[0]) for _ in range(5)] + [[1.0, 2.0] * (lengths[0] // 2), None]
+    sketches_b = [rng.standard_normal(lengths[1]) for _ in range(5)] + [[1.5, 2.0] * (lengths[1] // 2), [1.0]]
+    sketches_b[2][0] = np.nan  # no estimate where a sketch is not finite
+    expected = [_raw_error(x, y) for x, y in zip(sketches_a, sketches_b)]
+    assert raw_errors(sketches_a, sketches_b) == expected
+    assert expected[2] is False and expected[6] is False and expected[0][0] == min(lengths)
