@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import difflib
 from collections import defaultdict
+from operator import methodcaller
+
 from probe.comparison import result as R
 from probe.comparison.records import Call, CallPair, Records
 from probe.comparison.structs import AlignedStep, NormalizedStep, Slot
@@ -302,7 +304,9 @@ def _pair_rows(pair: CallPair, number: int, records_a: Records, records_b: Recor
 
 def _buffer(records, row) -> str:
     """The model buffer a record holds, where its file names it (root attribute buffers)."""
-    names = records.columns.get(schema.BUFFER) if row is not None else None
+    if row is None:
+        return ""
+    names = records.columns.get(schema.BUFFER)
     return names[row] if names is not None and row < len(names) else ""
 
 
@@ -352,12 +356,13 @@ def _new_row(pair, slot, row_a, row_b, records_a, records_b, step, rank, positio
 
 
 DEFAULT, KEYWORD = "default.", "kwarg."
+_is_default = methodcaller("startswith", DEFAULT)
 
 
 def pair_defaults(slots_a: dict, slots_b: dict) -> tuple[dict, dict]:
     """(slots_a, slots_b) with each default renamed to the keyword slot the other side has,
     or dropped when unpaired; the inputs are not modified."""
-    if not any(slot.startswith(DEFAULT) for slot in slots_a) and not any(slot.startswith(DEFAULT) for slot in slots_b):
+    if not any(map(_is_default, slots_a)) and not any(map(_is_default, slots_b)):
         return slots_a, slots_b
     return _renamed(slots_a, slots_b), _renamed(slots_b, slots_a)
 

@@ -294,7 +294,8 @@ def _elementwise(op_spec: OpSpec, out, inputs, values, u, parts) -> Envelope:
     if a is None:
         return None  # no recorded tensor input: nothing to tell its own error from
     scalar = next((_number(values[s]) for s in ("kwarg.value", "kwarg.alpha", "kwarg.weight", "input.2", "input.1",
-                                                "kwarg.other") if s in values and _number(values[s]) is not None), None)
+                                                "kwarg.other") if s in values and _number(values[s]) is not None),
+                  None) if values else None
     scalar = abs(scalar) if scalar is not None else 1.0
     prop = 0.0
     conditioning = 1.0

@@ -40,7 +40,6 @@ call judged later sees them. Torch-free: the replays are numpy expressions.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from probe.comparison import result as R
 from probe.comparison.envelope import (
     ELEMENTWISE_ULPS, FACTOR, LAMBDA, Envelope, Operand, expected_text,
 )
+from probe.comparison.metrics import parse_value
 from probe.comparison.op_envelopes import UNIT_ROUNDOFF, judged, unit_roundoff
 from probe.comparison.ops import NotReplayable, OpSpec, Replay
 from probe.comparison.records import is_param_slot
@@ -169,13 +169,6 @@ def operand(recorded: Operand | None, row: R.RecordRow, found=False) -> Operand 
     return Operand(recorded.numel, recorded.norm, recorded.min, recorded.max, recorded.mean, recorded.shape, dtype, err)
 
 
-def _value(text: str):
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return text
-
-
 def tensor_line(row: R.RecordRow) -> str:
     """The config line that dumps this op's call as full tensors (so compare measures it exactly)."""
     scope = f'"scope": ["{row.module}"], ' if row.module else ""
@@ -267,7 +260,7 @@ class _Call:
                     self.untouched.append(row)
             m = row.metrics
             if m is not None and m.evidence == "value":
-                self.values[row.slot] = _value(m.value_a or "")
+                self.values[row.slot] = parse_value(m.value_a or "")
                 continue
             if (found := operand(recorded, row, bands.of(row))) is not None:
                 self.inputs[row.slot] = found
