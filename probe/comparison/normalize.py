@@ -87,7 +87,7 @@ from collections import defaultdict
 from probe.comparison.ops import REDUCE_SCATTER, is_foreach, op_name
 from probe.comparison.records import (
     Call, NameMapping,
-    LOCAL_GRAD, Records, build_calls, is_param_slot, module_within, parameter_blocks,
+    LOCAL_GRAD, Records, build_calls, module_within, parameter_blocks,
 )
 from probe.comparison.structs import NormalizedStep, Side
 from probe.dump.schema import make_key
@@ -261,10 +261,10 @@ def _list_value(text: str):
 def name_targets(calls: list[Call], records: Records) -> None:
     """Set Call.target on the optimizer calls of one run (module docstring: name_targets)."""
     cols = records.columns
-    backward = [int(s) for s, phase in zip(cols["seq"], cols["phase"]) if phase == "backward"]
-    if not backward:
+    start = min((s for s, phase in zip(cols["seq"], cols["phase"]) if phase == "backward"), default=None)
+    if start is None:
         return
-    start = min(backward)
+    start = int(start)
     names = _parameter_prints(records)
     prints = records.prints(one_element=True)
     made: dict = defaultdict(set)  # fingerprint -> names of the optimizer calls that wrote it
@@ -378,7 +378,7 @@ def _parameter_prints(records: Records) -> dict:
     prints = records.prints(one_element=True)
     names: dict = defaultdict(set)
     for row, slot in enumerate(cols["slot"]):
-        if not (is_param_slot(slot) or slot.startswith("param_grad.")):
+        if not slot.startswith(("param.", "param_grad.")):  # is_param_slot, or a parameter's gradient
             continue
         mark = prints[row]
         if mark is None:
