@@ -270,9 +270,8 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     partial.files[position] = facts
     partial.evidence |= set(outcome.evidence)
     noted = [row.notes for row in rows if row.notes]
-    partial.figures["placement"] += sum(1 for notes in noted if any(note.startswith(R.PLACEMENT_NOTE) for note in notes))
-    partial.figures["unwritten"] += sum(1 for notes in noted if any(note.startswith(UNINITIALIZED_NOTE)
-                                                                    for note in notes))
+    for name, note in (("placement", R.PLACEMENT_NOTE), ("unwritten", UNINITIALIZED_NOTE)):
+        partial.figures[name] += sum(1 for notes in noted if any(text.startswith(note) for text in notes))
     partial.figures["moves"] += len({row.key for row in lonely if row.op in MOVE_OPS and row.io == "out"})
     for row in R.sharded_only_rows(rows):  # their call-0 partners are among the paired rows
         if row.slot.startswith("param_grad."):
