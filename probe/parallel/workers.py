@@ -1,12 +1,16 @@
 """``probe compare --jobs N``: a compare's units spread over N processes of this machine.
 
 A unit (a pair of step files; a sharded step's pairs, every rank of its group) is compared
-and reduced to its summary (comparison.result.Partial) in a worker process; this process
-merges the summaries as they come back. Units of one chain (a rank's steps: each hands on
+and reduced to its summary (comparison.api.Partial) in a worker process, which merges it into
+the summary of every unit it compared so far. Units of one chain (a rank's steps: each hands on
 what A's step file carries, comparison/load.py UnitPlan.chains) run one after the other, the
-chain's state travelling with them; chains run side by side, the longest first. The merge
-does not depend on the order, so the result is the one ``--jobs 1`` gives. At most two
-units per worker are in flight, so this process holds a few summaries at a time.
+chain's state travelling with them through this process; chains run side by side, the longest
+first. Once every unit is compared each worker hands its summary over, and this process merges
+them. The merge does not depend on the order or the grouping, so the result is the one
+``--jobs 1`` gives. Merging in the workers keeps this process's share small: it had decoded and
+merged one summary a unit (7 ms against 0.2 s of a worker's compare, which made it the limit of
+a compare beyond about 25 workers); it now reads one small answer a unit and one summary a
+worker. At most two units per worker are in flight.
 
 Workers ignore Ctrl-C: this process stops them (Pool.terminate) and raises KeyboardInterrupt.
 Python drops a KeyboardInterrupt raised inside a weakref or garbage-collector callback
@@ -22,10 +26,12 @@ import os
 import queue
 import signal
 import sys
+import threading
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
 from probe.comparison.api import Partial
 from probe.comparison.load import collect_rarely
+from probe.errors import CompareError
 from probe.parallel import wire
 from probe.parallel.ctrl_c import RememberedCtrlC, ctrl_c_held
 
@@ -82,9 +88,10 @@ class LocalRunner:
         pool = None
         waiting = list(range(len(chains)))  # chains not started, longest first
         read = 0
+        cutoff = [None]  # the smallest key a worker's summary left out: none after it is kept (Partial.keep)
 
         def submit(chain: int, step: int, state: bytes | None) -> None:
-            pool.apply_async(_compare, (units[chains[chain][step]], state, partial.cutoff),
+            pool.apply_async(_compare, (units[chains[chain][step]], state, cutoff[0]),
                              callback=lambda answer: answers.put((chain, step, answer, None)),
                              error_callback=lambda error: answers.put((chain, step, None, error)))
 
@@ -92,7 +99,8 @@ class LocalRunner:
             # held: a Ctrl-C inside Pool() would leave the workers it started with no pool to
             # stop them, and the pool's thread forking new ones while this process exits
             with ctrl_c_held():
-                pool = multiprocessing.get_context(_START).Pool(workers, initializer=_start_worker, initargs=(job,))
+                start = multiprocessing.get_context(_START)
+                pool = start.Pool(workers, initializer=_start_worker, initargs=(job, start.Barrier(workers)))
             for _ in range(min(2 * workers, len(waiting))):
                 submit(waiting.pop(0), 0, None)
             while self.done < self.total:
@@ -103,8 +111,9 @@ class LocalRunner:
                     continue
                 if error is not None:
                     raise error
-                summary, state, unit_read = answer
-                partial.merge(wire.decode(summary))
+                state, unit_read, kept_to = answer
+                if kept_to is not None:
+                    cutoff[0] = kept_to if cutoff[0] is None else min(cutoff[0], kept_to)
                 self.done += 1
                 read += unit_read
                 if progress is not None:
@@ -113,6 +122,19 @@ class LocalRunner:
                     submit(chain, step + 1, state)
                 elif waiting:
                     submit(waiting.pop(0), 0, None)
+            handed = [pool.apply_async(_hand_over) for _ in range(workers)]
+            for answer in handed:
+                while not answer.ready():
+                    ctrl_c.check()
+                    answer.wait(_WAKE_S)
+                summary = answer.get()
+                if summary is not None:
+                    partial.merge(wire.decode(summary))
+            lost = {position for unit in units for position in unit} - set(partial.files)
+            if lost:  # a worker that ended between two units took their summaries with it
+                raise CompareError(f"{len(lost)} pairs of step files were compared by a worker process that "
+                                   "ended before handing their summary over (killed: out of memory?); run the "
+                                   "compare again, with fewer --jobs")
         except BaseException:
             RememberedCtrlC.caught()
             if pool is not None:
@@ -128,17 +150,42 @@ _WAKE_S = 0.2
 
 
 _CONTEXT: Context | None = None
+#: what this worker compared so far, merged; the barrier every worker meets when handing it over
+_HELD: Partial | None = None
+_BARRIER = None
 
 
-def _start_worker(job: CompareJob) -> None:
+def _start_worker(job: CompareJob, barrier) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers on Ctrl-C
-    global _CONTEXT
+    global _CONTEXT, _BARRIER
     collect_rarely()  # this process compares units until the pool ends
     _CONTEXT = Context.of(job)
+    _BARRIER = barrier
 
 
-def _compare(unit: list, state: bytes | None, cutoff) -> tuple[bytes, bytes, int]:
-    """One unit in a worker: (its Partial, its chain's state after it, tensor bytes read)."""
+def _compare(unit: list, state: bytes | None, cutoff) -> tuple[bytes, int, tuple | None]:
+    """One unit in a worker, merged into what it compared before: (its chain's state after it,
+    tensor bytes read, the smallest key this worker's summary left out so far)."""
+    global _HELD
     chain = wire.decode(state) if state is not None else Chain()
     partial, read = compare_unit(_CONTEXT, unit, chain, None, cutoff)
-    return wire.encode(partial), wire.encode(chain), read
+    _HELD = partial if _HELD is None else _HELD.merge(partial)
+    return wire.encode(chain), read, _HELD.cutoff
+
+
+def _hand_over() -> bytes | None:
+    """This worker's summary (None: it compared nothing), once. Every worker waits at the barrier
+    before answering, so that each takes exactly one of the pool's hand-over tasks."""
+    global _HELD
+    held, _HELD = _HELD, None
+    try:
+        _BARRIER.wait(timeout=_HAND_OVER_S)
+    except threading.BrokenBarrierError:
+        raise CompareError(f"a worker process did not come to hand its summary over within {_HAND_OVER_S:g} s "
+                           "(ended, or stopped); run the compare again, with fewer --jobs") from None
+    return wire.encode(held) if held is not None else None
+
+
+#: how long the workers wait for each other to hand their summaries over: every one is idle
+#: by then, so they meet within milliseconds unless one has gone
+_HAND_OVER_S = 120.0
