@@ -17,6 +17,7 @@ import probe
 
 from probe.comparison.api import compare, run_units
 from probe.comparison.structs import RecordRow
+from probe.parallel import workers
 from tests import rounding_pairs as P
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,7 +150,6 @@ def test_jobs_2_gives_the_json_report_of_jobs_1_byte_for_byte(runs):
     assert one.stdout == two.stdout and '"verdict": "diverged"' in one.stdout
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers must be forked to see the patch")
 def test_with_jobs_2_each_worker_merges_its_units_and_this_process_reads_one_summary_a_worker(runs, monkeypatch):
     """8 units on two workers: the command decodes two summaries, not eight (it had been the
     limit of a compare on many cores), and reports what --jobs 1 does."""
@@ -159,7 +159,7 @@ def test_with_jobs_2_each_worker_merges_its_units_and_this_process_reads_one_sum
     decode = wire.decode
     monkeypatch.setattr(wire, "decode", lambda data: decoded.append(len(data)) or decode(data))
     alone = probe.compare(*runs[4], jobs=1).to_json()
-    decoded.clear()  # the workers fork with the patch, and count in their own memory
+    decoded.clear()  # what a worker decodes (its chain's state) it counts in its own memory, if at all
     spread = probe.compare(*runs[4], jobs=2).to_json()
     assert len(decoded) == 2 and spread == alone
 
@@ -167,19 +167,19 @@ def test_with_jobs_2_each_worker_merges_its_units_and_this_process_reads_one_sum
 def _hand_over_losing_the_first_unit():
     """A worker's hand-over as if it had been killed between two units: the summary holding the
     compare's first unit is gone (the other worker's is handed over)."""
-    from probe.parallel import workers
-
     held = workers._HELD
-    summary = _hand_over_losing_the_first_unit.original()
+    summary = _REAL_HAND_OVER()
     return None if held is not None and 0 in held.files else summary
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers must be forked to see the patch")
+#: taken when this module is imported: before the test patches it in a forked worker, and in a
+#: spawned one (which imports this module afresh and finds it unpatched)
+_REAL_HAND_OVER = workers._hand_over
+
+
 def test_a_worker_that_ends_without_handing_over_its_summary_is_an_error_not_a_smaller_report(runs, monkeypatch):
     from probe.errors import CompareError
-    from probe.parallel import workers
 
-    monkeypatch.setattr(_hand_over_losing_the_first_unit, "original", workers._hand_over, raising=False)
     monkeypatch.setattr(workers, "_hand_over", _hand_over_losing_the_first_unit)
     with pytest.raises(CompareError, match=r"pairs of step files were compared by a worker process that ended"):
         probe.compare(*runs[4], jobs=2)
