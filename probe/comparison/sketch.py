@@ -151,9 +151,15 @@ def rounding_floor(dtype_a: str, norm_a: float, dtype_b: str, norm_b: float, num
     """Largest ||y_a - y_b|| / sqrt(k) the sketches' own rounding can make (see module doc):
     the fold sums numel / (GROUPS * BLOCK) super-rows, the projection BLOCK values."""
     values = 2 * numel if dtype_a.startswith("complex") else numel  # (real, imag) pairs
+    return _floor(values, accumulation_eps(dtype_a), norm_a, accumulation_eps(dtype_b), norm_b)
+
+
+def _floor(values, eps_a, norm_a, eps_b, norm_b, sqrt=math.sqrt):
+    """rounding_floor of numbers, or of numpy columns with sqrt=np.sqrt (refine_many): one
+    formula, so both give the same bits."""
     supers = values / (GROUPS * BLOCK)
-    scale = FLOOR_FACTOR * (math.sqrt(BLOCK) + math.sqrt(supers))
-    return scale * (accumulation_eps(dtype_a) * abs(norm_a) + accumulation_eps(dtype_b) * abs(norm_b))
+    scale = FLOOR_FACTOR * (math.sqrt(BLOCK) + sqrt(supers))
+    return scale * (eps_a * abs(norm_a) + eps_b * abs(norm_b))
 
 
 @dataclass
@@ -180,10 +186,15 @@ class SketchEstimate:
         return f"estimated (sketch, k={self.k}, \u00b1{band_percent(self.k, self.confidence):.0f}%)"
 
     def to_dict(self) -> dict:
-        # by hand: dataclasses.asdict deep-copies every float, a tenth of a statistics compare
-        return {"k": self.k, "err_l2": self.err_l2, "rel_l2": self.rel_l2, "raw_err": self.raw_err,
-                "floor": self.floor, "low": self.low, "high": self.high, "confidence": self.confidence,
-                "within_floor": self.within_floor}
+        return _estimate_dict(self.k, self.err_l2, self.rel_l2, self.raw_err, self.floor, self.low, self.high,
+                              self.within_floor, self.confidence)
+
+
+def _estimate_dict(k, err_l2, rel_l2, raw_err, floor, low, high, within_floor, confidence=CONFIDENCE) -> dict:
+    """SketchEstimate.to_dict, also for refine_many's columns. By hand: dataclasses.asdict
+    deep-copies every float, a tenth of a statistics compare."""
+    return {"k": k, "err_l2": err_l2, "rel_l2": rel_l2, "raw_err": raw_err, "floor": floor, "low": low,
+            "high": high, "confidence": confidence, "within_floor": within_floor}
 
 
 def estimate(sketch_a, sketch_b, norm_a: float, norm_b: float, dtype_a: str, dtype_b: str,
@@ -276,8 +287,7 @@ def refine_many(found: list, dtypes_a: list, dtypes_b: list, raws: list) -> None
     with np.errstate(all="ignore"):
         norm_a = np.where(np.isfinite(norm_a), norm_a, 0.0)
         norm_b = np.where(np.isfinite(norm_b), norm_b, 0.0)
-        supers = np.where(complex_a, 2 * numel, numel) / (GROUPS * BLOCK)
-        floor = FLOOR_FACTOR * (math.sqrt(BLOCK) + np.sqrt(supers)) * (eps_a * np.abs(norm_a) + eps_b * np.abs(norm_b))
+        floor = _floor(np.where(complex_a, 2 * numel, numel), eps_a, norm_a, eps_b, norm_b, np.sqrt)
         within = raw <= floor
         err = np.where(within, 0.0, raw)
         rel = np.where(norm_a > 0, err / np.where(norm_a > 0, norm_a, 1.0), np.where(err == 0, 0.0, math.inf))
@@ -285,9 +295,9 @@ def refine_many(found: list, dtypes_a: list, dtypes_b: list, raws: list) -> None
     columns = zip(chosen, ks, err.tolist(), rel.tolist(), raw.tolist(), floor.tolist(), low.tolist(), high.tolist(),
                   within.tolist())
     for metrics, k, err_l2, rel_l2, raw_err, floor_k, low_k, high_k, no_more in columns:
-        metrics.sketch = {"k": k, "err_l2": err_l2, "rel_l2": rel_l2, "raw_err": raw_err, "floor": floor_k,
-                          "low": low_k, "high": high_k, "confidence": CONFIDENCE, "within_floor": no_more,
-                          "lower_bound": metrics.err_l2, "text": _estimate_text(k, no_more)}
+        data = metrics.sketch = _estimate_dict(k, err_l2, rel_l2, raw_err, floor_k, low_k, high_k, no_more)
+        data["lower_bound"] = metrics.err_l2
+        data["text"] = _estimate_text(k, no_more)
         if err_l2 > metrics.err_l2:
             metrics.err_l2 = err_l2
             metrics.rel_l2 = err_l2 / metrics.ref_norm if metrics.ref_norm > 0 else math.inf
