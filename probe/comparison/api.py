@@ -33,7 +33,7 @@ from probe.comparison import normalize
 from probe.comparison import result as R
 from probe.comparison.align import align
 from probe.comparison.assemble import (
-    DRIFTED, JUDGED, SETTLED, ChangeFold, FileFacts, KeptFile, Tally, finish, is_change, unpaired_fails,
+    DRIFTED, JUDGED, SETTLED, ChangeFold, FileFacts, KeptFile, Tally, finish, is_change, may_keep, unpaired_fails,
 )
 from probe.comparison.foreach_pairing import pair_foreach
 from probe.comparison.judge import judge
@@ -288,7 +288,7 @@ def _summarize_pair(partial: Partial, outcome, position: int, info: dict, strict
     partial.divergent = sorted(partial.divergent + [((position, number), row) for number, row in enumerate(rows)
                                                      if row.status == R.DIVERGED])[:MAX_DIVERGENT]
     fold_outcome(partial, outcome, position, zip(diverged, settled), entering)
-    if partial.cutoff is None or (not diverged, position) <= partial.cutoff:  # KeptFile.key; keep() drops the rest
+    if may_keep(partial.cutoff, KeptFile.key_of(position, bool(diverged))):  # made only where keep() would keep it
         partial.keep(KeptFile.of(position, bool(diverged), outcome))
     partial.prune()
 
@@ -374,7 +374,7 @@ class Partial:
     def keep(self, kept: KeptFile) -> None:
         """Keep a pair's rows while the rows kept stay within the budget, the pairs that
         diverged first, then by position; the first pair is always kept."""
-        if self.cutoff is not None and kept.key > self.cutoff:
+        if not may_keep(self.cutoff, kept.key):
             return
         self.kept = sorted(self.kept + [kept], key=lambda item: item.key)
         while self.budget is not None and len(self.kept) > 1 and sum(len(k.rows) for k in self.kept) > self.budget:

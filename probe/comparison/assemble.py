@@ -128,7 +128,17 @@ class KeptFile:
     def of(cls, position: int, diverged: bool, outcome: StepOutcome) -> "KeptFile":
         number = {id(row): index for index, row in enumerate(outcome.rows)}
         calls = [([number[id(r)] for r in rows], [number[id(r)] for r in forward]) for rows, forward in outcome.calls]
-        return cls((not diverged, position), outcome.rows, calls)
+        return cls(cls.key_of(position, diverged), outcome.rows, calls)
+
+    @staticmethod
+    def key_of(position: int, diverged: bool) -> tuple:
+        return not diverged, position
+
+
+def may_keep(cutoff: tuple | None, key: tuple) -> bool:
+    """Whether the rows of a pair with this KeptFile key may still be kept, the smallest key a
+    compare left out being cutoff (None: none yet): nothing after it is."""
+    return cutoff is None or key <= cutoff
 
 
 # ---------------------------------------------------------------------------- changes
