@@ -33,7 +33,7 @@ COMPARE_STAGES = [
     ("align", {"align", "foreach_pairing"}),
     ("measure", {"measure"}),
     ("judge", {"record_rules", "call_rules", "rounding", "judge"}),
-    ("result", {"story", "assemble"}),
+    ("result", {"story", "assemble", "summary"}),
     ("orchestration", {"api"}),
 ]
 
@@ -319,13 +319,14 @@ def test_no_stage_after_measure_reads_a_record_column(module):
 
 # ---------------------------------------------------------------------------- the figures a merge must keep
 
-#: how many modules the compare pipeline may have (probe/comparison/, its __init__ aside)
-COMPARISON_MODULES = 22
+#: how many modules the compare pipeline may have (probe/comparison/, its __init__ aside); 23
+#: since a unit's summary (summary.py) left api.py, which had held it beside the orchestration
+COMPARISON_MODULES = 23
 #: the longest a module of probe may be
 MODULE_LINES = 520
 
 
-def test_the_compare_pipeline_has_at_most_22_modules():
+def test_the_compare_pipeline_has_at_most_23_modules():
     modules = _modules()
     found = sorted(m for m in modules if m.startswith("probe.comparison.") and not modules[m].endswith("__init__.py"))
     assert len(found) <= COMPARISON_MODULES, f"{len(found)} modules: {found}"

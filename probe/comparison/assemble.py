@@ -4,7 +4,7 @@ A compare is a map over units (a pair of step files; a sharded step's pairs, eve
 its group) into small mergeable summaries, reduced into one result (docs/architecture.md,
 "Comparing step files in parallel"):
 
-* ``summarize_unit``: one unit's outcomes -> a ``Partial`` (result.py): the rules that need
+* ``summarize_unit``: one unit's outcomes -> a ``Partial`` (summary.py): the rules that need
   only the unit run on its rows (a shard that differs on entry on one rank; each pair's
   story candidates, drift facts and where a low-precision error may have entered), and the
   rows are reduced to what the report needs: counts, the op summaries folded into top-op

@@ -379,7 +379,10 @@ def add_summary(groups: dict, summary: OpSummary, ordinal: tuple, place: int) ->
 
 def merge_groups(groups: dict, other: dict) -> None:
     for key, group in other.items():
-        groups.setdefault(key, OpGroup(group.kind, group.module, group.phase)).merge(group)
+        mine = groups.get(key)
+        if mine is None:  # not setdefault: that would make a group for every key, held or not
+            mine = groups[key] = OpGroup(group.kind, group.module, group.phase)
+        mine.merge(group)
 
 
 def rank_top_ops(summaries: list[OpSummary], top: int) -> list[OpSummary]:

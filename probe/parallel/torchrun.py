@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 from probe.comparison.api import CompareJob, Context, run_units
-from probe.comparison.api import Partial
+from probe.comparison.summary import Partial
 from probe.errors import CompareError
 from probe.parallel import wire
 from probe.parallel.ctrl_c import RememberedCtrlC

@@ -1,4 +1,4 @@
-"""What the processes of a compare send each other: a unit's summary (comparison.result.Partial)
+"""What the processes of a compare send each other: a unit's summary (comparison.summary.Partial)
 and what a chain of units hands on (comparison.api.Chain), as bytes.
 
 A message is a pickle that only a restricted reader opens: its ``find_class`` makes the
@@ -31,7 +31,7 @@ import pickle
 from collections import Counter
 
 from probe.comparison.api import Chain
-from probe.comparison.api import Partial
+from probe.comparison.summary import Partial
 from probe.comparison.assemble import ChangeFold, FileFacts, KeptFile, Tally
 from probe.comparison.envelope import EnvelopeFold
 from probe.comparison.metrics import Metrics

@@ -1,7 +1,7 @@
 """``probe compare --jobs N``: a compare's units spread over N processes of this machine.
 
 A unit (a pair of step files; a sharded step's pairs, every rank of its group) is compared
-and reduced to its summary (comparison.api.Partial) in a worker process, which merges it into
+and reduced to its summary (comparison.summary.Partial) in a worker process, which merges it into
 the summary of every unit it compared so far. Units of one chain (a rank's steps: each hands on
 what A's step file carries, comparison/load.py UnitPlan.chains) run one after the other, the
 chain's state travelling with them through this process; chains run side by side, the longest
@@ -29,8 +29,8 @@ import sys
 import threading
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
-from probe.comparison.api import Partial
 from probe.comparison.load import collect_rarely
+from probe.comparison.summary import Partial
 from probe.errors import CompareError
 from probe.parallel import wire
 from probe.parallel.ctrl_c import RememberedCtrlC, ctrl_c_held
