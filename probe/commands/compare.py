@@ -173,7 +173,7 @@ def compare(a, b, as_json, json_rows, csv_path, html_path, rtol, atol, tol, tol_
     if as_json:
         from probe.report import json_report
 
-        click.echo(json_report.render(result, rows=json_rows), nl=False)
+        json_report.write(result, click.get_text_stream("stdout"), rows=json_rows)
     else:
         from probe.report import terminal
 

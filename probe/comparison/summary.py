@@ -183,10 +183,19 @@ class Partial:
         diverged first, then by position; the first pair is always kept."""
         if not may_keep(self.cutoff, kept.key):
             return
-        self.kept = sorted(self.kept + [kept], key=lambda item: item.key)
-        while self.budget is not None and len(self.kept) > 1 and sum(len(k.rows) for k in self.kept) > self.budget:
-            dropped = self.kept.pop()
-            self.cutoff = dropped.key if self.cutoff is None else min(self.cutoff, dropped.key)
+        self.kept, self.cutoff = within_budget(self.kept + [kept], self.budget, self.cutoff)
+
+    def kept_sizes(self) -> list:
+        """(key, rows) of each pair whose rows this summary keeps: all another process needs to
+        tell which of them the merged summary will keep (kept_cutoff)."""
+        return [(kept.key, len(kept.rows)) for kept in self.kept]
+
+    def leave_out_from(self, cutoff: tuple | None) -> None:
+        """Drop the kept pairs from key cutoff on (kept_cutoff: the merged summary would drop
+        them), so that a process hands over only rows the report can keep."""
+        if cutoff is not None:
+            self.kept = [kept for kept in self.kept if kept.key < cutoff]
+            self.cutoff = _least(self.cutoff, cutoff)
 
     def merge(self, other: "Partial") -> "Partial":
         self.budget = other.budget if self.budget is None else self.budget
@@ -307,6 +316,30 @@ class Partial:
             rows += kept.rows
             calls += [([kept.rows[n] for n in numbers], [kept.rows[n] for n in forward]) for numbers, forward in kept.calls]
         return rows, calls
+
+
+class _Sized:
+    """A kept pair as kept_sizes() tells it: its key and how many rows it holds."""
+
+    def __init__(self, key: tuple, rows: int):
+        self.key, self.rows = key, range(rows)
+
+
+def within_budget(kept: list, budget: int | None, cutoff: tuple | None) -> tuple[list, tuple | None]:
+    """Partial.keep's rule over kept pairs (anything with a key and rows): by key, the last
+    dropped while more than one is left and their rows exceed budget; (those kept, the smallest
+    key left out)."""
+    kept = sorted(kept, key=lambda item: item.key)
+    while budget is not None and len(kept) > 1 and sum(len(k.rows) for k in kept) > budget:
+        cutoff = _least(cutoff, kept.pop().key)
+    return kept, cutoff
+
+
+def kept_cutoff(sizes: list, budget: int | None, cutoff: tuple | None) -> tuple | None:
+    """The smallest key the merge of summaries leaves out, from their kept_sizes() (all of them
+    together) and the smallest key any of them left out (cutoff)."""
+    _, cutoff = within_budget([_Sized(key, rows) for key, rows in sizes if may_keep(cutoff, key)], budget, cutoff)
+    return cutoff
 
 
 def _least(known, other):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 from probe.comparison.api import CompareJob, Context, run_units
-from probe.comparison.summary import Partial
+from probe.comparison.summary import Partial, kept_cutoff
 from probe.errors import CompareError
 from probe.parallel import wire
 from probe.parallel.ctrl_c import RememberedCtrlC
@@ -75,26 +75,57 @@ class TorchrunRunner:
         return self._gather(run_units(job, context, report, numbers))
 
     def _gather(self, partial: Partial) -> Partial | None:
-        """Every process's Partial merged on rank 0, one message at a time."""
+        """Every process's Partial merged on rank 0, one message at a time. Each first leaves
+        out the kept rows the merge would drop (summary.kept_cutoff): every process keeps its
+        first pair, and rank 0 would decode a pair's rows a process to keep one of them."""
         import torch
         import torch.distributed as dist
 
+        told = wire.encode((partial.kept_sizes(), partial.cutoff))
         if self.rank != 0:
-            payload = wire.encode(partial)
-            dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=0)
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0)
-            return None
-        for rank in range(1, self.world):
+            self._send(told)
             size = torch.zeros(1, dtype=torch.int64)
-            try:
-                dist.recv(size, src=rank)
-                payload = torch.empty(int(size.item()), dtype=torch.uint8)
-                dist.recv(payload, src=rank)
-            except RuntimeError as error:  # gloo: the peer's connection closed
-                raise CompareError(f"compare process {rank} of {self.world} stopped before sending its summary "
-                                   f"({' '.join(str(error).split())[:200]}); its own output says why") from None
-            partial.merge(wire.decode(payload.numpy().tobytes()))
+            dist.broadcast(size, src=0)
+            left_out = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(left_out, src=0)
+            partial.leave_out_from(wire.decode(left_out.numpy().tobytes()))
+            self._send(wire.encode(partial))
+            return None
+        sizes, cutoff = [], partial.cutoff
+        for found, their_cutoff in [wire.decode(told)] + [wire.decode(self._receive(rank))
+                                                         for rank in range(1, self.world)]:
+            sizes += found
+            cutoff = their_cutoff if cutoff is None else cutoff if their_cutoff is None else min(cutoff, their_cutoff)
+        left_out = kept_cutoff(sizes, partial.budget, cutoff)
+        payload = wire.encode(left_out)
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+        partial.leave_out_from(left_out)
+        for rank in range(1, self.world):
+            partial.merge(wire.decode(self._receive(rank)))
         return partial
+
+    def _send(self, payload: bytes) -> None:
+        import torch
+        import torch.distributed as dist
+
+        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=0)
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0)
+
+    def _receive(self, rank: int) -> bytes:
+        """On rank 0: the next message of process rank."""
+        import torch
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.int64)
+        try:
+            dist.recv(size, src=rank)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(payload, src=rank)
+        except RuntimeError as error:  # gloo: the peer's connection closed
+            raise CompareError(f"compare process {rank} of {self.world} stopped before sending its summary "
+                               f"({' '.join(str(error).split())[:200]}); its own output says why") from None
+        return payload.numpy().tobytes()
 
     def share_exit(self, code: int | None) -> int:
         """Rank 0's exit code, on every process; the process group ends here."""

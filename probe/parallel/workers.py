@@ -30,7 +30,7 @@ import threading
 
 from probe.comparison.api import Chain, CompareJob, Context, compare_unit, run_units
 from probe.comparison.load import collect_rarely
-from probe.comparison.summary import Partial
+from probe.comparison.summary import Partial, kept_cutoff
 from probe.errors import CompareError
 from probe.parallel import wire
 from probe.parallel.ctrl_c import RememberedCtrlC, ctrl_c_held
@@ -89,6 +89,7 @@ class LocalRunner:
         waiting = list(range(len(chains)))  # chains not started, longest first
         read = 0
         cutoff = [None]  # the smallest key a worker's summary left out: none after it is kept (Partial.keep)
+        kept = {}  # worker's pid -> the kept_sizes() of its summary, as of its last unit
 
         def submit(chain: int, step: int, state: bytes | None) -> None:
             pool.apply_async(_compare, (units[chains[chain][step]], state, cutoff[0]),
@@ -111,9 +112,10 @@ class LocalRunner:
                     continue
                 if error is not None:
                     raise error
-                state, unit_read, kept_to = answer
+                state, unit_read, kept_to, (worker, sizes) = answer
                 if kept_to is not None:
                     cutoff[0] = kept_to if cutoff[0] is None else min(cutoff[0], kept_to)
+                kept[worker] = sizes
                 self.done += 1
                 read += unit_read
                 if progress is not None:
@@ -122,7 +124,10 @@ class LocalRunner:
                     submit(chain, step + 1, state)
                 elif waiting:
                     submit(waiting.pop(0), 0, None)
-            handed = [pool.apply_async(_hand_over) for _ in range(workers)]
+            # each worker drops the kept rows the merge would drop: every one keeps its first pair,
+            # and this process would decode a pair's rows a worker to keep one of them
+            left_out = kept_cutoff([size for sizes in kept.values() for size in sizes], job.keep_rows, cutoff[0])
+            handed = [pool.apply_async(_hand_over, (left_out,)) for _ in range(workers)]
             for answer in handed:
                 while not answer.ready():
                     ctrl_c.check()
@@ -163,21 +168,25 @@ def _start_worker(job: CompareJob, barrier) -> None:
     _BARRIER = barrier
 
 
-def _compare(unit: list, state: bytes | None, cutoff) -> tuple[bytes, int, tuple | None]:
+def _compare(unit: list, state: bytes | None, cutoff) -> tuple[bytes, int, tuple | None, tuple]:
     """One unit in a worker, merged into what it compared before: (its chain's state after it,
-    tensor bytes read, the smallest key this worker's summary left out so far)."""
+    tensor bytes read, the smallest key this worker's summary left out so far, (this worker's
+    pid, the kept_sizes() of its summary))."""
     global _HELD
     chain = wire.decode(state) if state is not None else Chain()
     partial, read = compare_unit(_CONTEXT, unit, chain, None, cutoff)
     _HELD = partial if _HELD is None else _HELD.merge(partial)
-    return wire.encode(chain), read, _HELD.cutoff
+    return wire.encode(chain), read, _HELD.cutoff, (os.getpid(), _HELD.kept_sizes())
 
 
-def _hand_over() -> bytes | None:
-    """This worker's summary (None: it compared nothing), once. Every worker waits at the barrier
-    before answering, so that each takes exactly one of the pool's hand-over tasks."""
+def _hand_over(left_out: tuple | None) -> bytes | None:
+    """This worker's summary (None: it compared nothing), once, without the kept pairs from key
+    left_out on (summary.kept_cutoff). Every worker waits at the barrier before answering, so
+    that each takes exactly one of the pool's hand-over tasks."""
     global _HELD
     held, _HELD = _HELD, None
+    if held is not None:
+        held.leave_out_from(left_out)
     try:
         _BARRIER.wait(timeout=_HAND_OVER_S)
     except threading.BrokenBarrierError:

@@ -45,3 +45,26 @@ def _add_replay(result: R.CompareResult, data: dict) -> None:
 def render(result: R.CompareResult, rows: bool = False) -> str:
     """The JSON text, one object, newline-terminated."""
     return json.dumps(to_dict(result, rows=rows), indent=2, allow_nan=False) + "\n"
+
+
+#: characters of JSON text gathered before a write (write())
+_BATCH = 1 << 16
+
+
+def write(result: R.CompareResult, stream, rows: bool = False) -> None:
+    """render()'s text written to stream as it is made. An indented dump is made by the pure
+    Python encoder, piece by piece, and json.dumps holds every piece before joining them: 26 MB
+    at its peak for the 2.4 MB report of 2,048 rank files, which grows with the rank files
+    while the compare's own memory does not. A strict-JSON check first (json's C encoder, one
+    pass, compact) keeps the promise that nothing is written for a report holding NaN."""
+    data = to_dict(result, rows=rows)
+    json.dumps(data, allow_nan=False)
+    pieces, size = [], 0
+    for piece in json.JSONEncoder(indent=2, allow_nan=False).iterencode(data):
+        pieces.append(piece)
+        size += len(piece)
+        if size >= _BATCH:
+            stream.write("".join(pieces))
+            pieces, size = [], 0
+    stream.write("".join(pieces) + "\n")
+    stream.flush()

@@ -198,11 +198,28 @@ def test_with_jobs_2_each_worker_merges_its_units_and_this_process_reads_one_sum
     assert len(decoded) == 2 and spread == alone
 
 
-def _hand_over_losing_the_first_unit():
+@pytest.mark.parametrize("keep_rows", [0, 1500, None])  # a pair holds 492 rows
+def test_with_jobs_2_this_process_decodes_only_the_kept_rows_the_report_keeps(runs, monkeypatch, keep_rows):
+    """Every worker keeps its first pair's rows (it cannot know another holds an earlier one);
+    each leaves out, before handing its summary over, the pairs the merge would drop: the
+    command decodes the rows of the kept pairs once, and the report is --jobs 1's."""
+    from probe.parallel import wire
+
+    decoded = []
+    decode = wire.decode
+    monkeypatch.setattr(wire, "decode", lambda data: decoded.append(decode(data)) or decoded[-1])
+    alone = probe.compare(*runs[4], jobs=1, keep_rows=keep_rows)
+    decoded.clear()
+    spread = probe.compare(*runs[4], jobs=2, keep_rows=keep_rows)
+    rows = sum(len(kept.rows) for summary in decoded if isinstance(summary, Partial) for kept in summary.kept)
+    assert rows == len(spread.rows) == len(alone.rows) > 0 and spread.to_json() == alone.to_json()
+
+
+def _hand_over_losing_the_first_unit(left_out):
     """A worker's hand-over as if it had been killed between two units: the summary holding the
     compare's first unit is gone (the other worker's is handed over)."""
     held = workers._HELD
-    summary = _REAL_HAND_OVER()
+    summary = _REAL_HAND_OVER(left_out)
     return None if held is not None and 0 in held.files else summary
 
 

@@ -64,6 +64,38 @@ def test_json_is_strict_and_carries_the_contract(diverged):
     assert "rows" not in data and "rows" in json_report.to_dict(diverged, rows=True)
 
 
+class _Writes(io.StringIO):
+    """A stream that keeps the size of each write."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def write(self, text):
+        self.sizes.append(len(text))
+        return super().write(text)
+
+
+def test_json_written_as_it_is_made_is_the_rendered_text_in_pieces_of_at_most_a_batch(diverged, monkeypatch):
+    """--json writes its text in batches as the encoder makes it, never holding every piece of a
+    large report at once, and the text is render()'s, byte for byte."""
+    monkeypatch.setattr(json_report, "_BATCH", 256)
+    stream = _Writes()
+    json_report.write(diverged, stream, rows=True)
+    assert stream.getvalue() == json_report.render(diverged, rows=True)
+    assert len(stream.sizes) > 10 and max(stream.sizes) < 256 + 200, stream.sizes
+
+
+def test_json_with_a_nan_that_escaped_sanitizing_writes_nothing_and_raises(diverged, monkeypatch):
+    """Strict JSON or nothing: the check runs before the first byte is written."""
+    monkeypatch.setattr(json_report, "_BATCH", 256)  # the NaN comes after a batch's worth of text
+    monkeypatch.setattr(json_report, "to_dict", lambda result, rows=False: {"notes": ["a note"] * 100, "gap": math.nan})
+    stream = _Writes()
+    with pytest.raises(ValueError):
+        json_report.write(diverged, stream)
+    assert stream.getvalue() == ""
+
+
 @pytest.fixture()
 def transposed():
     """Checksum evidence, a transposed square weight: statistics agree, the bytes do not."""
