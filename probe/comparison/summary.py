@@ -210,8 +210,7 @@ class Partial:
         self.entered.update(other.entered)
         self.changes.merge(other.changes)
         self.divergent = sorted(self.divergent + other.divergent, key=lambda item: item[0])[:MAX_DIVERGENT]
-        if other.cutoff is not None:
-            self.cutoff = other.cutoff if self.cutoff is None else min(self.cutoff, other.cutoff)
+        self.cutoff = _least(self.cutoff, other.cutoff)
         self.kept = [kept for kept in self.kept if self.cutoff is None or kept.key < self.cutoff]
         for kept in other.kept:
             self.keep(kept)
@@ -335,9 +334,10 @@ def within_budget(kept: list, budget: int | None, cutoff: tuple | None) -> tuple
     return kept, cutoff
 
 
-def kept_cutoff(sizes: list, budget: int | None, cutoff: tuple | None) -> tuple | None:
+def kept_cutoff(sizes: list, budget: int | None, *cutoffs) -> tuple | None:
     """The smallest key the merge of summaries leaves out, from their kept_sizes() (all of them
-    together) and the smallest key any of them left out (cutoff)."""
+    together) and the keys they left out (Partial.cutoff: each a key or None)."""
+    cutoff = min((found for found in cutoffs if found is not None), default=None)
     _, cutoff = within_budget([_Sized(key, rows) for key, rows in sizes if may_keep(cutoff, key)], budget, cutoff)
     return cutoff
 

@@ -91,12 +91,9 @@ class TorchrunRunner:
             partial.leave_out_from(wire.decode(left_out.numpy().tobytes()))
             self._send(wire.encode(partial))
             return None
-        sizes, cutoff = [], partial.cutoff
-        for found, their_cutoff in [wire.decode(told)] + [wire.decode(self._receive(rank))
-                                                         for rank in range(1, self.world)]:
-            sizes += found
-            cutoff = their_cutoff if cutoff is None else cutoff if their_cutoff is None else min(cutoff, their_cutoff)
-        left_out = kept_cutoff(sizes, partial.budget, cutoff)
+        everyone = [wire.decode(told)] + [wire.decode(self._receive(rank)) for rank in range(1, self.world)]
+        left_out = kept_cutoff([size for sizes, _ in everyone for size in sizes], partial.budget,
+                               *(cutoff for _, cutoff in everyone))
         payload = wire.encode(left_out)
         dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0)
         dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
