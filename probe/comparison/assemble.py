@@ -96,9 +96,10 @@ class Tally:
 # ---------------------------------------------------------------------------- one unit
 
 
-@dataclass
+@dataclass(slots=True)
 class FileFacts:
-    """What the rules over every step file need of one compared pair of step files."""
+    """What the rules over every step file need of one compared pair of step files. One is held
+    per step file until the report is made: slots, not a dict (4.1 to 3.3 KB each)."""
 
     position: int  # its place in the compare's pairs, (step, rank) order
     info: dict  # its steps_info entry: step, rank, step_b, rank_b, file_a, file_b, verdict, counts
