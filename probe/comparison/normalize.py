@@ -87,7 +87,7 @@ from collections import defaultdict
 from probe.comparison.ops import REDUCE_SCATTER, is_foreach, op_name
 from probe.comparison.records import (
     Call, NameMapping,
-    LOCAL_GRAD, Records, build_calls, module_within, parameter_blocks,
+    LOCAL_GRAD, PARAMETER_SLOTS, Records, build_calls, module_within, param_name, parameter_blocks,
 )
 from probe.comparison.structs import NormalizedStep, Side
 from probe.dump.schema import make_key
@@ -378,12 +378,9 @@ def _parameter_prints(records: Records) -> dict:
     prints = records.prints(one_element=True)
     names: dict = defaultdict(set)
     for row, slot in enumerate(cols["slot"]):
-        if not slot.startswith(("param.", "param_grad.")):  # is_param_slot, or a parameter's gradient
+        if not slot.startswith(PARAMETER_SLOTS):
             continue
         mark = prints[row]
-        if mark is None:
-            continue
-        name = slot.split(".", 1)[1]
-        module = cols["module"][row]
-        names[mark].add(f"{module}.{name}" if module else name)
+        if mark is not None:
+            names[mark].add(param_name(cols["module"][row], slot))
     return names

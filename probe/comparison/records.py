@@ -106,6 +106,10 @@ def slot_io(slot: str) -> str:
     return "in" if slot.startswith(_IN_PREFIXES) else "out"
 
 
+#: the slots of a parameter (a module's param.*) and of its gradient (param_grad.*)
+PARAMETER_SLOTS = ("param.", "param_grad.")
+
+
 def is_param_slot(slot: str) -> bool:
     return slot.startswith("param.")
 
@@ -128,7 +132,7 @@ def _parse_shape_text(text) -> tuple:
 
 def param_name(module: str, slot: str) -> str:
     """fc1.weight: the parameter a module's param.* or param_grad.* slot holds."""
-    name = slot.split(".", 1)[1] if slot.startswith(("param.", "param_grad.")) else slot
+    name = slot.split(".", 1)[1] if slot.startswith(PARAMETER_SLOTS) else slot
     return f"{module}.{name}" if module else name
 
 

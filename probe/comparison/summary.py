@@ -210,8 +210,7 @@ class Partial:
         self.entered.update(other.entered)
         self.changes.merge(other.changes)
         self.divergent = sorted(self.divergent + other.divergent, key=lambda item: item[0])[:MAX_DIVERGENT]
-        self.cutoff = _least(self.cutoff, other.cutoff)
-        self.kept = [kept for kept in self.kept if self.cutoff is None or kept.key < self.cutoff]
+        self.leave_out_from(_least(self.cutoff, other.cutoff))
         for kept in other.kept:
             self.keep(kept)
         self.head = self.head if self.head is not None else other.head

@@ -78,25 +78,16 @@ class TorchrunRunner:
         """Every process's Partial merged on rank 0, one message at a time. Each first leaves
         out the kept rows the merge would drop (summary.kept_cutoff): every process keeps its
         first pair, and rank 0 would decode a pair's rows a process to keep one of them."""
-        import torch
-        import torch.distributed as dist
-
         told = wire.encode((partial.kept_sizes(), partial.cutoff))
         if self.rank != 0:
             self._send(told)
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.broadcast(size, src=0)
-            left_out = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.broadcast(left_out, src=0)
-            partial.leave_out_from(wire.decode(left_out.numpy().tobytes()))
+            partial.leave_out_from(wire.decode(self._broadcast(None)))
             self._send(wire.encode(partial))
             return None
         everyone = [wire.decode(told)] + [wire.decode(self._receive(rank)) for rank in range(1, self.world)]
         left_out = kept_cutoff([size for sizes, _ in everyone for size in sizes], partial.budget,
                                *(cutoff for _, cutoff in everyone))
-        payload = wire.encode(left_out)
-        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+        self._broadcast(wire.encode(left_out))
         partial.leave_out_from(left_out)
         for rank in range(1, self.world):
             partial.merge(wire.decode(self._receive(rank)))
@@ -108,6 +99,18 @@ class TorchrunRunner:
 
         dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=0)
         dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0)
+
+    def _broadcast(self, payload: bytes | None) -> bytes:
+        """Rank 0's payload, on every process (the others pass None)."""
+        import torch
+        import torch.distributed as dist
+
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
+                else torch.empty(int(size.item()), dtype=torch.uint8))
+        dist.broadcast(data, src=0)
+        return data.numpy().tobytes()
 
     def _receive(self, rank: int) -> bytes:
         """On rank 0: the next message of process rank."""

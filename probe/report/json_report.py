@@ -44,9 +44,11 @@ def _add_replay(result: R.CompareResult, data: dict) -> None:
 
 def render(result: R.CompareResult, rows: bool = False) -> str:
     """The JSON text, one object, newline-terminated."""
-    return json.dumps(to_dict(result, rows=rows), indent=2, allow_nan=False) + "\n"
+    return _ENCODER.encode(to_dict(result, rows=rows)) + "\n"
 
 
+#: strict JSON (no NaN/Infinity), indented: render() and write() make the same text
+_ENCODER = json.JSONEncoder(indent=2, allow_nan=False)
 #: characters of JSON text gathered before a write (write())
 _BATCH = 1 << 16
 
@@ -61,7 +63,7 @@ def write(result: R.CompareResult, stream, rows: bool = False) -> None:
     data = to_dict(result, rows=rows)
     json.dumps(data, allow_nan=False)
     pieces, size = [], 0
-    for piece in json.JSONEncoder(indent=2, allow_nan=False).iterencode(data):
+    for piece in _ENCODER.iterencode(data):
         pieces.append(piece)
         size += len(piece)
         if size >= _BATCH:
